@@ -1,0 +1,1 @@
+"""loraplex adapters package."""

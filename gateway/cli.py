@@ -1,0 +1,55 @@
+"""The ``loraplex`` command line.
+
+Subcommands register here as their parts land (CONTRACT.md lists the full set: ``serve``,
+``generate``, ``tenants``, ``keys``, ``db``, ``model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+
+def _version() -> str:
+    try:
+        return version("loraplex")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        return "0+unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the top-level argument parser.
+
+    Returns:
+        The parser; each subcommand sets ``func`` on the namespace it parses.
+    """
+    parser = argparse.ArgumentParser(
+        prog="loraplex",
+        description="Multi-tenant LoRA and multimodal LLM serving over a paged KV cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"loraplex {_version()}")
+    parser.add_subparsers(dest="command", metavar="COMMAND")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI.
+
+    Args:
+        argv: Arguments without the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The process exit status (0 on success, 2 on a usage error).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stdout)
+        return 0
+    return int(func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,210 @@
+"""The block hash: the identity of one full KV block for automatic prefix caching.
+
+A block's hash covers its parent's hash (so, through the chain, every token before it), its own
+token ids and its *extra keys* (the LoRA adapter, the images overlapping it, the cache salt).
+Two blocks with equal hashes hold the same KV, so the block pool may share them (vLLM's
+"Automatic Prefix Caching" design: ``hash(prefix tokens + block tokens) <-> KV block``).
+
+Canonical serialization (msgpack, never pickle), a fixed-length array of three items::
+
+    [parent_hash: bin, token_ids: bin (uint32 little-endian, 4 bytes a token), extra_keys: array]
+
+``extra_keys`` is a tuple of tagged tuples (see ``hashing.extra_keys``), packed by msgpack with
+tuples as arrays, ``str`` as str and ``bytes`` as bin. The bytes of this encoding are fixed by the
+msgpack spec, so hashes agree across processes, machines and restarts. The first block's parent
+is :func:`seed_hash` of the algorithm, a constant.
+
+Algorithms: ``"sha256"`` (default, 32-byte digests, collision resistant: a tenant cannot craft
+a prompt whose block collides with another's) and ``"xxhash"`` (xxh3-128, 16-byte digests,
+faster, not collision resistant).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from functools import cache
+from typing import Literal
+
+import msgpack
+import xxhash
+
+HashAlgorithm = Literal["sha256", "xxhash"]
+"""Name of a block hash algorithm, as ``--prefix-hash`` takes it."""
+
+BlockHash = bytes
+"""A block hash: 32 bytes (SHA-256) or 16 bytes (xxh3-128)."""
+
+ExtraKeys = tuple[tuple, ...]
+"""Tagged tuples such as ``("lora", digest)``; see ``hashing.extra_keys``."""
+
+_SEED_MESSAGE = b"loraplex/block-hash/v1"
+_TOKEN_ID_LIMIT = 1 << 32
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+_DIGESTS: dict[str, Callable[[bytes], bytes]] = {
+    "sha256": _sha256,
+    "xxhash": xxhash.xxh3_128_digest,
+}
+
+
+def digest_function(algorithm: HashAlgorithm) -> Callable[[bytes], bytes]:
+    """Return the raw digest function of ``algorithm``: ``bytes -> bytes``.
+
+    Raises:
+        ValueError: ``algorithm`` is not ``"sha256"`` or ``"xxhash"``.
+    """
+    try:
+        return _DIGESTS[algorithm]
+    except KeyError:
+        raise ValueError(
+            f"unknown prefix hash algorithm {algorithm!r}; expected 'sha256' or 'xxhash'"
+        ) from None
+
+
+@cache
+def seed_hash(algorithm: HashAlgorithm = "sha256") -> BlockHash:
+    """The fixed parent hash of a request's first block (the same in every process).
+
+    Returns:
+        ``digest(b"loraplex/block-hash/v1")``: 32 bytes for SHA-256, 16 for xxh3-128.
+    """
+    return digest_function(algorithm)(_SEED_MESSAGE)
+
+
+def pack_token_ids(token_ids: Iterable[int]) -> bytes:
+    """Pack token ids as little-endian uint32, the token field of the canonical encoding.
+
+    Args:
+        token_ids: Ints in ``[0, 2**32)``.
+
+    Returns:
+        ``4 * len(token_ids)`` bytes.
+
+    Raises:
+        ValueError: a token id is negative, too large or not an int.
+    """
+    try:
+        packed = array("I", token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
+    if packed.itemsize != 4:  # pragma: no cover - no CPython platform we support
+        packed = array("L", packed)
+    if sys.byteorder == "big":  # pragma: no cover - little-endian on every supported platform
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def encode_extra_keys(extra_keys: Sequence[tuple]) -> bytes:
+    """Canonical msgpack encoding of a tuple of extra keys (an array of arrays).
+
+    Raises:
+        ValueError: an extra key holds a value msgpack cannot encode canonically.
+    """
+    try:
+        return msgpack.packb(tuple(extra_keys), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"extra keys must hold only str, bytes, int or bool: {exc}") from None
+
+
+def encode_block(parent_hash: bytes, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> bytes:
+    """The canonical byte string that :func:`hash_block` digests (msgpack, see module doc).
+
+    Raises:
+        ValueError: a token id is out of range or an extra key is not encodable.
+    """
+    try:
+        return msgpack.packb(
+            (bytes(parent_hash), pack_token_ids(token_ids), tuple(extra_keys)), use_bin_type=True
+        )
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"extra keys must hold only str, bytes, int or bool: {exc}") from None
+
+
+def hash_block(
+    parent_hash: bytes | None,
+    token_ids: Sequence[int],
+    extra_keys: ExtraKeys = (),
+    algorithm: HashAlgorithm = "sha256",
+) -> BlockHash:
+    """Hash one full block.
+
+    Args:
+        parent_hash: The previous block's hash, or None for a request's first block (then the
+            algorithm's :func:`seed_hash` is used).
+        token_ids: The block's token ids, ``block_size`` ints in ``[0, 2**32)``.
+        extra_keys: Tagged tuples that change what the block holds (adapter, images, salt).
+        algorithm: ``"sha256"`` or ``"xxhash"``.
+
+    Returns:
+        The digest of :func:`encode_block`: 32 bytes (SHA-256) or 16 bytes (xxh3-128).
+
+    Raises:
+        ValueError: unknown algorithm, a token id out of range, an unencodable extra key.
+    """
+    digest = digest_function(algorithm)
+    parent = seed_hash(algorithm) if parent_hash is None else parent_hash
+    return digest(encode_block(parent, token_ids, extra_keys))
+
+
+class BlockEncoder:
+    """Builds :func:`encode_block`'s bytes from pre-packed tokens without re-running msgpack.
+
+    The request block hasher calls this once per full block on its hot path; the bytes are the
+    same as ``encode_block`` gives (asserted in the tests), only the msgpack headers are
+    precomputed for a fixed block size and digest length.
+
+    Args:
+        block_size: Tokens in a block.
+        algorithm: The hash algorithm (fixes the parent hash length).
+
+    Attributes:
+        algorithm: The hash algorithm's name.
+        digest: The raw digest function.
+        block_bytes: Packed bytes of one block's tokens (``4 * block_size``).
+        seed: The first block's parent hash.
+
+    Raises:
+        ValueError: ``block_size`` is not positive or ``algorithm`` is unknown.
+    """
+
+    __slots__ = ("_prefix", "_middle", "algorithm", "digest", "block_bytes", "seed")
+
+    def __init__(self, block_size: int, algorithm: HashAlgorithm = "sha256") -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.algorithm = algorithm
+        self.digest = digest_function(algorithm)
+        self.seed = seed_hash(algorithm)
+        parent_len = len(self.seed)
+        self.block_bytes = 4 * block_size
+        # fixarray(3) + bin header of the parent; the bin header of the tokens.
+        self._prefix = b"\x93" + _bin_header(parent_len)
+        self._middle = _bin_header(self.block_bytes)
+
+    def hash(self, parent: bytes, packed_tokens: bytes, encoded_extra: bytes) -> BlockHash:
+        """Digest one block from its parent, ``pack_token_ids`` bytes and encoded extra keys."""
+        return self.digest(
+            b"".join((self._prefix, parent, self._middle, packed_tokens, encoded_extra))
+        )
+
+    def template(self, encoded_extra: bytes) -> bytes:
+        """A ``%``-format template of the block encoding for fixed extra keys.
+
+        ``template % (parent, packed_tokens)`` equals the bytes :meth:`hash` digests; the
+        constant parts are ``%``-escaped.
+        """
+        return b"%b".join(
+            part.replace(b"%", b"%%") for part in (self._prefix, self._middle, encoded_extra)
+        )
+
+
+def _bin_header(length: int) -> bytes:
+    """The msgpack bin-family header for a payload of ``length`` bytes."""
+    return msgpack.packb(b"\0" * length, use_bin_type=True)[:-length]

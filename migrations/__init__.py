@@ -1,0 +1,1 @@
+"""Alembic environment and revisions for the usage database (shipped with the distribution)."""
