@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.<name> [--quick]`; a table, then a JSON line of figures."""

@@ -128,6 +128,15 @@ class RequestBlockHasher:
             placeholders=self._placeholders,
         )
 
+    def fork(self) -> RequestBlockHasher:
+        """A copy that continues independently (the hasher of a forked sequence, n > 1)."""
+        child = object.__new__(RequestBlockHasher)
+        for name in self.__slots__:
+            setattr(child, name, getattr(self, name))
+        child.block_hashes = list(self.block_hashes)
+        child._tokens = bytearray(self._tokens)
+        return child
+
     def extend(self, token_ids: Iterable[int]) -> list[BlockHash]:
         """Append token ids and hash every block they complete.
 

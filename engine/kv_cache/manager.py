@@ -202,9 +202,13 @@ class KVCacheManager:
             idx = num_computed_tokens // bs
             if idx < len(held) and held[idx].ref_cnt > 1:
                 cow_index = idx
-        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        if num_fresh + (cow_index >= 0) > self.pool.num_free - revived:
-            return None
+        needed = num_fresh + (cow_index >= 0)
+        # Hit blocks with ref count 0 sit in the free queue: reviving them uses free blocks.
+        # Count them only when the bound that assumes all are free does not already fit.
+        if needed > self.pool.num_free - len(hit_blocks):
+            revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+            if needed > self.pool.num_free - revived:
+                return None
 
         pool = self.pool
         if state is None:
@@ -215,7 +219,7 @@ class KVCacheManager:
             pool.touch(hit_blocks)
             held.extend(hit_blocks)
             state.num_cached_blocks = len(hit_blocks)
-            result.new_block_ids.extend(b.block_id for b in hit_blocks)
+            result.new_block_ids.extend([b.block_id for b in hit_blocks])
         if prefix is not None and self.enable_caching:
             self.stats.record(prefix.num_queried_tokens, prefix.num_cached_tokens, stat_sources)
         if cow_index >= 0:
