@@ -1,0 +1,94 @@
+"""The attention backend interface and its plain-torch implementation.
+
+A backend does two things per layer and step: write the new K/V into the paged caches through
+the slot mapping, then attend each sequence's queries over its whole context through its block
+table. There is no contiguous per-request KV anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_ref
+
+
+class AttentionBackend(Protocol):
+    """One attention implementation over block tables (``torch`` now; ``triton`` drops in)."""
+
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Write K/V, then attend.
+
+        Args:
+            query: ``[T, num_heads, head_dim]``.
+            key: ``[T, num_kv_heads, head_dim]`` this step's keys (after RoPE).
+            value: ``[T, num_kv_heads, head_dim]``.
+            key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` of this layer.
+            value_cache: same shape.
+            meta: The step's metadata.
+            scale: Softmax scale.
+            sliding_window: Mistral-style window, None for full attention.
+
+        Returns:
+            ``[T, num_heads, head_dim]`` in ``query``'s dtype.
+        """
+        ...
+
+
+class TorchAttentionBackend:
+    """Plain-torch reference backend (the CPU default): ``kernels.paged_attention_ref``."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`."""
+        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
+        return paged_attention_ref(
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            sliding_window=sliding_window,
+        )
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """The backend called ``name``.
+
+    Raises:
+        ValueError: an unknown name, or ``"triton"`` before the kernels issue lands.
+    """
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        raise ValueError("the triton attention backend is not available yet; use 'torch'")
+    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")

@@ -1,0 +1,108 @@
+"""The engine's frozen configuration (CONTRACT.md's engine flags, one field each)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Device = Literal["cpu", "cuda"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine is built from; only the top (``LLM``/``AsyncLLM``) takes it whole.
+
+    A value known only at run time (the model's max length, the pool size from a memory budget)
+    makes a new config with :meth:`replace`, never a mutation.
+
+    Attributes:
+        model: Hugging Face model directory (config.json, *.safetensors, tokenizer files).
+        served_model_name: Name clients use for the base model; the directory name when None.
+        device: ``"cpu"`` or ``"cuda"``.
+        dtype: Weights and activations: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        seed: Seed of the engine's default sampling generator.
+        block_size: Tokens per KV block.
+        num_kv_blocks: Blocks in the pool; None to size it from ``kv_cache_memory_bytes``.
+        kv_cache_memory_bytes: Memory budget for K and V of all layers when ``num_kv_blocks``
+            is None.
+        max_model_len: Longest prompt + output, in tokens; None for the model's own limit.
+        max_num_seqs: Most sequences in one step.
+        max_num_batched_tokens: Token budget of one step (prefill chunks + decodes).
+        enable_prefix_caching: Automatic prefix caching.
+        prefix_hash: Block hash algorithm, ``"sha256"`` or ``"xxhash"``.
+        mm_hash: Image key mode, ``"perceptual"`` or ``"exact"``.
+        max_loras: Device LoRA slots (a step never holds more distinct adapters).
+        max_cpu_loras: Adapters kept in host memory.
+        max_lora_rank: Largest LoRA rank accepted.
+        attention_backend: ``"torch"`` or ``"triton"``.
+        preemption: ``"recompute"`` (free the victim's blocks) or ``"swap"`` (copy its KV to a
+            CPU pool and back).
+        swap_space_bytes: Size of the CPU swap pool.
+        vision_cache_entries: Image encodings kept by image key (LRU).
+    """
+
+    model: str
+    served_model_name: str | None = None
+    device: Device = "cpu"
+    dtype: DType = "float32"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    prefix_hash: Literal["sha256", "xxhash"] = "sha256"
+    mm_hash: Literal["perceptual", "exact"] = "perceptual"
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    max_lora_rank: int = 64
+    attention_backend: Literal["torch", "triton"] = "torch"
+    preemption: Literal["recompute", "swap"] = "recompute"
+    swap_space_bytes: int = 256 * 1024 * 1024
+    vision_cache_entries: int = 256
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.device in ("cpu", "cuda"), f"device must be cpu or cuda, got {self.device!r}"),
+            (
+                self.dtype in ("float32", "bfloat16", "float16"),
+                f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}",
+            ),
+            (self.block_size > 0, f"block_size must be positive, got {self.block_size}"),
+            (
+                self.num_kv_blocks is None or self.num_kv_blocks > 0,
+                f"num_kv_blocks must be positive, got {self.num_kv_blocks}",
+            ),
+            (self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}"),
+            (
+                self.max_num_batched_tokens > 0,
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",
+            ),
+            (
+                self.max_model_len is None or self.max_model_len > 0,
+                f"max_model_len must be positive, got {self.max_model_len}",
+            ),
+            (self.prefix_hash in ("sha256", "xxhash"), f"bad prefix_hash {self.prefix_hash!r}"),
+            (self.mm_hash in ("perceptual", "exact"), f"bad mm_hash {self.mm_hash!r}"),
+            (
+                self.attention_backend in ("torch", "triton"),
+                f"bad attention_backend {self.attention_backend!r}",
+            ),
+            (self.preemption in ("recompute", "swap"), f"bad preemption {self.preemption!r}"),
+            (
+                self.max_loras > 0 and self.max_cpu_loras >= self.max_loras,
+                "need 0 < max_loras <= max_cpu_loras",
+            ),
+            (self.max_lora_rank > 0, "max_lora_rank must be positive"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def replace(self, **changes) -> EngineConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
