@@ -1,0 +1,125 @@
+"""Logprobs of sampled tokens and their top alternatives, and their OpenAI JSON shape.
+
+Semantics: every logprob is ``log_softmax(raw_logits)``, the model's own distribution before
+temperature, top-k, top-p and min-p (vLLM's default ``logprobs_mode="raw_logprobs"``; OpenAI
+reports the model's distribution too). So a greedy and a sampled request report the same numbers
+for the same token, and a token that a filter dropped can still appear among the alternatives.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+TopLogprobs = list[tuple[int, float]]
+"""``(token_id, logprob)`` pairs, most likely first."""
+
+
+def gather_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_top: Sequence[int | None],
+) -> tuple[list[float | None], list[int | None], list[TopLogprobs | None]]:
+    """Logprob, rank and top alternatives of each row's sampled token.
+
+    Only rows with ``num_top[r]`` not None are computed (one ``log_softmax`` over those rows).
+
+    Args:
+        logits: ``[N, V]`` float32 raw logits.
+        token_ids: ``[N]`` int64 sampled tokens.
+        num_top: ``N`` entries: None (no logprobs), or how many top alternatives to return.
+
+    Returns:
+        Three lists of ``N`` entries (None where not asked): the sampled token's logprob, its
+        rank (1 + the number of tokens strictly more likely), and the ``num_top[r]`` most likely
+        ``(token_id, logprob)`` pairs sorted by logprob descending.
+    """
+    n = len(num_top)
+    lps: list[float | None] = [None] * n
+    ranks: list[int | None] = [None] * n
+    tops: list[TopLogprobs | None] = [None] * n
+    rows = [r for r, k in enumerate(num_top) if k is not None]
+    if not rows:
+        return lps, ranks, tops
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logp = torch.log_softmax(logits[idx].float(), dim=-1)  # [R, V]
+    sampled = logp.gather(1, token_ids[idx].unsqueeze(1))  # [R, 1]
+    rank = (logp > sampled).sum(dim=-1) + 1
+    max_k = min(max(num_top[r] for r in rows), logp.shape[1])
+    top_v, top_i = logp.topk(max_k, dim=-1) if max_k > 0 else (logp[:, :0], idx[:0, None])
+    sampled_l, rank_l, top_vl, top_il = (
+        sampled.squeeze(1).tolist(),
+        rank.tolist(),
+        top_v.tolist(),
+        top_i.tolist(),
+    )
+    for j, r in enumerate(rows):
+        k = num_top[r]
+        lps[r] = sampled_l[j]
+        ranks[r] = rank_l[j]
+        tops[r] = list(zip(top_il[j][:k], top_vl[j][:k], strict=True))
+    return lps, ranks, tops
+
+
+class LogprobFormatter:
+    """Turns token ids and logprobs into OpenAI ``ChatCompletionTokenLogprob`` dicts.
+
+    ``bytes`` are the token's exact UTF-8 bytes (a byte-level BPE token may hold part of a
+    character), ``token`` is those bytes decoded with replacement characters.
+
+    Args:
+        tokenizer: A transformers fast tokenizer (``backend_tokenizer``) or a
+            ``tokenizers.Tokenizer``.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        decoder = self._tok.decoder
+        state = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        self._byte_level = '"ByteLevel"' in json.dumps(state)
+        self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
+        self._cache: dict[int, bytes] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes that ``token_id`` contributes to the text."""
+        cached = self._cache.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self._tok.id_to_token(token_id) or ""
+        if self._byte_level and all(c in self._byte_decoder for c in piece):
+            out = bytes(self._byte_decoder[c] for c in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out = bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+        else:
+            out = piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word marker
+        self._cache[token_id] = out
+        return out
+
+    def _one(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.token_bytes(token_id)
+        return {
+            "token": raw.decode("utf-8", errors="replace"),
+            "logprob": max(logprob, -9999.0),  # OpenAI's floor; keeps -inf out of the JSON
+            "bytes": list(raw),
+        }
+
+    def entry(self, token_id: int, logprob: float, top: TopLogprobs) -> dict[str, Any]:
+        """One ``logprobs.content[i]`` item: the sampled token and its ``top_logprobs``."""
+        item = self._one(token_id, logprob)
+        item["top_logprobs"] = [self._one(t, lp) for t, lp in top]
+        return item
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable-char table used by byte-level BPE vocabularies."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table

@@ -1,0 +1,167 @@
+"""Per-request sampling parameters, with vLLM / OpenAI semantics.
+
+A :class:`SamplingParams` is frozen and validated on construction, so a request that reaches the
+scheduler can never carry a value the sampler or the detokenizer would choke on. Values known only
+at run time (a child's seed for ``n > 1``) make a new object with :func:`dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+_GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as vLLM does
+
+
+def _as_tuple(name: str, value: object, kind: type) -> tuple:
+    """Normalize a str / int / iterable / None field to a tuple of ``kind``."""
+    if value is None:
+        return ()
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {value!r}")
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise ValueError(f"{name} must contain only {kind.__name__} values, got {item!r}")
+    return items
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's completions (vLLM / OpenAI semantics).
+
+    Attributes:
+        n: Completions to generate for the prompt (>= 1).
+        max_tokens: Most tokens to generate per completion (>= 1); hitting it finishes the
+            completion with ``finish_reason="length"``.
+        temperature: Softmax temperature in ``[0, 100]``; 0 (or below 1e-5) means greedy.
+        top_p: Nucleus sampling (Holtzman et al. 2019): keep the smallest set of most likely
+            tokens whose probability sums to at least ``top_p``; in ``(0, 1]``, 1 disables it.
+        top_k: Keep the ``top_k`` most likely tokens (ties at the k-th value are kept); 0 or -1
+            disables it.
+        min_p: Drop tokens whose probability is below ``min_p`` times the top token's
+            (Nguyen et al. 2024); in ``[0, 1]``, 0 disables it.
+        seed: Per-request seed: the same seed gives the same tokens whatever the batch.
+            None draws from the engine's shared generator.
+        stop: Stop strings (a single str is accepted). The first one to appear in the output
+            ends it with ``finish_reason="stop"``; the text is cut before it unless
+            ``include_stop_str_in_output``.
+        stop_token_ids: Token ids that end the completion like EOS does.
+        ignore_eos: Keep generating after the model's EOS token.
+        include_stop_str_in_output: Keep the matched stop string (or the stop token's text) in
+            the output text.
+        logprobs: None for no logprobs; otherwise return the sampled token's logprob plus this
+            many top alternatives (``0..20``; 0 means only the sampled token's).
+        skip_special_tokens: Drop special tokens from the output text.
+
+    Raises:
+        ValueError: A field is out of range; the message names the field.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalize list / str inputs before validating (frozen: go through object.__setattr__).
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop, str))
+        object.__setattr__(
+            self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int)
+        )
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's range.
+
+        Raises:
+            ValueError: A field is out of range; the message starts with the field's name.
+        """
+        _check_int("n", self.n, lo=1)
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_float("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}"
+            )
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+            )
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                f"got {len(self.stop_token_ids)}"
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax (temperature 0 or below 1e-5)."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        """True when ``top_k`` restricts the candidates (not 0 or -1)."""
+        return self.top_k > 0
+
+    def for_child(self, index: int) -> SamplingParams:
+        """Params for the ``index``-th of the ``n`` completions of one request.
+
+        Each child samples one completion (``n=1``). A seeded request gives child ``i`` the seed
+        ``seed + i`` (vLLM v1's parallel sampling), so the ``n`` completions differ from each
+        other yet are each reproducible.
+
+        Args:
+            index: The completion's index, ``0 <= index < n``.
+
+        Raises:
+            ValueError: ``index`` is out of range.
+        """
+        if not 0 <= index < self.n:
+            raise ValueError(f"child index must be in [0, {self.n}), got {index}")
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_float(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
