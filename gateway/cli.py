@@ -10,6 +10,8 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from gateway.commands import generate, model
+
 
 def _version() -> str:
     try:
@@ -29,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Multi-tenant LoRA and multimodal LLM serving over a paged KV cache.",
     )
     parser.add_argument("--version", action="version", version=f"loraplex {_version()}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in (generate, model):
+        module.register(subparsers)
     return parser
 
 
@@ -48,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help(sys.stdout)
         return 0
-    return int(func(args) or 0)
+    try:
+        return int(func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:  # bad input: one clear line, no traceback
+        print(f"loraplex {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

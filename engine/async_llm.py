@@ -1,0 +1,166 @@
+"""``AsyncLLM``: the engine on a background thread, streaming per-request outputs to asyncio.
+
+The engine loop runs on its own thread, so a step (torch releases the GIL in its kernels) never
+blocks the event loop. Requests and aborts cross to the thread through a queue; outputs come
+back with ``loop.call_soon_threadsafe``. A consumer that stops iterating (client disconnect,
+cancellation) aborts its request, which frees its blocks at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import EngineRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shut down, or a step raised); no request can run."""
+
+
+class AsyncLLM:
+    """Asynchronous streaming front of :class:`LLMEngine`.
+
+    Args:
+        config: The engine configuration.
+        engine: An already built engine (tests pass one to share a model), else built here.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None):
+        if engine is None:
+            if config is None:
+                raise ValueError("AsyncLLM needs a config or an engine")
+            engine = LLMEngine(config)
+        self.engine = engine
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    # --------------------------------------------------------------------- public API
+    @property
+    def is_running(self) -> bool:
+        """True while the engine loop is alive."""
+        return self._thread.is_alive() and self._dead is None
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs as steps produce them, the last finished.
+
+        Raises:
+            ValueError: the engine refused the request (raised at the first iteration).
+            EngineDeadError: the engine loop is not running.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            self._streams[rid] = (loop, stream)
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not finished:
+                self._commands.put(("abort", rid))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its stream ends with finish reason ``"abort"``)."""
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight and stop the loop."""
+        self._stop.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of scheduler and cache figures (read without locking: approximate)."""
+        eng = self.engine
+        return {
+            "kv_blocks_total": eng.kv.pool.num_blocks,
+            "kv_blocks_in_use": eng.kv.pool.num_used,
+            "requests_running": len(eng.scheduler.running),
+            "requests_waiting": len(eng.scheduler.waiting),
+            "prefix_cache_queried_tokens": eng.kv.stats.total.queried_tokens,
+            "prefix_cache_hit_tokens": eng.kv.stats.total.hit_tokens,
+        }
+
+    # -------------------------------------------------------------------- engine thread
+    def _deliver(self, rid: str, item: Any) -> None:
+        with self._lock:
+            target = self._streams.get(rid)
+        if target is not None:
+            loop, stream = target
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd, arg = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if cmd == "add":
+                try:
+                    self.engine.add_request(arg)
+                except ValueError as exc:
+                    self._deliver(arg.request_id, exc)
+            elif cmd == "abort":
+                out = self.engine.abort_request(arg)
+                if out is not None:
+                    self._deliver(arg, out)
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished_requests())
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+        except BaseException as exc:  # a bug in a step: fail every stream, mark dead
+            logger.exception("engine loop failed")
+            self._dead = exc
+        finally:
+            for rid in list(self.engine.requests):
+                out = self.engine.abort_request(rid)
+                if out is not None:
+                    self._deliver(rid, out)
+            if self._dead is None:
+                self._dead = EngineDeadError("the engine was shut down")
+            with self._lock:
+                pending = list(self._streams)
+            for rid in pending:
+                self._deliver(rid, EngineDeadError(str(self._dead)))

@@ -1,0 +1,254 @@
+"""Chat messages in, prompt token ids and processed images out, exactly as transformers does it.
+
+The prompt comes from the model directory's own processor (LLaVA) or tokenizer (text-only)
+through ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+return_dict=True)`` (CONTRACT.md). Messages are first put in the form the template expects:
+string content for a template that renders ``message['content']`` itself, a list of parts for
+one that iterates over the content (detected from the template's syntax tree, as vLLM's
+content-format detection does). ``image_url`` parts must be ``data:`` URLs (never fetched).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jinja2
+import jinja2.nodes
+import torch
+from hashing.image_keys import DEFAULT_MAX_PIXELS, decode_image, image_key
+
+from engine.request import ImageInput
+from hashing.errors import InvalidImageError
+from hashing.extra_keys import MMPlaceholder
+
+ContentFormat = Literal["string", "parts"]
+_DATA_MIME = ("image/png", "image/jpeg", "image/jpg", "image/webp")
+
+
+def detect_content_format(chat_template: str | None) -> ContentFormat:
+    """Whether a chat template iterates over ``message['content']`` (``"parts"``) or not.
+
+    Looks in the template's Jinja syntax tree for a ``for`` loop over a ``content`` item or
+    attribute. Templates that do not parse count as ``"string"``.
+    """
+    if not chat_template:
+        return "string"
+    try:
+        tree = jinja2.Environment().parse(chat_template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    for loop in tree.find_all(jinja2.nodes.For):
+        it = loop.iter
+        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const):
+            if it.arg.value == "content":
+                return "parts"
+        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
+            return "parts"
+    return "string"
+
+
+def parse_data_url(url: str) -> bytes:
+    """Decode a ``data:image/(png|jpeg|webp);base64,...`` URL.
+
+    Raises:
+        ValueError: another scheme, another media type, or invalid base64.
+    """
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ValueError(
+            "image_url must be a data: URL (data:image/png;base64,...); remote URLs are not fetched"
+        )
+    header, sep, payload = url[5:].partition(",")
+    if not sep:
+        raise ValueError("malformed data: URL (no comma)")
+    mime, _, encoding = header.partition(";")
+    if mime.lower() not in _DATA_MIME:
+        raise ValueError(f"unsupported image media type {mime!r}; use png, jpeg or webp")
+    if encoding.lower() != "base64":
+        raise ValueError("image data: URLs must be base64-encoded")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("image data: URL holds invalid base64") from None
+
+
+@dataclass
+class ProcessedPrompt:
+    """A prompt ready for the engine.
+
+    Attributes:
+        prompt_token_ids: Token ids, image placeholders expanded.
+        images: One per image, in placeholder order.
+    """
+
+    prompt_token_ids: list[int]
+    images: list[ImageInput]
+
+
+class InputProcessor:
+    """Turns OpenAI-style chat messages into a :class:`ProcessedPrompt`.
+
+    Args:
+        processor: The directory's ``AutoProcessor`` (LLaVA) or ``AutoTokenizer`` (text-only).
+        image_token_id: The image placeholder token id, None for a text-only model.
+        num_image_tokens: Placeholder tokens per image.
+        mm_hash: Image key mode, ``"perceptual"`` or ``"exact"``.
+        max_image_pixels: Refuse images larger than this (decompression bombs).
+        max_images: Most images in one request.
+    """
+
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        image_token_id: int | None,
+        num_image_tokens: int = 0,
+        mm_hash: str = "perceptual",
+        max_image_pixels: int = DEFAULT_MAX_PIXELS,
+        max_images: int = 8,
+    ) -> None:
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.image_token_id = image_token_id
+        self.num_image_tokens = num_image_tokens
+        self.mm_hash = mm_hash
+        self.max_image_pixels = max_image_pixels
+        self.max_images = max_images
+        template = getattr(processor, "chat_template", None) or getattr(
+            self.tokenizer, "chat_template", None
+        )
+        self.content_format = detect_content_format(template)
+
+    def normalize(self, messages: Any) -> tuple[list[dict], list]:
+        """Validate messages and put them in the template's form.
+
+        Returns:
+            The messages for ``apply_chat_template`` and the decoded PIL images in order.
+
+        Raises:
+            ValueError: malformed messages, a bad image URL, or images for a model or template
+                that takes none.
+            InvalidImageError: an image that does not decode.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        out, images = [], []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            content = message.get("content")
+            parts: list[dict] = []
+            if isinstance(content, str):
+                parts.append({"type": "text", "text": content})
+            elif isinstance(content, list):
+                for j, part in enumerate(content):
+                    parts.append(self._part(part, f"messages[{i}].content[{j}]", images))
+            elif content is None:
+                pass
+            else:
+                raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+            if self.content_format == "parts":
+                out.append({**message, "content": parts})
+            else:
+                if any(p["type"] == "image" for p in parts):
+                    raise ValueError("this model's chat template takes no images")
+                text = "\n".join(p["text"] for p in parts)
+                out.append({**message, "content": text})
+        if images and self.image_token_id is None:
+            raise ValueError("this model takes no images")
+        if len(images) > self.max_images:
+            raise ValueError(f"too many images: {len(images)} (at most {self.max_images})")
+        return out, images
+
+    def _part(self, part: Any, where: str, images: list) -> dict:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ValueError(f"{where} must be an object with a string 'type'")
+        kind = part["type"]
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}.text must be a string")
+            return {"type": "text", "text": part["text"]}
+        if kind == "image_url":
+            spec = part.get("image_url")
+            url = spec.get("url") if isinstance(spec, dict) else spec
+            image = decode_image(parse_data_url(url), max_pixels=self.max_image_pixels)
+            images.append(image)
+            return {"type": "image", "image": image}
+        raise ValueError(f"{where} has unsupported type {kind!r} (text or image_url)")
+
+    def __call__(self, messages: Any) -> ProcessedPrompt:
+        """Process chat messages.
+
+        Raises:
+            ValueError: bad messages or images, or placeholders that do not match the images.
+            InvalidImageError: an image that does not decode (a ValueError too).
+        """
+        normalized, pil_images = self.normalize(messages)
+        try:
+            encoded = self.processor.apply_chat_template(
+                normalized,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                return_tensors="pt" if pil_images else None,
+            )
+        except (InvalidImageError, ValueError):
+            raise
+        except Exception as exc:  # a template or processor error: the input's fault
+            raise ValueError(f"could not apply the chat template: {exc}") from exc
+        ids = encoded["input_ids"]
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        pixel_values = encoded.get("pixel_values") if pil_images else None
+        return self.attach_images(list(ids), pil_images, pixel_values)
+
+    def attach_images(self, ids: list[int], pil_images: list, pixel_values) -> ProcessedPrompt:
+        """Pair each placeholder run in ``ids`` with its image and key.
+
+        Raises:
+            ValueError: the number or length of placeholder runs does not match the images.
+        """
+        runs = []
+        n = self.num_image_tokens
+        if self.image_token_id is not None:
+            for offset, length in placeholder_runs(ids, self.image_token_id):
+                # Adjacent images make one long run: split it per image when it divides evenly.
+                if n and length > n and length % n == 0:
+                    runs.extend((offset + k * n, n) for k in range(length // n))
+                else:
+                    runs.append((offset, length))
+        if len(runs) != len(pil_images):
+            raise ValueError(
+                f"the prompt has {len(runs)} image placeholder(s) but {len(pil_images)} "
+                "image(s) were given"
+            )
+        images = []
+        for i, ((offset, length), pil) in enumerate(zip(runs, pil_images, strict=True)):
+            if length != self.num_image_tokens:
+                raise ValueError(
+                    f"image placeholder {i} has {length} tokens, the model needs "
+                    f"{self.num_image_tokens}"
+                )
+            key = image_key(pil, self.mm_hash)
+            images.append(ImageInput(key, pixel_values[i], MMPlaceholder(key, offset, length)))
+        return ProcessedPrompt(ids, images)
+
+
+def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each maximal run of ``token_id`` in ``ids``."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, t in enumerate(ids):
+        if t == token_id:
+            if start is None:
+                start = i
+        elif start is not None:
+            runs.append((start, i - start))
+            start = None
+    if start is not None:
+        runs.append((start, len(ids) - start))
+    return runs

@@ -1,0 +1,41 @@
+"""Loading a model directory's tokenizer and processor (transformers' own classes)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine.inputs import InputProcessor
+
+logger = logging.getLogger(__name__)
+
+
+def load_processor(model_dir: str, model: Any, mm_hash: str) -> tuple[Any, InputProcessor]:
+    """The tokenizer and the chat-message processor of a model directory.
+
+    A multimodal model (one with ``image_token_id``) gets ``AutoProcessor``, a text-only one
+    ``AutoTokenizer``. Image processors use transformers' PIL backend when torchvision is
+    missing.
+
+    Raises:
+        ValueError: the directory has no usable tokenizer or processor.
+    """
+    from transformers import AutoProcessor, AutoTokenizer
+
+    image_token_id = getattr(model, "image_token_id", None)
+    try:
+        if image_token_id is not None:
+            processor = AutoProcessor.from_pretrained(model_dir)
+            tokenizer = processor.tokenizer
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            processor = tokenizer
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"cannot load the tokenizer/processor of {model_dir}: {exc}") from exc
+    inputs = InputProcessor(
+        processor,
+        image_token_id=image_token_id,
+        num_image_tokens=getattr(model, "num_image_tokens", 0),
+        mm_hash=mm_hash,
+    )
+    return tokenizer, inputs

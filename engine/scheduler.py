@@ -1,0 +1,261 @@
+"""The scheduler: continuous batching with a token budget, chunked prefill and preemption.
+
+Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
+
+1. Running sequences, oldest first, each get the tokens they still need (one for a decode, the
+   rest of the prompt for a prefill), within the step's token budget. When the pool cannot fit
+   them, the newest running sequence is preempted (``recompute``: its blocks are freed, they stay
+   cached; ``swap``: its KV is copied to the CPU pool first) until it fits or the sequence
+   itself was the one preempted.
+2. If nothing was preempted, waiting sequences are admitted first come, first served: prefix
+   lookup, then room for as much of the rest as the budget allows (chunked prefill). The first
+   one that does not fit stops admission (no overtaking), as does ``max_num_seqs``, and a
+   sequence whose adapter would exceed ``max_loras`` distinct adapters in the step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.kv_cache import KVCacheManager, SlotAllocation
+from engine.request import Sequence, SequenceStatus
+from engine.swap import CpuBlockPool
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    Attributes:
+        seq: The sequence.
+        start: Its ``num_computed_tokens`` before the step: the first position computed.
+        num_new_tokens: Tokens computed this step, positions ``[start, start + num_new_tokens)``.
+        sample: Whether the step ends at the sequence's last token, so a token is sampled.
+    """
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs.
+
+    Attributes:
+        scheduled: Sequences in the step, in batch order.
+        block_copies: Copy-on-write ``(src, dst)`` device block copies, done before the
+            forward pass.
+        swap_out: ``(device block, cpu block)`` copies, done first of all.
+        swap_in: ``(cpu block, device block)`` copies, done after the swap-outs.
+        preempted: Sequences preempted this step.
+    """
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed this step."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def is_empty(self) -> bool:
+        """True when the step has nothing to run or copy."""
+        return not (self.scheduled or self.swap_out or self.swap_in or self.block_copies)
+
+
+class Scheduler:
+    """Waiting and running queues over one KV cache manager.
+
+    Args:
+        kv: The KV cache manager.
+        max_num_seqs: Most sequences running at once.
+        max_num_batched_tokens: Token budget of a step.
+        max_loras: Most distinct adapters in one step.
+        preemption: ``"recompute"`` or ``"swap"``.
+        cpu_pool: The CPU block pool for ``"swap"`` (falls back to recompute when full).
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int,
+        preemption: str = "recompute",
+        cpu_pool: CpuBlockPool | None = None,
+    ) -> None:
+        if preemption not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption policy {preemption!r}")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras
+        self.preemption = preemption
+        self.cpu_pool = cpu_pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swap_tables: dict[str, list[int]] = {}  # seq_id -> CPU blocks of a swapped seq
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------------------- queues
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FCFS: at the back)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence, after: Sequence) -> None:
+        """Put a forked sequence into the running queue right after its parent."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.insert(self.running.index(after) + 1, seq)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the queues and release its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.kv.free(seq.seq_id)
+        cpu_blocks = self.swap_tables.pop(seq.seq_id, None)
+        if cpu_blocks and self.cpu_pool is not None:
+            self.cpu_pool.free(cpu_blocks)
+        seq.swapped = False
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, seqs: Iterable[Sequence]) -> None:
+        """Finish sequences with reason ``"abort"`` (their blocks freed at once)."""
+        for seq in seqs:
+            if not seq.is_finished:
+                self.finish(seq, "abort")
+
+    # ------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step (see the module docstring)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        step_loras: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (cannot happen between steps; be safe)
+                i += 1
+                continue
+            alloc = self._allocate_or_preempt(seq, num_new, out)
+            if alloc is None:  # the sequence itself was preempted
+                break
+            self._record(out, seq, num_new, alloc)
+            if seq.request.lora_digest is not None:
+                step_loras.add(seq.request.lora_digest)
+            budget -= num_new
+            i += 1
+        if out.preempted:
+            return out
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            lora = seq.request.lora_digest
+            if lora is not None and lora not in step_loras and len(step_loras) >= self.max_loras:
+                break
+            if seq.swapped:
+                if not self._swap_in(seq, budget, out):
+                    break
+            else:
+                match = self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
+                num_new = min(seq.num_tokens - match.num_cached_tokens, budget)
+                alloc = self.kv.allocate_slots(
+                    seq.seq_id,
+                    num_new,
+                    prefix=match,
+                    block_hashes=seq.hasher.block_hashes,
+                    stat_sources=seq.hasher.stat_sources(),
+                )
+                if alloc is None:
+                    break
+                seq.num_computed_tokens = match.num_cached_tokens
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = match.num_cached_tokens
+                self._record(out, seq, num_new, alloc)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if lora is not None:
+                step_loras.add(lora)
+            budget -= out.scheduled[-1].num_new_tokens
+        return out
+
+    def _record(self, out: SchedulerOutput, seq: Sequence, num_new: int, alloc) -> None:
+        start = seq.num_computed_tokens
+        out.block_copies.extend((c.src, c.dst) for c in alloc.copies)
+        out.scheduled.append(ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens))
+
+    def _allocate_or_preempt(
+        self, seq: Sequence, num_new: int, out: SchedulerOutput
+    ) -> SlotAllocation | None:
+        """Allocate for a running sequence, preempting the newest ones until it fits."""
+        while True:
+            alloc = self.kv.allocate_slots(
+                seq.seq_id,
+                num_new,
+                num_computed_tokens=seq.num_computed_tokens,
+                block_hashes=seq.hasher.block_hashes,
+            )
+            if alloc is not None:
+                return alloc
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is seq:
+                return None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Move a running sequence back to the front of the waiting queue."""
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        swapped = False
+        if self.preemption == "swap" and self.cpu_pool is not None and seq.num_computed_tokens:
+            bs = self.kv.block_size
+            device_blocks = self.kv.get_block_ids(seq.seq_id)[: -(-seq.num_computed_tokens // bs)]
+            cpu_blocks = self.cpu_pool.allocate(len(device_blocks))
+            if cpu_blocks is not None:
+                out.swap_out.extend(zip(device_blocks, cpu_blocks, strict=True))
+                self.swap_tables[seq.seq_id] = cpu_blocks
+                swapped = True
+        self.kv.free(seq.seq_id)
+        seq.swapped = swapped
+        if not swapped:
+            seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+
+    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        """Admit a swapped sequence: fresh device blocks, KV copied back from the CPU pool."""
+        restored = seq.num_computed_tokens
+        num_new = min(seq.num_tokens - restored, budget)
+        alloc = self.kv.allocate_slots(
+            seq.seq_id, restored + num_new, block_hashes=seq.hasher.block_hashes
+        )
+        if alloc is None:
+            return False
+        cpu_blocks = self.swap_tables.pop(seq.seq_id)
+        out.swap_in.extend(zip(cpu_blocks, alloc.new_block_ids, strict=False))
+        self.cpu_pool.free(cpu_blocks)  # the copy happens before anything reuses them
+        seq.swapped = False
+        out.scheduled.append(
+            ScheduledSeq(seq, restored, num_new, restored + num_new == seq.num_tokens)
+        )
+        return True

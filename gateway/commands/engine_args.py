@@ -1,0 +1,72 @@
+"""The engine flags shared by ``serve`` and ``generate`` (CONTRACT.md), to an EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--model``, ``--device``, ... ``--preemption`` to a subcommand's parser."""
+    d = EngineConfig(model="")
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory (default: the built-in tiny LLaVA)",
+    )
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument(
+        "--data-dir",
+        default=None,
+        help="data directory (default: $LORAPLEX_DATA_DIR or ./.loraplex)",
+    )
+    g.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+    )
+    g.add_argument("--prefix-hash", choices=["sha256", "xxhash"], default=d.prefix_hash)
+    g.add_argument("--mm-hash", choices=["perceptual", "exact"], default=d.mm_hash)
+    g.add_argument("--max-loras", type=int, default=d.max_loras)
+    g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras)
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    g.add_argument("--attention-backend", choices=["torch", "triton"], default=d.attention_backend)
+    g.add_argument("--preemption", choices=["recompute", "swap"], default=d.preemption)
+
+
+def config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    """Build the frozen engine config from parsed flags.
+
+    Raises:
+        ValueError: an invalid combination (EngineConfig's checks).
+    """
+    return EngineConfig(
+        model=model_dir,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_hash=args.prefix_hash,
+        mm_hash=args.mm_hash,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        attention_backend=args.attention_backend,
+        preemption=args.preemption,
+    )

@@ -1,0 +1,218 @@
+"""Engine behaviour beyond greedy parity: seeds, n > 1, abort, stops, bad input, streaming, CLI."""
+
+import asyncio
+import json
+import shutil
+
+import pytest
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.request import EngineRequest
+from engine.sampling.params import SamplingParams
+from gateway.cli import main as cli_main
+
+from .conftest import long_text, photo, user
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llava_dir):
+    return LLM(EngineConfig(model=tiny_llava_dir, num_kv_blocks=256))
+
+
+def assert_clean(llm):
+    assert llm.engine.kv.pool.num_used == 0
+    assert not llm.engine.requests
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def test_seeded_sampling_is_the_same_whatever_the_batch(llm):
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=1234)
+    target = user("tell me a story about", photo("chelsea"))
+    alone = llm.generate([llm.make_request(target, sampling, request_id="alone")])[0]
+    others = [
+        llm.make_request(user(long_text(40 + 10 * i, seed=i)),
+                         SamplingParams(temperature=1.0, max_tokens=9), request_id=f"o{i}")
+        for i in range(4)
+    ]
+    mixed = others[:2] + [llm.make_request(target, sampling, request_id="mixed")] + others[2:]
+    outs = llm.generate(mixed)
+    assert outs[2].outputs[0].token_ids == alone.outputs[0].token_ids
+    unseeded = llm.generate([
+        llm.make_request(target, SamplingParams(temperature=1.0, max_tokens=12), request_id=u)
+        for u in ("u1", "u2")
+    ])
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+    assert_clean(llm)
+
+
+def test_n_greater_than_one_shares_the_prompt_blocks(llm):
+    engine = llm.engine
+    n = 4
+    req = llm.make_request(user(long_text(150, seed=9)),
+                           SamplingParams(n=n, temperature=1.0, max_tokens=6, seed=5),
+                           request_id="fork")
+    prompt_blocks = -(-len(req.prompt_token_ids) // engine.kv.block_size)
+    engine.add_request(req)
+    while not engine.requests["fork"].forked:
+        engine.step()
+    # Measured in the pool: every prompt block is held by all n sequences, not copied n times.
+    tables = [engine.kv.get_block_ids(s.seq_id) for s in engine.requests["fork"].seqs]
+    assert len(tables) == n
+    assert all(t == tables[0] for t in tables)
+    assert engine.kv.pool.num_used == prompt_blocks
+    assert all(engine.kv.pool.blocks[b].ref_cnt == n for b in tables[0])
+    engine.step()  # each sequence writes its first token: the partial last block is copied
+    used_after = engine.kv.pool.num_used
+    assert used_after <= prompt_blocks + n
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert final.finished and len(final.outputs) == n
+    assert len({tuple(o.token_ids) for o in final.outputs}) > 1
+    assert_clean(llm)
+
+
+def test_abort_frees_blocks_at_once(llm):
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(llm.make_request(user(long_text(80, seed=i)),
+                                            SamplingParams(temperature=0, max_tokens=30),
+                                            request_id=f"ab{i}"))
+    engine.step()
+    engine.step()
+    held = engine.kv.num_blocks_of("ab1")
+    before = engine.kv.pool.num_used
+    out = engine.abort_request("ab1")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.kv.pool.num_used == before - held
+    assert engine.abort_request("ab1") is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_clean(llm)
+
+
+def test_stop_reasons(llm):
+    base = llm.generate([llm.make_request(user("count with me"),
+                                          SamplingParams(temperature=0, max_tokens=12))])[0]
+    text = base.outputs[0].text
+    assert base.outputs[0].finish_reason in ("length", "stop")
+    if base.outputs[0].finish_reason == "length":
+        assert len(base.outputs[0].token_ids) == 12
+    cut = text[len(text) // 2 : len(text) // 2 + 3]
+    if cut.strip():
+        stopped = llm.generate([llm.make_request(
+            user("count with me"), SamplingParams(temperature=0, max_tokens=12, stop=[cut]))])[0]
+        assert stopped.outputs[0].finish_reason == "stop"
+        assert stopped.outputs[0].text == text[: text.index(cut)]
+    by_id = llm.generate([llm.make_request(
+        user("count with me"),
+        SamplingParams(temperature=0, max_tokens=12,
+                       stop_token_ids=[base.outputs[0].token_ids[1]]))])[0]
+    assert by_id.outputs[0].token_ids == base.outputs[0].token_ids[:2]
+    assert by_id.outputs[0].finish_reason == "stop"
+    assert_clean(llm)
+
+
+def test_bad_input_is_refused_and_nothing_leaks(llm, tiny_llava_dir, tmp_path):
+    engine = llm.engine
+    too_long = EngineRequest("long", [5] * engine.max_model_len, SamplingParams())
+    with pytest.raises(ValueError, match="prompt is .* tokens"):
+        engine.add_request(too_long)
+    good = llm.make_request(user("look", photo("astronaut")), SamplingParams(), request_id="g")
+    extra = EngineRequest("extra", good.prompt_token_ids, SamplingParams(),
+                          images=good.images * 2)
+    with pytest.raises(ValueError, match="placeholder"):
+        engine.add_request(extra)
+    missing = EngineRequest("missing", good.prompt_token_ids, SamplingParams(), images=[])
+    with pytest.raises(ValueError, match="more images than placeholders or the reverse"):
+        engine.add_request(missing)
+    with pytest.raises(ValueError, match="image_url must be a data: URL"):
+        llm.make_request([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]}],
+            SamplingParams())
+    with pytest.raises(ValueError):
+        llm.make_request([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
+            SamplingParams())
+    with pytest.raises(ValueError, match="messages"):
+        llm.make_request([], SamplingParams())
+    with pytest.raises(ValueError):
+        engine.add_request(EngineRequest("bad-params", [1, 2, 3], SamplingParams(max_tokens=0)))
+    assert_clean(llm)
+    out = llm.generate([good])[0]  # the engine still serves
+    assert out.finished and out.outputs[0].token_ids
+
+
+def test_unreadable_or_unsupported_model_directory(tiny_text_dir, tmp_path):
+    with pytest.raises((ValueError, FileNotFoundError), match="nowhere"):
+        LLM(EngineConfig(model=str(tmp_path / "nowhere")))
+    bad = tmp_path / "gpt2"
+    shutil.copytree(tiny_text_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["model_type"] = "gpt2"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel|gpt2"):
+        LLM(EngineConfig(model=str(bad)))
+
+
+def test_async_streaming_and_disconnect(tiny_llava_dir, llm):
+    async_llm = AsyncLLM(engine=llm.engine)
+
+    async def scenario():
+        req = llm.make_request(user("stream this"), SamplingParams(temperature=0, max_tokens=10),
+                               request_id="s1")
+        deltas, last = [], None
+        async for out in async_llm.generate(req):
+            deltas.append(out.outputs[0].text_delta)
+            last = out
+        assert last.finished and "".join(deltas) == last.outputs[0].text
+        # A client that goes away mid-stream: the request is aborted, its blocks freed.
+        req2 = llm.make_request(user(long_text(50)), SamplingParams(temperature=0, max_tokens=50),
+                                request_id="s2")
+        async for out in async_llm.generate(req2):
+            if out.outputs[0].token_ids:
+                break
+        for _ in range(100):
+            if not llm.engine.requests:
+                break
+            await asyncio.sleep(0.02)
+        # A refused request raises in the consumer; the engine goes on.
+        with pytest.raises(ValueError):
+            bad = EngineRequest("s3", [1] * llm.engine.max_model_len, SamplingParams())
+            async for _ in async_llm.generate(bad):
+                pass
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        async_llm.shutdown()
+    assert_clean(llm)
+
+
+def test_generate_cli(tiny_llava_dir, tmp_path):
+    from .conftest import data_url
+
+    lines = [
+        {"messages": user("hello there"), "max_tokens": 5, "temperature": 0},
+        {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is it?"},
+            {"type": "image_url", "image_url": {"url": data_url(photo("coffee"))}}]}],
+         "max_tokens": 4, "temperature": 0, "n": 2, "seed": 3},
+        {"messages": "not a list"},
+    ]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    outp = tmp_path / "out.jsonl"
+    status = cli_main(["generate", "--model", tiny_llava_dir, "--input", str(inp),
+                       "--output", str(outp)])
+    results = [json.loads(x) for x in outp.read_text().splitlines()]
+    assert status == 1  # the third line is invalid
+    assert [r["index"] for r in results] == [0, 1, 2]
+    assert len(results[0]["outputs"]) == 1 and len(results[1]["outputs"]) == 2
+    assert results[0]["outputs"][0]["finish_reason"] in ("length", "stop")
+    assert results[0]["prompt_token_ids"] and results[0]["cached_tokens"] == 0
+    assert "error" in results[2] and "messages" in results[2]["error"]["message"]

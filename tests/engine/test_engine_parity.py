@@ -1,0 +1,163 @@
+"""Greedy token parity with transformers (float32, CPU) for mixed continuous batches.
+
+The oracle runs each request alone through ``transformers`` ``generate``; the engine runs them
+all in one continuous batch over the paged cache, under several schedules: plain, chunked
+prefill forced small, a second run hitting the prefix cache, a tiny pool forcing preemption
+(recompute and swap), and the batch submitted in another order.
+"""
+
+import base64
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.sampling.params import SamplingParams
+
+from .conftest import long_text, photo, user
+
+
+def to_hf_messages(messages):
+    """image_url data URLs -> the template's image parts with the decoded PIL image."""
+    out = []
+    for m in messages:
+        parts = []
+        for p in m["content"]:
+            if p["type"] == "image_url":
+                raw = base64.b64decode(p["image_url"]["url"].split(",", 1)[1])
+                parts.append({"type": "image", "image": Image.open(io.BytesIO(raw)).convert("RGB")})
+            else:
+                parts.append(p)
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def llava_batch():
+    astro, cat, coffee = photo("astronaut"), photo("chelsea"), photo("coffee")
+    shared = long_text(420, seed=1)
+    return [
+        (user("hi"), 6),
+        (user(shared + " first question?"), 12),
+        (user("what is this?", astro), 9),
+        (user("compare", astro, "with", cat), 15),
+        (user(cat, long_text(250, seed=2)), 7),
+        (user(long_text(60, seed=3)), 20),
+        (user(shared + " second question, different"), 11),
+        (user("and this one?", coffee, "again", astro), 4),
+        (user("a rocket", photo("rocket")), 13),
+    ]
+
+
+def text_batch():
+    shared = long_text(450, seed=4)
+    return [
+        ([{"role": "user", "content": "hello"}], 8),
+        ([{"role": "user", "content": shared + " tell me more"}], 16),
+        ([{"role": "user", "content": long_text(30, seed=5)}], 5),
+        ([{"role": "user", "content": shared + " and then?"}], 12),
+        ([{"role": "user", "content": long_text(200, seed=6)}], 20),
+        ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}], 9),
+        ([{"role": "user", "content": long_text(90, seed=7)}], 3),
+        ([{"role": "user", "content": long_text(8, seed=8)}], 14),
+    ]
+
+
+def hf_greedy(model, processor, messages, max_tokens, multimodal):
+    msgs = to_hf_messages(messages) if multimodal else messages
+    inputs = processor.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    prompt = inputs["input_ids"][0].tolist()
+    return prompt, out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def llava_oracle(hf_llava):
+    model, processor = hf_llava
+    return [hf_greedy(model, processor, m, k, True) for m, k in llava_batch()]
+
+
+@pytest.fixture(scope="session")
+def text_oracle(hf_text):
+    model, tokenizer = hf_text
+    return [hf_greedy(model, tokenizer, m, k, False) for m, k in text_batch()]
+
+
+def run_batch(llm, batch, order=None, tag="r"):
+    order = order if order is not None else list(range(len(batch)))
+    reqs = {}
+    for i in order:
+        messages, max_tokens = batch[i]
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        reqs[i] = llm.make_request(messages, sampling, request_id=f"{tag}-{i}")
+    outs = llm.generate([reqs[i] for i in order])
+    by_index = dict(zip(order, outs, strict=True))
+    return [by_index[i] for i in range(len(batch))]
+
+
+def check(outputs, oracle):
+    lengths = []
+    for i, (out, (prompt, expected)) in enumerate(zip(outputs, oracle, strict=True)):
+        assert out.prompt_token_ids == prompt, f"request {i}: prompt tokens differ"
+        assert out.outputs[0].token_ids == expected, f"request {i}: generated tokens differ"
+        lengths.append(len(prompt))
+    return lengths
+
+
+def config(model_dir, **kw):
+    return EngineConfig(model=model_dir, **kw)
+
+
+def test_oracle_batch_has_the_required_spread(llava_oracle, text_oracle):
+    for oracle in (llava_oracle, text_oracle):
+        lengths = [len(p) for p, _ in oracle]
+        assert min(lengths) <= 40 and max(lengths) >= 600
+        assert len(oracle) >= 8
+
+
+@pytest.mark.parametrize("variant", ["plain", "chunked", "reversed"])
+def test_llava_parity(tiny_llava_dir, llava_oracle, variant):
+    kw = {"max_num_batched_tokens": 48} if variant == "chunked" else {}
+    llm = LLM(config(tiny_llava_dir, **kw))
+    batch = llava_batch()
+    order = list(reversed(range(len(batch)))) if variant == "reversed" else None
+    check(run_batch(llm, batch, order), llava_oracle)
+    assert llm.engine.kv.pool.num_used == 0
+
+
+def test_llava_parity_with_prefix_cache_hits(tiny_llava_dir, llava_oracle):
+    llm = LLM(config(tiny_llava_dir))
+    first = run_batch(llm, llava_batch(), tag="a")
+    check(first, llava_oracle)
+    encoded = llm.engine.runner.num_images_encoded
+    second = run_batch(llm, llava_batch(), tag="b")
+    check(second, llava_oracle)
+    assert all(o.num_cached_tokens > 0 for o in second if len(o.prompt_token_ids) > 32)
+    assert sum(o.num_cached_tokens for o in second) > sum(o.num_cached_tokens for o in first)
+    # Every image was seen: the second run encodes none (vision cache by image key).
+    assert llm.engine.runner.num_images_encoded == encoded
+
+
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_llava_parity_under_preemption(tiny_llava_dir, llava_oracle, policy):
+    llm = LLM(config(tiny_llava_dir, num_kv_blocks=48, preemption=policy))
+    check(run_batch(llm, llava_batch()), llava_oracle)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize("variant", ["plain", "chunked-preempt"])
+def test_text_parity(tiny_text_dir, text_oracle, variant):
+    kw = {}
+    if variant == "chunked-preempt":
+        kw = {"max_num_batched_tokens": 40, "num_kv_blocks": 45}
+    llm = LLM(config(tiny_text_dir, **kw))
+    check(run_batch(llm, text_batch()), text_oracle)
+    second = run_batch(llm, text_batch(), tag="again")
+    check(second, text_oracle)
+    assert any(o.num_cached_tokens > 0 for o in second)
