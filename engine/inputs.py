@@ -18,11 +18,11 @@ from typing import Any, Literal
 import jinja2
 import jinja2.nodes
 import torch
-from hashing.image_keys import DEFAULT_MAX_PIXELS, decode_image, image_key
 
 from engine.request import ImageInput
 from hashing.errors import InvalidImageError
 from hashing.extra_keys import MMPlaceholder
+from hashing.image_keys import DEFAULT_MAX_PIXELS, decode_image, image_key
 
 ContentFormat = Literal["string", "parts"]
 _DATA_MIME = ("image/png", "image/jpeg", "image/jpg", "image/webp")
@@ -32,7 +32,9 @@ def detect_content_format(chat_template: str | None) -> ContentFormat:
     """Whether a chat template iterates over ``message['content']`` (``"parts"``) or not.
 
     Looks in the template's Jinja syntax tree for a ``for`` loop over a ``content`` item or
-    attribute. Templates that do not parse count as ``"string"``.
+    attribute, through filters (``message['content'] | selectattr(...)``) and through
+    variables assigned from it (``{% set parts = message['content'] %}``). Templates that do
+    not parse count as ``"string"``.
     """
     if not chat_template:
         return "string"
@@ -40,14 +42,25 @@ def detect_content_format(chat_template: str | None) -> ContentFormat:
         tree = jinja2.Environment().parse(chat_template)
     except jinja2.TemplateSyntaxError:
         return "string"
+    content_vars: set[str] = set()
+    for assign in tree.find_all(jinja2.nodes.Assign):
+        if isinstance(assign.target, jinja2.nodes.Name) and _is_content(assign.node, set()):
+            content_vars.add(assign.target.name)
     for loop in tree.find_all(jinja2.nodes.For):
-        it = loop.iter
-        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const):
-            if it.arg.value == "content":
-                return "parts"
-        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
+        if _is_content(loop.iter, content_vars):
             return "parts"
     return "string"
+
+
+def _is_content(node: jinja2.nodes.Node, content_vars: set[str]) -> bool:
+    """``X['content']``, ``X.content``, a variable holding it, or a filter over one of them."""
+    while isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+        return node.arg.value == "content"
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    return isinstance(node, jinja2.nodes.Name) and node.name in content_vars
 
 
 def parse_data_url(url: str) -> bytes:

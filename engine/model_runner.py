@@ -145,7 +145,14 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         embeds = self._embed_with_images(ids, sched.scheduled, query_start)
-        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, inputs_embeds=embeds)
+        hidden = self.model(
+            None if embeds is not None else ids,
+            pos,
+            self.kv_caches,
+            meta,
+            self.backend,
+            inputs_embeds=embeds,
+        )
         if not sample_rows:
             return None
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)

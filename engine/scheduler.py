@@ -104,6 +104,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swap_tables: dict[str, list[int]] = {}  # seq_id -> CPU blocks of a swapped seq
         self.num_preemptions = 0
+        self.num_swapped_out = 0
 
     # ----------------------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
@@ -234,6 +235,7 @@ class Scheduler:
             if cpu_blocks is not None:
                 out.swap_out.extend(zip(device_blocks, cpu_blocks, strict=True))
                 self.swap_tables[seq.seq_id] = cpu_blocks
+                self.num_swapped_out += 1
                 swapped = True
         self.kv.free(seq.seq_id)
         seq.swapped = swapped

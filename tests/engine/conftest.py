@@ -9,18 +9,6 @@ import torch
 from PIL import Image
 from skimage import data as skdata
 
-from engine.tiny_model import init_tiny
-
-
-@pytest.fixture(scope="session")
-def tiny_llava_dir(tmp_path_factory):
-    return str(init_tiny(tmp_path_factory.mktemp("tiny-llava"), seed=0))
-
-
-@pytest.fixture(scope="session")
-def tiny_text_dir(tmp_path_factory):
-    return str(init_tiny(tmp_path_factory.mktemp("tiny-text"), seed=0, text_only=True))
-
 
 def photo(name: str, size: int | None = None) -> Image.Image:
     """A real photo from scikit-image, RGB."""
@@ -42,8 +30,10 @@ def data_url(img: Image.Image, fmt: str = "PNG", **save) -> str:
 
 def long_text(words: int, seed: int = 0) -> str:
     """Deterministic prose-like filler of about ``words`` words."""
-    vocab = ("the cat sat on a warm mat while the quick brown fox jumped over lazy dogs and "
-             "small birds sang songs about rivers mountains stars cities bread honey").split()
+    vocab = (
+        "the cat sat on a warm mat while the quick brown fox jumped over lazy dogs and "
+        "small birds sang songs about rivers mountains stars cities bread honey"
+    ).split()
     rng = np.random.default_rng(seed)
     return " ".join(vocab[i] for i in rng.integers(0, len(vocab), size=words))
 

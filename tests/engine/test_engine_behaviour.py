@@ -32,17 +32,22 @@ def test_seeded_sampling_is_the_same_whatever_the_batch(llm):
     target = user("tell me a story about", photo("chelsea"))
     alone = llm.generate([llm.make_request(target, sampling, request_id="alone")])[0]
     others = [
-        llm.make_request(user(long_text(40 + 10 * i, seed=i)),
-                         SamplingParams(temperature=1.0, max_tokens=9), request_id=f"o{i}")
+        llm.make_request(
+            user(long_text(40 + 10 * i, seed=i)),
+            SamplingParams(temperature=1.0, max_tokens=9),
+            request_id=f"o{i}",
+        )
         for i in range(4)
     ]
     mixed = others[:2] + [llm.make_request(target, sampling, request_id="mixed")] + others[2:]
     outs = llm.generate(mixed)
     assert outs[2].outputs[0].token_ids == alone.outputs[0].token_ids
-    unseeded = llm.generate([
-        llm.make_request(target, SamplingParams(temperature=1.0, max_tokens=12), request_id=u)
-        for u in ("u1", "u2")
-    ])
+    unseeded = llm.generate(
+        [
+            llm.make_request(target, SamplingParams(temperature=1.0, max_tokens=12), request_id=u)
+            for u in ("u1", "u2")
+        ]
+    )
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
     assert_clean(llm)
 
@@ -50,9 +55,11 @@ def test_seeded_sampling_is_the_same_whatever_the_batch(llm):
 def test_n_greater_than_one_shares_the_prompt_blocks(llm):
     engine = llm.engine
     n = 4
-    req = llm.make_request(user(long_text(150, seed=9)),
-                           SamplingParams(n=n, temperature=1.0, max_tokens=6, seed=5),
-                           request_id="fork")
+    req = llm.make_request(
+        user(long_text(150, seed=9)),
+        SamplingParams(n=n, temperature=1.0, max_tokens=6, seed=5),
+        request_id="fork",
+    )
     prompt_blocks = -(-len(req.prompt_token_ids) // engine.kv.block_size)
     engine.add_request(req)
     while not engine.requests["fork"].forked:
@@ -78,9 +85,13 @@ def test_n_greater_than_one_shares_the_prompt_blocks(llm):
 def test_abort_frees_blocks_at_once(llm):
     engine = llm.engine
     for i in range(3):
-        engine.add_request(llm.make_request(user(long_text(80, seed=i)),
-                                            SamplingParams(temperature=0, max_tokens=30),
-                                            request_id=f"ab{i}"))
+        engine.add_request(
+            llm.make_request(
+                user(long_text(80, seed=i)),
+                SamplingParams(temperature=0, max_tokens=30),
+                request_id=f"ab{i}",
+            )
+        )
     engine.step()
     engine.step()
     held = engine.kv.num_blocks_of("ab1")
@@ -95,22 +106,34 @@ def test_abort_frees_blocks_at_once(llm):
 
 
 def test_stop_reasons(llm):
-    base = llm.generate([llm.make_request(user("count with me"),
-                                          SamplingParams(temperature=0, max_tokens=12))])[0]
+    base = llm.generate(
+        [llm.make_request(user("count with me"), SamplingParams(temperature=0, max_tokens=12))]
+    )[0]
     text = base.outputs[0].text
     assert base.outputs[0].finish_reason in ("length", "stop")
     if base.outputs[0].finish_reason == "length":
         assert len(base.outputs[0].token_ids) == 12
     cut = text[len(text) // 2 : len(text) // 2 + 3]
     if cut.strip():
-        stopped = llm.generate([llm.make_request(
-            user("count with me"), SamplingParams(temperature=0, max_tokens=12, stop=[cut]))])[0]
+        stopped = llm.generate(
+            [
+                llm.make_request(
+                    user("count with me"), SamplingParams(temperature=0, max_tokens=12, stop=[cut])
+                )
+            ]
+        )[0]
         assert stopped.outputs[0].finish_reason == "stop"
         assert stopped.outputs[0].text == text[: text.index(cut)]
-    by_id = llm.generate([llm.make_request(
-        user("count with me"),
-        SamplingParams(temperature=0, max_tokens=12,
-                       stop_token_ids=[base.outputs[0].token_ids[1]]))])[0]
+    by_id = llm.generate(
+        [
+            llm.make_request(
+                user("count with me"),
+                SamplingParams(
+                    temperature=0, max_tokens=12, stop_token_ids=[base.outputs[0].token_ids[1]]
+                ),
+            )
+        ]
+    )[0]
     assert by_id.outputs[0].token_ids == base.outputs[0].token_ids[:2]
     assert by_id.outputs[0].finish_reason == "stop"
     assert_clean(llm)
@@ -122,21 +145,36 @@ def test_bad_input_is_refused_and_nothing_leaks(llm, tiny_llava_dir, tmp_path):
     with pytest.raises(ValueError, match="prompt is .* tokens"):
         engine.add_request(too_long)
     good = llm.make_request(user("look", photo("astronaut")), SamplingParams(), request_id="g")
-    extra = EngineRequest("extra", good.prompt_token_ids, SamplingParams(),
-                          images=good.images * 2)
+    extra = EngineRequest("extra", good.prompt_token_ids, SamplingParams(), images=good.images * 2)
     with pytest.raises(ValueError, match="placeholder"):
         engine.add_request(extra)
     missing = EngineRequest("missing", good.prompt_token_ids, SamplingParams(), images=[])
     with pytest.raises(ValueError, match="more images than placeholders or the reverse"):
         engine.add_request(missing)
     with pytest.raises(ValueError, match="image_url must be a data: URL"):
-        llm.make_request([{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]}],
-            SamplingParams())
+        llm.make_request(
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+                    ],
+                }
+            ],
+            SamplingParams(),
+        )
     with pytest.raises(ValueError):
-        llm.make_request([{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
-            SamplingParams())
+        llm.make_request(
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+                    ],
+                }
+            ],
+            SamplingParams(),
+        )
     with pytest.raises(ValueError, match="messages"):
         llm.make_request([], SamplingParams())
     with pytest.raises(ValueError):
@@ -163,16 +201,18 @@ def test_async_streaming_and_disconnect(tiny_llava_dir, llm):
     async_llm = AsyncLLM(engine=llm.engine)
 
     async def scenario():
-        req = llm.make_request(user("stream this"), SamplingParams(temperature=0, max_tokens=10),
-                               request_id="s1")
+        req = llm.make_request(
+            user("stream this"), SamplingParams(temperature=0, max_tokens=10), request_id="s1"
+        )
         deltas, last = [], None
         async for out in async_llm.generate(req):
             deltas.append(out.outputs[0].text_delta)
             last = out
         assert last.finished and "".join(deltas) == last.outputs[0].text
         # A client that goes away mid-stream: the request is aborted, its blocks freed.
-        req2 = llm.make_request(user(long_text(50)), SamplingParams(temperature=0, max_tokens=50),
-                                request_id="s2")
+        req2 = llm.make_request(
+            user(long_text(50)), SamplingParams(temperature=0, max_tokens=50), request_id="s2"
+        )
         async for out in async_llm.generate(req2):
             if out.outputs[0].token_ids:
                 break
@@ -198,17 +238,29 @@ def test_generate_cli(tiny_llava_dir, tmp_path):
 
     lines = [
         {"messages": user("hello there"), "max_tokens": 5, "temperature": 0},
-        {"messages": [{"role": "user", "content": [
-            {"type": "text", "text": "what is it?"},
-            {"type": "image_url", "image_url": {"url": data_url(photo("coffee"))}}]}],
-         "max_tokens": 4, "temperature": 0, "n": 2, "seed": 3},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is it?"},
+                        {"type": "image_url", "image_url": {"url": data_url(photo("coffee"))}},
+                    ],
+                }
+            ],
+            "max_tokens": 4,
+            "temperature": 0,
+            "n": 2,
+            "seed": 3,
+        },
         {"messages": "not a list"},
     ]
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     outp = tmp_path / "out.jsonl"
-    status = cli_main(["generate", "--model", tiny_llava_dir, "--input", str(inp),
-                       "--output", str(outp)])
+    status = cli_main(
+        ["generate", "--model", tiny_llava_dir, "--input", str(inp), "--output", str(outp)]
+    )
     results = [json.loads(x) for x in outp.read_text().splitlines()]
     assert status == 1  # the third line is invalid
     assert [r["index"] for r in results] == [0, 1, 2]

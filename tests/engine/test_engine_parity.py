@@ -37,13 +37,13 @@ def to_hf_messages(messages):
 
 def llava_batch():
     astro, cat, coffee = photo("astronaut"), photo("chelsea"), photo("coffee")
-    shared = long_text(420, seed=1)
+    shared = long_text(225, seed=1)
     return [
         (user("hi"), 6),
         (user(shared + " first question?"), 12),
         (user("what is this?", astro), 9),
         (user("compare", astro, "with", cat), 15),
-        (user(cat, long_text(250, seed=2)), 7),
+        (user(cat, long_text(120, seed=2)), 7),
         (user(long_text(60, seed=3)), 20),
         (user(shared + " second question, different"), 11),
         (user("and this one?", coffee, "again", astro), 4),
@@ -52,13 +52,13 @@ def llava_batch():
 
 
 def text_batch():
-    shared = long_text(450, seed=4)
+    shared = long_text(235, seed=4)
     return [
         ([{"role": "user", "content": "hello"}], 8),
         ([{"role": "user", "content": shared + " tell me more"}], 16),
         ([{"role": "user", "content": long_text(30, seed=5)}], 5),
         ([{"role": "user", "content": shared + " and then?"}], 12),
-        ([{"role": "user", "content": long_text(200, seed=6)}], 20),
+        ([{"role": "user", "content": long_text(100, seed=6)}], 20),
         ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}], 9),
         ([{"role": "user", "content": long_text(90, seed=7)}], 3),
         ([{"role": "user", "content": long_text(8, seed=8)}], 14),
@@ -73,7 +73,7 @@ def hf_greedy(model, processor, messages, max_tokens, multimodal):
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
     prompt = inputs["input_ids"][0].tolist()
-    return prompt, out[0, len(prompt):].tolist()
+    return prompt, out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +116,7 @@ def config(model_dir, **kw):
 def test_oracle_batch_has_the_required_spread(llava_oracle, text_oracle):
     for oracle in (llava_oracle, text_oracle):
         lengths = [len(p) for p, _ in oracle]
-        assert min(lengths) <= 40 and max(lengths) >= 600
+        assert min(lengths) <= 40 and 550 <= max(lengths) <= 700
         assert len(oracle) >= 8
 
 
@@ -145,9 +145,14 @@ def test_llava_parity_with_prefix_cache_hits(tiny_llava_dir, llava_oracle):
 
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
 def test_llava_parity_under_preemption(tiny_llava_dir, llava_oracle, policy):
-    llm = LLM(config(tiny_llava_dir, num_kv_blocks=48, preemption=policy))
+    # 42 blocks hold the longest request (589 + 15 tokens) but not the batch; small chunks
+    # keep several prefills in flight, so decodes run out of blocks and preempt.
+    llm = LLM(
+        config(tiny_llava_dir, num_kv_blocks=42, max_num_batched_tokens=96, preemption=policy)
+    )
     check(run_batch(llm, llava_batch()), llava_oracle)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions >= 3
+    assert (llm.engine.scheduler.num_swapped_out > 0) == (policy == "swap")
     assert llm.engine.kv.pool.num_used == 0
 
 
@@ -155,9 +160,11 @@ def test_llava_parity_under_preemption(tiny_llava_dir, llava_oracle, policy):
 def test_text_parity(tiny_text_dir, text_oracle, variant):
     kw = {}
     if variant == "chunked-preempt":
-        kw = {"max_num_batched_tokens": 40, "num_kv_blocks": 45}
+        kw = {"max_num_batched_tokens": 40, "num_kv_blocks": 42}
     llm = LLM(config(tiny_text_dir, **kw))
     check(run_batch(llm, text_batch()), text_oracle)
+    if variant == "chunked-preempt":
+        assert llm.engine.scheduler.num_preemptions > 0
     second = run_batch(llm, text_batch(), tag="again")
     check(second, text_oracle)
     assert any(o.num_cached_tokens > 0 for o in second)

@@ -49,7 +49,9 @@ def decode(manager, req, token):
     req.tokens.append(token)
     req.hasher.extend([token])
     alloc = manager.allocate_slots(
-        req.request_id, 1, num_computed_tokens=req.num_computed,
+        req.request_id,
+        1,
+        num_computed_tokens=req.num_computed,
         block_hashes=req.hasher.block_hashes,
     )
     if alloc is not None:
@@ -164,10 +166,14 @@ def test_allocation_that_does_not_fit_changes_nothing():
         (dict(lora_digest="adapter-1"), dict()),
         (dict(cache_salt="tenant-a"), dict(cache_salt="tenant-b")),
         (dict(cache_salt="tenant-a"), dict()),
-        (dict(placeholders=[MMPlaceholder("img-1", 0, 6)]),
-         dict(placeholders=[MMPlaceholder("img-2", 0, 6)])),
-        (dict(placeholders=[MMPlaceholder("img-1", 0, 6)]),
-         dict(placeholders=[MMPlaceholder("img-1", 1, 6)])),
+        (
+            dict(placeholders=[MMPlaceholder("img-1", 0, 6)]),
+            dict(placeholders=[MMPlaceholder("img-2", 0, 6)]),
+        ),
+        (
+            dict(placeholders=[MMPlaceholder("img-1", 0, 6)]),
+            dict(placeholders=[MMPlaceholder("img-1", 1, 6)]),
+        ),
     ],
     ids=["adapter", "adapter-vs-base", "salt", "salt-vs-none", "image-key", "image-offset"],
 )
@@ -232,8 +238,13 @@ def test_fork_and_copy_on_write():
     parent = make_request("p", list(range(6)))  # block 0 full, block 1 partial (2 tokens)
     schedule(m, parent)
     m.fork("p", "c")
-    child = Req("c", list(parent.tokens), parent.hasher.fork(), BlockTable(BS, parent.table),
-                parent.num_computed)
+    child = Req(
+        "c",
+        list(parent.tokens),
+        parent.hasher.fork(),
+        BlockTable(BS, parent.table),
+        parent.num_computed,
+    )
     assert m.get_block_ids("c") == [0, 1]
     assert ref_counts(m)[:2] == [2, 2]
     # The child writes first into the shared partial block: it gets a copy.

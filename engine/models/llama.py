@@ -1,0 +1,253 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+
+One forward runs one engine step: the step's tokens of every sequence, flattened to ``[T]``
+(prefill chunks and decodes mixed). Each attention layer hands its new K/V and its queries to
+the attention backend, which writes K/V into the layer's paged cache through
+``meta.slot_mapping`` and attends through ``meta.block_tables``; nothing else holds K/V.
+
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` (``model.layers.N.self_attn.q_proj``
+and so on); the seven projections stay separate ``nn.Linear`` modules, which is where per-token
+LoRA deltas attach (see :meth:`LlamaForCausalLM.lora_targets`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.models.config import DecoderConfig
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with rotary embedding, reading K/V through block tables.
+
+    Args:
+        config: The decoder config.
+        layer_idx: Index of this layer (selects its sliding window).
+    """
+
+    def __init__(self, config: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_windows[layer_idx]
+        hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Attend the step's tokens over their sequences' cached context.
+
+        Args:
+            x: ``[T, hidden]`` normed hidden states.
+            cos: ``[T, head_dim]`` rotary cosines of the tokens' positions.
+            sin: ``[T, head_dim]`` rotary sines.
+            kv_cache: This layer's ``(key_cache, value_cache)``, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]``; written in place.
+            meta: The step's attention metadata.
+            backend: The attention implementation.
+
+        Returns:
+            ``[T, hidden]``.
+        """
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        key_cache, value_cache = kv_cache
+        out = backend.forward(
+            q, k, v, key_cache, value_cache, meta, self.scale, sliding_window=self.sliding_window
+        )
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``.
+
+    Args:
+        config: The decoder config.
+        layer_idx: Index of this layer.
+    """
+
+    def __init__(self, config: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """``[T, hidden] -> [T, hidden]``; see :meth:`LlamaAttention.forward` for the rest."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (Hugging Face's ``model.*``).
+
+    Args:
+        config: The decoder config.
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.rope_inv_freq, config.rope_attention_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM over the paged KV cache.
+
+    Args:
+        config: The decoder config.
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head`` share the embedding matrix (call again after loading)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # Properties the model runner sizes the KV pool and the batch with.
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers (one ``(k_cache, v_cache)`` pair each)."""
+        return self.config.num_layers
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads."""
+        return self.config.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads per layer."""
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head size."""
+        return self.config.head_dim
+
+    @property
+    def hidden_size(self) -> int:
+        """Model width."""
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits."""
+        return self.config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """The model's longest context."""
+        return self.config.max_position_embeddings
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the weights and activations."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the weights."""
+        return self.model.embed_tokens.weight.device
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: ``[T] -> [T, hidden]``."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids (ignored when ``inputs_embeds`` is given).
+            positions: ``[T]`` int64 absolute position of each token in its sequence.
+            kv_caches: One ``(key_cache, value_cache)`` per layer, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]``; this step's K/V are
+                written into them at ``meta.slot_mapping``.
+            meta: The step's attention metadata (flattened sequences).
+            backend: The attention implementation.
+            inputs_embeds: ``[T, hidden]`` embeddings to use instead of ``input_ids`` (image
+                features already spliced in at the image-token positions).
+
+        Returns:
+            ``[T, hidden]`` final-normed hidden states (feed the rows to sample from to
+            :meth:`compute_logits`).
+        """
+        if input_ids is None and inputs_embeds is None:
+            raise ValueError("pass input_ids or inputs_embeds")
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} KV cache pairs, got {len(kv_caches)}")
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta, backend)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32 logits."""
+        return self.lm_head(hidden_states).float()
+
+    def lora_targets(self) -> Iterator[tuple[int, str, nn.Linear]]:
+        """The projections LoRA deltas attach to, as ``(layer_idx, name, module)``.
+
+        ``name`` is Hugging Face's (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
+        ``gate_proj``, ``up_proj``, ``down_proj``), as PEFT's ``target_modules`` names them.
+        """
+        for i, layer in enumerate(self.model.layers):
+            for name in ATTENTION_PROJECTIONS:
+                yield i, name, getattr(layer.self_attn, name)
+            for name in MLP_PROJECTIONS:
+                yield i, name, getattr(layer.mlp, name)

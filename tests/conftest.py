@@ -1,0 +1,32 @@
+"""Suite-wide set-up: the Triton interpreter on CPU, and the tiny models, made once a session."""
+
+import os
+
+# Must be set before any @triton.jit is imported (the kernels issue runs Triton on CPU).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from engine.tiny_model import init_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory):
+    """The built-in tiny LLaVA (seed 0), as a Hugging Face directory."""
+    return init_tiny(tmp_path_factory.mktemp("tiny") / "llava", seed=0)
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory):
+    """The built-in tiny text-only Llama (seed 0)."""
+    return init_tiny(tmp_path_factory.mktemp("tiny") / "text", seed=0, text_only=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(llava_dir):
+    return str(llava_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_dir(text_dir):
+    return str(text_dir)

@@ -1,0 +1,63 @@
+"""Session fixtures: the tiny models (made once), their transformers twins, test images."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from engine.models import load_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """These models are tiny: intra-op threads only spin (several times the CPU time)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def ours_llava(llava_dir):
+    return load_model(llava_dir, torch.float32, "cpu")[0]
+
+
+@pytest.fixture(scope="session")
+def ours_text(text_dir):
+    return load_model(text_dir, torch.float32, "cpu")[0]
+
+
+@pytest.fixture(scope="session")
+def hf_llava(llava_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_text(text_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def processor(llava_dir):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(llava_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(text_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(text_dir)
+
+
+@pytest.fixture(scope="session")
+def photos():
+    from skimage import data
+
+    return [Image.fromarray(data.astronaut()), Image.fromarray(data.chelsea())]
