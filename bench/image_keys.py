@@ -265,7 +265,9 @@ def main() -> None:
     picked = max(eligible, key=score) if eligible else None
     used = f"pdct f<={ik._MAX_FREQ}"
     print(f"\nselection rule picks: {picked}; hashing.image_keys uses: {used}")
-    if picked != used:
+    if args.quick:
+        print("(quick run: too few images to separate the candidates; the full run decides)")
+    elif picked != used:
         print("NOTE: the rule and the module disagree on this run (see docs/image_keys.md)")
     missed = keep_rate(rows[used][4]["reenc"], rows[used][4]["photos"], per)[1]
     print(f"{used} misses: {[f'{names[i // per]}:{kinds[i % per]}' for i in missed]}")

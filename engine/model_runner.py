@@ -7,6 +7,8 @@ features spliced in at image-placeholder positions, then logits for the sequence
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
@@ -57,6 +59,7 @@ class ModelRunner:
         self.dtype = dtype
         self.vision_cache = vision_cache
         self.num_images_encoded = 0
+        self.last_forward_seconds = 0.0  # model forward + logits of the last step
         shape = (num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
         # One (K, V) pair of [num_blocks, block_size, num_kv_heads, head_dim] per layer.
         self.kv_caches = [
@@ -145,6 +148,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         embeds = self._embed_with_images(ids, sched.scheduled, query_start)
+        t0 = time.perf_counter()
         hidden = self.model(
             None if embeds is not None else ids,
             pos,
@@ -154,9 +158,18 @@ class ModelRunner:
             inputs_embeds=embeds,
         )
         if not sample_rows:
+            self._sync()
+            self.last_forward_seconds = time.perf_counter() - t0
             return None
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden.index_select(0, rows)).float()
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        self._sync()
+        self.last_forward_seconds = time.perf_counter() - t0
+        return logits
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _embed_with_images(
         self, ids: torch.Tensor, scheduled: list[ScheduledSeq], query_start: list[int]

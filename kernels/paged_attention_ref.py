@@ -6,8 +6,9 @@ concatenated, ``query_start_loc`` marks where each sequence's queries begin. Key
 live only in the paged caches and are read through block tables.
 
 Algorithm: PagedAttention (Kwon et al., SOSP 2023, "Efficient Memory Management for Large
-Language Model Serving with PagedAttention"); the reference gathers each sequence's K/V into a
-padded batch and runs masked softmax attention, which is exact but not memory efficient.
+Language Model Serving with PagedAttention"); the reference batches every one-query (decode)
+sequence into one padded call, and runs each multi-query (prefill or chunk) sequence on its own,
+so a long prefill never pads the decodes beside it. Exact, float32, not memory efficient.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def paged_attention_ref(
         seq_lens: ``[B]`` context length of each sequence after this step.
         query_start_loc: ``[B + 1]`` cumulative query counts, ``query_start_loc[-1] == T``.
         scale: Softmax scale, usually ``head_dim ** -0.5``.
-        max_query_len: ``max(q_len)`` (a host int, to size the padded batch).
+        max_query_len: ``max(q_len)`` (a host int; kernels size their grids with it).
         max_seq_len: ``max(seq_lens)`` (a host int).
         sliding_window: Attend to at most this many most recent positions, None for all.
 
@@ -78,51 +79,98 @@ def paged_attention_ref(
         ``[T, num_heads, head_dim]`` in ``query``'s dtype (computed in float32).
     """
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    batch = seq_lens.shape[0]
-    device = query.device
     if num_tokens == 0:
         return query.new_empty(query.shape)
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    if decodes:
+        _decode(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            lens,
+            starts,
+            decodes,
+            scale,
+            sliding_window,
+            out,
+        )
+    for b, n in enumerate(q_lens):
+        if n > 1:
+            _prefill(
+                query,
+                key_cache,
+                value_cache,
+                block_tables[b],
+                lens[b],
+                starts[b],
+                n,
+                scale,
+                sliding_window,
+                out,
+            )
+    return out.to(query.dtype)
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """``[..., length, Hkv, D]`` float32 entries of positions ``[0, length)`` via block tables."""
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    blocks = tables.to(device=cache.device, dtype=torch.long)[..., pos // block_size]
+    slots = blocks * block_size + pos % block_size
+    return cache.view(-1, cache.shape[2], cache.shape[3])[slots].float()
+
+
+def _decode(
+    query, key_cache, value_cache, block_tables, lens, starts, seqs, scale, window, out
+) -> None:
+    """All one-query sequences at once: ``[B, H, 1, D] x [B, H, D, L]`` over padded contexts."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-
-    seq_lens = seq_lens.to(device=device, dtype=torch.long)
-    starts = query_start_loc.to(device=device, dtype=torch.long)
-    q_lens = starts[1:] - starts[:-1]
-    ctx_lens = seq_lens - q_lens  # position of each sequence's first query
-
-    # Gather K/V of positions [0, max_seq_len) per sequence through the block table.
-    kv_pos = torch.arange(max_seq_len, device=device)
-    blocks = block_tables.to(device=device, dtype=torch.long)[:, kv_pos // block_size]
-    slots = blocks * block_size + kv_pos % block_size  # [B, L]
-    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = value_cache.view(-1, num_kv_heads, head_dim)
-    kv_valid = kv_pos[None, :] < seq_lens[:, None]  # [B, L]
-    # Slots past a sequence's length may hold anything (even NaN): zero them, since a masked
-    # probability of 0 times NaN is still NaN.
-    keys = flat_k[slots].float().masked_fill(~kv_valid[:, :, None, None], 0.0)  # [B, L, Hkv, D]
-    values = flat_v[slots].float().masked_fill(~kv_valid[:, :, None, None], 0.0)
-
-    # Pad queries to [B, Qmax, H, D].
-    q_idx = torch.arange(max_query_len, device=device)
-    q_valid = q_idx[None, :] < q_lens[:, None]  # [B, Qmax]
-    token_idx = (starts[:-1, None] + q_idx[None, :]).clamp(max=num_tokens - 1)
-    queries = query.float()[token_idx]  # [B, Qmax, H, D]
-
-    q_pos = ctx_lens[:, None] + q_idx[None, :]  # [B, Qmax]
-    allowed = kv_pos[None, None, :] <= q_pos[:, :, None]  # causal, within the context
-    allowed &= kv_valid[:, None, :]
-    if sliding_window is not None:
-        allowed &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    allowed &= q_valid[:, :, None]
-    allowed[:, :, 0] |= ~q_valid  # padded query rows: attend to one key, dropped below
-
-    # [B, Hkv, group, Qmax, D] x [B, Hkv, 1, D, L] -> [B, Hkv, group, Qmax, L]
-    qh = queries.view(batch, max_query_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    kh = keys.permute(0, 2, 3, 1).unsqueeze(2)
-    scores = torch.matmul(qh, kh) * scale
-    scores = scores.masked_fill(~allowed[:, None, None, :, :], float("-inf"))
+    device = query.device
+    idx = torch.tensor(seqs, device=device)
+    length = max(lens[b] for b in seqs)
+    seq_len = torch.tensor([lens[b] for b in seqs], device=device)
+    rows = torch.tensor([starts[b] for b in seqs], device=device)
+    tables = block_tables.to(device)[idx]
+    pos = torch.arange(length, device=device)
+    valid = pos[None, :] < seq_len[:, None]  # [B, L]
+    if window is not None:
+        valid &= pos[None, :] > seq_len[:, None] - 1 - window
+    # Padded slots may hold anything (even NaN): zero them, since 0 * NaN is NaN.
+    keys = _gather(key_cache, tables, length).masked_fill(~valid[:, :, None, None], 0.0)
+    values = _gather(value_cache, tables, length).masked_fill(~valid[:, :, None, None], 0.0)
+    q = query.index_select(0, rows).float().view(len(seqs), num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", q, keys) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    vh = values.permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, L, D]
-    out = torch.matmul(probs, vh)  # [B, Hkv, group, Qmax, D]
-    out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_query_len, num_heads, head_dim)
-    return out[q_valid].to(query.dtype)
+    res = torch.einsum("bhgl,blhd->bhgd", probs, values)
+    out[rows] = res.reshape(len(seqs), num_heads, head_dim)
+
+
+def _prefill(
+    query, key_cache, value_cache, table, length, start, num_q, scale, window, out
+) -> None:
+    """One sequence's ``num_q`` queries at positions ``[length - num_q, length)``."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    device = query.device
+    keys = _gather(key_cache, table, length)  # [L, Hkv, D]
+    values = _gather(value_cache, table, length)
+    q_pos = torch.arange(length - num_q, length, device=device)
+    k_pos = torch.arange(length, device=device)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    q = query[start : start + num_q].float().view(num_q, num_kv_heads, group, head_dim)
+    scores = torch.einsum("qhgd,lhd->hgql", q, keys) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    res = torch.einsum("hgql,lhd->qhgd", probs, values)
+    out[start : start + num_q] = res.reshape(num_q, num_heads, head_dim)

@@ -1,0 +1,180 @@
+"""Benchmark: offline throughput of loraplex against transformers ``generate`` (same run).
+
+Workload (issue 3): 64 requests, prompts of 64-512 tokens, 64 output tokens each (EOS ignored),
+a shared 256-token system prompt on half of them, greedy, on the ``bench`` preset of the
+built-in text-only model (about 26M parameters). loraplex runs them as one continuous batch;
+transformers runs them as a transformers user would: left-padded batches through
+``generate``. Also reported: the engine's own overhead (share of step time outside the model's
+forward pass), and KV memory waste (slots allocated but not holding a token, over slots
+allocated, averaged over steps), with the prefix cache on and off.
+
+Run: ``python -m bench.throughput [--quick]``. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.request import EngineRequest
+from engine.sampling.params import SamplingParams
+from gateway.settings import data_dir
+
+SYSTEM_TOKENS = 256
+
+
+def model_dir() -> Path:
+    """The bench-preset text model, written once into the data directory."""
+    from engine.tiny_model import init_tiny
+
+    target = data_dir() / "bench" / "tiny-text-bench"
+    if not (target / "config.json").exists():
+        init_tiny(target, seed=0, text_only=True, preset="bench")
+    return target
+
+
+def workload(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of 64-512 tokens; every other one starts with the shared system prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    low = 16  # skip the special tokens
+    system = torch.randint(low, vocab, (SYSTEM_TOKENS,), generator=gen).tolist()
+    prompts = []
+    for i in range(num_requests):
+        length = int(torch.randint(64, 513, (1,), generator=gen))
+        if i % 2 == 0 and length > SYSTEM_TOKENS:
+            unique = torch.randint(low, vocab, (length - SYSTEM_TOKENS,), generator=gen).tolist()
+            prompts.append(system + unique)
+        else:
+            prompts.append(torch.randint(low, vocab, (length,), generator=gen).tolist())
+    return prompts
+
+
+def kv_waste(engine) -> tuple[int, int]:
+    """(allocated slots, slots holding a token) of the pool now; shared blocks count once."""
+    bs = engine.kv.block_size
+    filled: dict[int, int] = {}
+    for seq in engine.scheduler.running:
+        for j, block in enumerate(engine.kv.get_block_ids(seq.seq_id)):
+            held = max(0, min(bs, seq.num_computed_tokens - j * bs))
+            filled[block] = max(filled.get(block, 0), held)
+    return engine.kv.pool.num_used * bs, sum(filled.values())
+
+
+def run_loraplex(path: Path, prompts, output_tokens: int, caching: bool) -> dict[str, float]:
+    llm = LLM(EngineConfig(model=str(path), max_num_seqs=len(prompts),
+                           max_num_batched_tokens=4096, num_kv_blocks=4096,
+                           enable_prefix_caching=caching))
+    engine = llm.engine
+    # Warm-up (allocator, kernels), not timed.
+    llm.generate([EngineRequest("warm", prompts[0][:32], SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True))])
+    engine.step_times.clear()
+    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", list(p), params))
+    allocated = held = 0
+    t0 = time.perf_counter()
+    produced = 0
+    while engine.has_unfinished_requests():
+        a, h = kv_waste(engine)
+        allocated += a
+        held += h
+        for out in engine.step():
+            if out.finished:
+                produced += len(out.outputs[0].token_ids)
+    elapsed = time.perf_counter() - t0
+    step = sum(s for s, _ in engine.step_times)
+    forward = sum(f for _, f in engine.step_times)
+    return {
+        "tokens_per_s": produced / elapsed,
+        "seconds": elapsed,
+        "overhead_fraction": 1 - forward / step,
+        "kv_waste_fraction": 1 - held / allocated if allocated else 0.0,
+        "steps": len(engine.step_times),
+        "hit_rate": engine.kv.stats.hit_rate(),
+    }
+
+
+def run_transformers(path: Path, prompts, output_tokens: int, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def generate(batch):
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, p in enumerate(batch):  # left padding, as for decoder-only generation
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=output_tokens, min_new_tokens=output_tokens,
+                                 pad_token_id=pad)
+        return out.shape[1] - width
+
+    generate(prompts[:2])  # warm-up
+    t0 = time.perf_counter()
+    produced = 0
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        produced += generate(batch) * len(batch)
+    elapsed = time.perf_counter() - t0
+    return {"tokens_per_s": produced / elapsed, "seconds": elapsed, "batch_size": batch_size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 requests, 16 tokens (< 60 s)")
+    args = parser.parse_args()
+    num_requests, output_tokens = (16, 16) if args.quick else (64, 64)
+    hf_batches = [16] if args.quick else [8, 16, 32]
+    torch.manual_seed(0)
+    path = model_dir()
+    from engine.tiny_model import parameter_count
+
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = workload(num_requests, vocab)
+    on = run_loraplex(path, prompts, output_tokens, caching=True)
+    off = run_loraplex(path, prompts, output_tokens, caching=False)
+    hf_runs = [run_transformers(path, prompts, output_tokens, b) for b in hf_batches]
+    hf = max(hf_runs, key=lambda r: r["tokens_per_s"])
+
+    print(f"model {path.name}: {parameter_count(path) / 1e6:.1f}M parameters; "
+          f"{num_requests} requests, {output_tokens} output tokens, torch threads "
+          f"{torch.get_num_threads()}")
+    print(f"{'system':<34}{'tok/s':>10}{'seconds':>10}{'overhead':>10}{'kv waste':>10}")
+    print(f"{'loraplex, prefix cache on':<34}{on['tokens_per_s']:>10.1f}{on['seconds']:>10.2f}"
+          f"{on['overhead_fraction']:>10.3f}{on['kv_waste_fraction']:>10.3f}")
+    print(f"{'loraplex, prefix cache off':<34}{off['tokens_per_s']:>10.1f}{off['seconds']:>10.2f}"
+          f"{off['overhead_fraction']:>10.3f}{off['kv_waste_fraction']:>10.3f}")
+    for r in hf_runs:
+        name = f"transformers generate, batch {r['batch_size']}"
+        print(f"{name:<34}{r['tokens_per_s']:>10.1f}{r['seconds']:>10.2f}")
+    print(json.dumps({
+        "tokens_per_s": round(on["tokens_per_s"], 1),
+        "ratio_vs_transformers": round(on["tokens_per_s"] / hf["tokens_per_s"], 2),
+        "overhead_fraction": round(on["overhead_fraction"], 3),
+        "kv_waste_fraction": round(on["kv_waste_fraction"], 4),
+        "prefix_hit_rate": round(on["hit_rate"], 3),
+        "tokens_per_s_no_prefix_cache": round(off["tokens_per_s"], 1),
+        "ratio_vs_transformers_no_prefix_cache": round(off["tokens_per_s"] / hf["tokens_per_s"],
+                                                       2),
+        "overhead_fraction_no_prefix_cache": round(off["overhead_fraction"], 3),
+        "kv_waste_fraction_no_prefix_cache": round(off["kv_waste_fraction"], 4),
+        "transformers_tokens_per_s": round(hf["tokens_per_s"], 1),
+        "transformers_batch_size": hf["batch_size"],
+        "requests": num_requests,
+        "output_tokens": output_tokens,
+    }))
+
+
+if __name__ == "__main__":
+    main()
