@@ -268,3 +268,66 @@ def test_generate_cli(tiny_llava_dir, tmp_path):
     assert results[0]["outputs"][0]["finish_reason"] in ("length", "stop")
     assert results[0]["prompt_token_ids"] and results[0]["cached_tokens"] == 0
     assert "error" in results[2] and "messages" in results[2]["error"]["message"]
+
+
+def test_vision_cache_is_scoped_by_salt(llm):
+    engine = llm.engine
+    img = photo("rocket")
+    sampling = SamplingParams(temperature=0, max_tokens=2)
+    before = engine.runner.num_images_encoded
+    for salt in ("tenant-a", "tenant-a", "tenant-b"):
+        llm.generate([llm.make_request(user("what?", img), sampling, cache_salt=salt)])
+    # Encoded once for tenant-a (the second request reuses it), once again for tenant-b.
+    assert engine.runner.num_images_encoded - before == 2
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reduced_precision_runs(tiny_text_dir, dtype):
+    import torch
+
+    llm = LLM(EngineConfig(model=tiny_text_dir, dtype=dtype, num_kv_blocks=64))
+    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    out = llm.generate(
+        [
+            llm.make_request(
+                [{"role": "user", "content": long_text(30)}],
+                SamplingParams(temperature=0, max_tokens=6),
+            )
+        ]
+    )[0]
+    assert len(out.outputs[0].token_ids) == 6 or out.outputs[0].finish_reason == "stop"
+    assert all(0 <= t < llm.engine.model.vocab_size for t in out.outputs[0].token_ids)
+
+
+def test_default_model_is_created_in_the_data_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path / "data"))
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"messages": user("hi"), "max_tokens": 3, "temperature": 0}) + "\n")
+    status = cli_main(["generate", "--input", str(inp), "--output", str(tmp_path / "o.jsonl")])
+    assert status == 0
+    assert (tmp_path / "data" / "models" / "tiny-llava" / "config.json").exists()
+    assert json.loads((tmp_path / "o.jsonl").read_text())["outputs"][0]["token_ids"]
+
+
+def test_init_tiny_cli(tmp_path, capsys):
+    status = cli_main(["model", "init-tiny", str(tmp_path / "m"), "--seed", "3", "--text-only"])
+    assert status == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["text_only"] is True
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--model",
+                str(tmp_path / "nowhere"),
+                "--input",
+                str(tmp_path / "none.jsonl"),
+                "--output",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 1
+    )

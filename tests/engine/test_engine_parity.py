@@ -37,14 +37,14 @@ def to_hf_messages(messages):
 
 def llava_batch():
     astro, cat, coffee = photo("astronaut"), photo("chelsea"), photo("coffee")
-    shared = long_text(225, seed=1)
+    shared = long_text(520, seed=1)
     return [
         (user("hi"), 6),
         (user(shared + " first question?"), 12),
         (user("what is this?", astro), 9),
         (user("compare", astro, "with", cat), 15),
-        (user(cat, long_text(120, seed=2)), 7),
-        (user(long_text(60, seed=3)), 20),
+        (user(cat, long_text(270, seed=2)), 7),
+        (user(long_text(115, seed=3)), 20),
         (user(shared + " second question, different"), 11),
         (user("and this one?", coffee, "again", astro), 4),
         (user("a rocket", photo("rocket")), 13),
@@ -52,16 +52,16 @@ def llava_batch():
 
 
 def text_batch():
-    shared = long_text(235, seed=4)
+    shared = long_text(510, seed=4)
     return [
         ([{"role": "user", "content": "hello"}], 8),
         ([{"role": "user", "content": shared + " tell me more"}], 16),
-        ([{"role": "user", "content": long_text(30, seed=5)}], 5),
+        ([{"role": "user", "content": long_text(65, seed=5)}], 5),
         ([{"role": "user", "content": shared + " and then?"}], 12),
-        ([{"role": "user", "content": long_text(100, seed=6)}], 20),
+        ([{"role": "user", "content": long_text(230, seed=6)}], 20),
         ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}], 9),
-        ([{"role": "user", "content": long_text(90, seed=7)}], 3),
-        ([{"role": "user", "content": long_text(8, seed=8)}], 14),
+        ([{"role": "user", "content": long_text(200, seed=7)}], 3),
+        ([{"role": "user", "content": long_text(18, seed=8)}], 14),
     ]
 
 
@@ -145,7 +145,7 @@ def test_llava_parity_with_prefix_cache_hits(tiny_llava_dir, llava_oracle):
 
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
 def test_llava_parity_under_preemption(tiny_llava_dir, llava_oracle, policy):
-    # 42 blocks hold the longest request (589 + 15 tokens) but not the batch; small chunks
+    # 42 blocks hold the longest request (605 + 11 tokens) but not the batch; small chunks
     # keep several prefills in flight, so decodes run out of blocks and preempt.
     llm = LLM(
         config(tiny_llava_dir, num_kv_blocks=42, max_num_batched_tokens=96, preemption=policy)

@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine.tiny_model import IMAGE_ID, init_tiny, parameter_count
+from engine.models import tiny_tokenizer
+from engine.models.tiny_tokenizer import corpus, train_tokenizer
+from engine.tiny_model import IMAGE_ID, SPECIAL_TOKENS, init_tiny, parameter_count
+
+# Pins of the built-in tokenizer: ``init-tiny --seed N`` must write the same tokenizer.json on
+# every Python and library version. If a test below fails after an upgrade, the upgrade changed
+# the tokenizer: find out why (and pin the library) rather than update these. Change them only
+# when the corpus or the trainer's settings are changed on purpose.
+CORPUS_SHA256 = "57c7334941fec6bec9be2753ab56f80251f498a4901841433a61ec246146daa3"
+VOCAB_MERGES_SHA256 = "0ee981e48a81395a83e018809bdcd36433b23befd8d676e60f7abdc38b623e34"
+
+
+def sha256_of_corpus(parts):
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def sha256_of_vocab_and_merges(tokenizer_json):
+    model = json.loads(tokenizer_json)["model"]
+    # tokenizers >= 0.20 writes a merge as a pair, older versions as "a b".
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    blob = json.dumps({"vocab": model["vocab"], "merges": merges}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path, llava_dir, text_dir):
@@ -128,3 +153,47 @@ def test_reinit_as_text_only_removes_processor_files(tmp_path):
     init_tiny(d, seed=3, text_only=True)
     assert not (d / "processor_config.json").exists()
     assert not (d / "preprocessor_config.json").exists()
+
+
+def test_corpus_is_pinned_and_needs_no_docstrings():
+    assert sha256_of_corpus(corpus()) == CORPUS_SHA256
+    # An isolated interpreter (-I: no environment, user site or cwd; a random hash seed) with
+    # docstrings stripped (-OO) makes the same corpus: it reads no docstrings, no set order.
+    code = (
+        "import hashlib, importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('tt', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "print(hashlib.sha256('\\x00'.join(module.corpus()).encode()).hexdigest())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-OO", "-c", code, str(Path(tiny_tokenizer.__file__))],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == CORPUS_SHA256
+
+
+def test_tokenizer_is_pinned(llava_dir, text_dir):
+    assert sha256_of_vocab_and_merges(train_tokenizer()) == VOCAB_MERGES_SHA256
+    for directory in (llava_dir, text_dir):
+        written = (directory / "tokenizer.json").read_text()
+        assert sha256_of_vocab_and_merges(written) == VOCAB_MERGES_SHA256
+        added = {t["content"]: t["id"] for t in json.loads(written)["added_tokens"]}
+        assert added == {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+
+
+def test_tokenizer_covers_the_test_text_and_multibyte_characters(tokenizer):
+    vocab = tokenizer.get_vocab()
+    assert len(vocab) == 1024
+    assert {"USER", "ASSISTANT"} <= set(vocab)
+    # The engine tests' filler words (tests/engine/conftest.py::long_text) are one or two tokens.
+    words = (
+        "the cat sat on a warm mat while the quick brown fox jumped over lazy dogs and "
+        "small birds sang songs about rivers mountains stars cities bread honey"
+    ).split()
+    counts = [len(tokenizer.encode(" " + w, add_special_tokens=False)) for w in words]
+    assert max(counts) <= 2 and sum(counts) <= 1.25 * len(words)
+    text = "Café naïve Straße Ωμέγα Москва 日本語 東京 안녕하세요 😀 🐱 👩‍💻 🇫🇷 ok!"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == text
