@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from adapters.errors import AdapterError
+from adapters.manager import LoRAManager
 from engine.attention import get_attention_backend
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from engine.lora import LoRAStepContext, install_lora, target_shapes
 from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.models.loader import load_model
 from engine.processing import load_processor
@@ -50,13 +55,18 @@ class LLMEngine:
 
     Args:
         config: The engine configuration.
+        adapter_loader: ``digest -> LoraAdapter`` for adapters the engine was not handed
+            directly (the gateway's store); adapters added with :meth:`add_lora_dir` are
+            reloaded from their directory when the CPU tier evicted them.
 
     Raises:
         ValueError: an unreadable model directory, an unsupported architecture, or a config
             that cannot hold one sequence of ``max_model_len`` tokens.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, *, adapter_loader: Callable[[str], Any] | None = None
+    ) -> None:
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
         model, hf_config = load_model(config.model, self.dtype, self.device)
@@ -88,6 +98,20 @@ class LLMEngine:
             preemption=config.preemption,
             cpu_pool=CpuBlockPool(num_cpu_blocks) if num_cpu_blocks else None,
         )
+        self.lora_context = LoRAStepContext()
+        self._adapter_dirs: dict[str, str] = {}
+        self._adapter_loader = adapter_loader
+        self.lora_manager = LoRAManager(
+            target_shapes(model),
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            max_rank=config.max_lora_rank,
+            device=self.device,
+            dtype=self.dtype,
+            loader=self._load_adapter,
+        )
+        install_lora(model, self.lora_manager.buffers, self.lora_context)
+        self.scheduler.lora_manager = self.lora_manager
         self.runner = ModelRunner(
             model,
             num_kv_blocks=num_blocks,
@@ -97,6 +121,8 @@ class LLMEngine:
             dtype=self.dtype,
             num_cpu_blocks=num_cpu_blocks,
             vision_cache=VisionCache(config.vision_cache_entries),
+            lora_context=self.lora_context,
+            lora_slot_of=self.lora_manager.slot_of,
         )
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -128,6 +154,8 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         self._check_images(request)
+        if request.lora_digest is not None and not self._known_adapter(request.lora_digest):
+            raise ValueError(f"unknown adapter {request.lora_digest}")
         blocks_needed = -(-min(n_prompt + 1, self.max_model_len) // self.kv.block_size)
         if blocks_needed > self.kv.pool.num_blocks:
             raise ValueError(
@@ -145,6 +173,65 @@ class LLMEngine:
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids), hasher)
         self.requests[rid] = _RequestState(request, [seq])
         self.scheduler.add(seq)
+
+    # ------------------------------------------------------------------------ adapters
+    @property
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """``projection name -> (in_features, out_features)`` an adapter may target."""
+        return {name: shape for (_, name), shape in target_shapes(self.model).items()}
+
+    def add_lora_dir(self, path: str) -> Any:
+        """Validate a PEFT LoRA directory and make it available by its digest.
+
+        Returns:
+            The validated ``LoraAdapter`` (``.digest`` goes in ``EngineRequest.lora_digest``).
+
+        Raises:
+            AdapterError: the adapter is invalid for this model (a ValueError).
+        """
+        adapter = self._read_adapter_dir(path)
+        self._adapter_dirs[adapter.digest] = str(path)
+        self.lora_manager.add(adapter)
+        return adapter
+
+    def add_lora(self, adapter: Any) -> None:
+        """Put an already validated adapter in the CPU tier (hot add)."""
+        self.lora_manager.add(adapter)
+
+    def remove_lora(self, digest: str) -> bool:
+        """Hot remove; refused (False) while a running sequence uses the adapter."""
+        self._adapter_dirs.pop(digest, None)
+        return self.lora_manager.remove(digest)
+
+    def _read_adapter_dir(self, path: str) -> Any:
+        from adapters.validation import load_adapter_dir
+
+        return load_adapter_dir(
+            path,
+            target_shapes=self.lora_shapes,
+            num_layers=self.model.num_layers,
+            max_rank=self.config.max_lora_rank,
+        )
+
+    def _load_adapter(self, digest: str) -> Any:
+        """The LoRA manager's loader: from the registered directory, else the store."""
+        path = self._adapter_dirs.get(digest)
+        if path is not None:
+            adapter = self._read_adapter_dir(path)
+            if adapter.digest != digest:
+                raise AdapterError(f"the adapter at {path} changed on disk")
+            return adapter
+        if self._adapter_loader is not None:
+            return self._adapter_loader(digest)
+        raise AdapterError(f"unknown adapter {digest}")
+
+    def _known_adapter(self, digest: str) -> bool:
+        return (
+            digest in self._adapter_dirs
+            or digest in self.lora_manager.cpu_digests
+            or self.lora_manager.slot_of(digest) is not None
+            or self._adapter_loader is not None
+        )
 
     def _check_images(self, request: EngineRequest) -> None:
         image_token = getattr(self.model, "image_token_id", None)
@@ -228,6 +315,14 @@ class LLMEngine:
         return outputs
 
     def _process(self, sched: SchedulerOutput, logits: torch.Tensor | None) -> list[str]:
+        failed: dict[str, None] = {}
+        for seq in sched.failed:  # the adapter could not be loaded: finished, never ran
+            seq.detokenizer.finish("abort")
+            failed[seq.request.request_id] = None
+        touched = self._sample(sched, logits)
+        return list(dict.fromkeys([*failed, *touched]))
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor | None) -> list[str]:
         rows: list[int] = []
         seqs: list[Sequence] = []
         row = 0

@@ -8,11 +8,13 @@ features spliced in at image-placeholder positions, then logits for the sequence
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.kv_cache import KVCacheManager
+from engine.lora import LoRAStepContext
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.vision_cache import VisionCache
 
@@ -38,6 +40,9 @@ class ModelRunner:
         dtype: KV cache dtype (the model's).
         num_cpu_blocks: Blocks of the CPU swap pool (0: no swap pool).
         vision_cache: Cache of image encodings, None to always encode.
+        lora_context: The step context of the model's LoRA layers (``engine.lora``), None
+            when the model serves no adapters.
+        lora_slot_of: ``adapter digest -> device slot`` (the LoRA manager's).
     """
 
     def __init__(
@@ -51,6 +56,8 @@ class ModelRunner:
         dtype: torch.dtype,
         num_cpu_blocks: int = 0,
         vision_cache: VisionCache | None = None,
+        lora_context: LoRAStepContext | None = None,
+        lora_slot_of: Callable[[str], int | None] | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -58,6 +65,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.vision_cache = vision_cache
+        self.lora_context = lora_context
+        self.lora_slot_of = lora_slot_of
         self.num_images_encoded = 0
         self.last_forward_seconds = 0.0  # model forward + logits of the last step
         shape = (num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
@@ -148,6 +157,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         embeds = self._embed_with_images(ids, sched.scheduled, query_start)
+        self._set_lora(sched.scheduled)
         t0 = time.perf_counter()
         hidden = self.model(
             None if embeds is not None else ids,
@@ -166,6 +176,24 @@ class ModelRunner:
         self._sync()
         self.last_forward_seconds = time.perf_counter() - t0
         return logits
+
+    def _set_lora(self, scheduled: list[ScheduledSeq]) -> None:
+        """Tell the LoRA layers which slot each of the step's tokens uses (-1: base)."""
+        if self.lora_context is None:
+            return
+        slots: list[int] = []
+        for item in scheduled:
+            digest = item.seq.request.lora_digest
+            slot = -1
+            if digest is not None:
+                slot = self.lora_slot_of(digest)
+                if slot is None:  # the scheduler acquired it: a bug if it is not resident
+                    raise RuntimeError(f"adapter {digest} is not resident in a device slot")
+            slots.extend([slot] * item.num_new_tokens)
+        if any(s >= 0 for s in slots):
+            self.lora_context.set_token_slots(slots, self.device)
+        else:
+            self.lora_context.clear()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -10,7 +10,11 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
 2. If nothing was preempted, waiting sequences are admitted first come, first served: prefix
    lookup, then room for as much of the rest as the budget allows (chunked prefill). The first
    one that does not fit stops admission (no overtaking), as does ``max_num_seqs``, and a
-   sequence whose adapter would exceed ``max_loras`` distinct adapters in the step.
+   sequence whose adapter cannot get a device slot (every slot held by running sequences).
+   Admission takes a reference on the adapter's slot, finishing or preemption drops it, so
+   the running sequences, and so every step, never hold more distinct adapters than slots;
+   and since nothing overtakes, requests waiting for a slot are served first come, first
+   served across adapters (no starvation).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.kv_cache import KVCacheManager, SlotAllocation
 from engine.request import Sequence, SequenceStatus
@@ -52,6 +57,7 @@ class SchedulerOutput:
         swap_out: ``(device block, cpu block)`` copies, done first of all.
         swap_in: ``(cpu block, device block)`` copies, done after the swap-outs.
         preempted: Sequences preempted this step.
+        failed: Sequences finished without running (their adapter could not be loaded).
     """
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -59,6 +65,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -67,7 +74,9 @@ class SchedulerOutput:
 
     def is_empty(self) -> bool:
         """True when the step has nothing to run or copy."""
-        return not (self.scheduled or self.swap_out or self.swap_in or self.block_copies)
+        return not (
+            self.scheduled or self.swap_out or self.swap_in or self.block_copies or self.failed
+        )
 
 
 class Scheduler:
@@ -78,6 +87,8 @@ class Scheduler:
         max_num_seqs: Most sequences running at once.
         max_num_batched_tokens: Token budget of a step.
         max_loras: Most distinct adapters in one step.
+        lora_manager: Acquires and releases adapter slots (``adapters.manager.LoRAManager``);
+            None when the engine serves no adapters.
         preemption: ``"recompute"`` or ``"swap"``.
         cpu_pool: The CPU block pool for ``"swap"`` (falls back to recompute when full).
     """
@@ -91,6 +102,7 @@ class Scheduler:
         max_loras: int,
         preemption: str = "recompute",
         cpu_pool: CpuBlockPool | None = None,
+        lora_manager: Any = None,
     ) -> None:
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption policy {preemption!r}")
@@ -100,6 +112,7 @@ class Scheduler:
         self.max_loras = max_loras
         self.preemption = preemption
         self.cpu_pool = cpu_pool
+        self.lora_manager = lora_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swap_tables: dict[str, list[int]] = {}  # seq_id -> CPU blocks of a swapped seq
@@ -114,6 +127,8 @@ class Scheduler:
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
         """Put a forked sequence into the running queue right after its parent."""
+        if seq.request.lora_digest is not None:
+            self.lora_manager.acquire(seq.request.lora_digest)  # resident: the parent holds it
         seq.status = SequenceStatus.RUNNING
         self.running.insert(self.running.index(after) + 1, seq)
 
@@ -122,9 +137,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a sequence out of the queues and release its blocks at once."""
+        """Take a sequence out of the queues and release its blocks (and adapter slot) at once."""
         if seq in self.running:
             self.running.remove(seq)
+            self._release_lora(seq)
         else:
             try:
                 self.waiting.remove(seq)
@@ -173,8 +189,18 @@ class Scheduler:
             lora = seq.request.lora_digest
             if lora is not None and lora not in step_loras and len(step_loras) >= self.max_loras:
                 break
+            if lora is not None:
+                got = self._acquire_lora(seq)
+                if got is None:  # the adapter is gone: fail this request, go on
+                    self.waiting.popleft()
+                    self.finish(seq, "abort")
+                    out.failed.append(seq)
+                    continue
+                if not got:
+                    break
             if seq.swapped:
                 if not self._swap_in(seq, budget, out):
+                    self._release_lora(seq)
                     break
             else:
                 match = self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
@@ -187,6 +213,7 @@ class Scheduler:
                     stat_sources=seq.hasher.stat_sources(),
                 )
                 if alloc is None:
+                    self._release_lora(seq)
                     break
                 seq.num_computed_tokens = match.num_cached_tokens
                 if seq.num_cached_tokens is None:
@@ -199,6 +226,23 @@ class Scheduler:
                 step_loras.add(lora)
             budget -= out.scheduled[-1].num_new_tokens
         return out
+
+    def _acquire_lora(self, seq: Sequence) -> bool | None:
+        """Take a slot for the sequence's adapter.
+
+        Returns:
+            True on success, False when every slot is busy, None when the adapter cannot be
+            loaded (removed, or its files invalid): the reason goes to ``seq.stop_reason``.
+        """
+        try:
+            return self.lora_manager.acquire(seq.request.lora_digest) is not None
+        except ValueError as exc:  # AdapterError
+            seq.stop_reason = str(exc)
+            return None
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.request.lora_digest is not None and self.lora_manager is not None:
+            self.lora_manager.release(seq.request.lora_digest)
 
     def _record(self, out: SchedulerOutput, seq: Sequence, num_new: int, alloc) -> None:
         start = seq.num_computed_tokens
@@ -227,6 +271,7 @@ class Scheduler:
         """Move a running sequence back to the front of the waiting queue."""
         self.num_preemptions += 1
         out.preempted.append(seq)
+        self._release_lora(seq)
         swapped = False
         if self.preemption == "swap" and self.cpu_pool is not None and seq.num_computed_tokens:
             bs = self.kv.block_size

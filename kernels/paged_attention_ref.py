@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+DECODE_GROUP = 16  # decodes batched per call, grouped by context length
+
 
 def reshape_and_cache_ref(
     key: torch.Tensor,
@@ -85,8 +87,10 @@ def paged_attention_ref(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
-    decodes = [b for b, n in enumerate(q_lens) if n == 1]
-    if decodes:
+    # Decodes sorted by context length and batched in groups of similar length, so a short
+    # sequence is not padded to the longest one's context.
+    decodes = sorted((b for b, n in enumerate(q_lens) if n == 1), key=lambda b: lens[b])
+    for i in range(0, len(decodes), DECODE_GROUP):
         _decode(
             query,
             key_cache,
@@ -94,7 +98,7 @@ def paged_attention_ref(
             block_tables,
             lens,
             starts,
-            decodes,
+            decodes[i : i + DECODE_GROUP],
             scale,
             sliding_window,
             out,
@@ -128,29 +132,39 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Ten
 def _decode(
     query, key_cache, value_cache, block_tables, lens, starts, seqs, scale, window, out
 ) -> None:
-    """All one-query sequences at once: ``[B, H, 1, D] x [B, H, D, L]`` over padded contexts."""
+    """One-query sequences at once: whole blocks gathered into ``[B, L, Hkv, D]``.
+
+    ``L`` is the group's longest context rounded up to whole blocks. Positions past a
+    sequence's length (the rest of its last block, padding blocks) are masked out of the
+    softmax, and their values zeroed so even a NaN there cannot leak (0 * NaN).
+    """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     device = query.device
+    block_size = key_cache.shape[1]
+    batch = len(seqs)
+    num_blocks = -(-max(lens[b] for b in seqs) // block_size)
+    length = num_blocks * block_size
     idx = torch.tensor(seqs, device=device)
-    length = max(lens[b] for b in seqs)
     seq_len = torch.tensor([lens[b] for b in seqs], device=device)
     rows = torch.tensor([starts[b] for b in seqs], device=device)
-    tables = block_tables.to(device)[idx]
+    tables = block_tables.to(device=device, dtype=torch.long)[idx, :num_blocks].reshape(-1)
+    keys = key_cache.index_select(0, tables).view(batch, length, num_kv_heads, head_dim)
+    values = value_cache.index_select(0, tables).view(batch, length, num_kv_heads, head_dim)
     pos = torch.arange(length, device=device)
     valid = pos[None, :] < seq_len[:, None]  # [B, L]
+    invalid = (~valid).reshape(-1).nonzero().squeeze(1)
+    values = values.float().view(batch * length, num_kv_heads, head_dim)
+    values = values.index_fill_(0, invalid, 0.0).view(batch, length, num_kv_heads, head_dim)
     if window is not None:
         valid &= pos[None, :] > seq_len[:, None] - 1 - window
-    # Padded slots may hold anything (even NaN): zero them, since 0 * NaN is NaN.
-    keys = _gather(key_cache, tables, length).masked_fill(~valid[:, :, None, None], 0.0)
-    values = _gather(value_cache, tables, length).masked_fill(~valid[:, :, None, None], 0.0)
-    q = query.index_select(0, rows).float().view(len(seqs), num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", q, keys) * scale
+    q = query.index_select(0, rows).float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("blhd,bhgd->bhgl", keys.float(), q) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     res = torch.einsum("bhgl,blhd->bhgd", probs, values)
-    out[rows] = res.reshape(len(seqs), num_heads, head_dim)
+    out[rows] = res.reshape(batch, num_heads, head_dim)
 
 
 def _prefill(

@@ -1,0 +1,215 @@
+"""Parse ``adapter_config.json`` through PEFT's own ``LoraConfig`` and refuse what we cannot serve.
+
+Served: plain LoRA (``y += scale * x @ A.T @ B.T``, ``scale = alpha / r`` or
+``alpha / sqrt(r)`` with rsLoRA) with per-module ``rank_pattern`` / ``alpha_pattern``, list,
+regex or ``"all-linear"`` targets, ``exclude_modules``, ``layers_to_transform`` /
+``layers_pattern``. Refused, each with its own message: other PEFT types, DoRA, biases,
+``modules_to_save``, ``fan_in_fan_out``, LoRA variants that change the forward pass (aLoRA,
+QALoRA, BD-LoRA, Arrow, MonteCLoRA, KaSA, ``lora_bias``, ``layer_replication``,
+``target_parameters``, trainable tokens) and initializations that rewrite the base weights
+(PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA) unless PEFT converted them back to plain LoRA on save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import warnings
+from re import _parser as sre_parse  # type: ignore[attr-defined]
+from typing import Any
+
+from peft import LoraConfig
+
+from adapters.errors import AdapterError
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(LoraConfig))
+# Keys with a truthy value that changes what the adapter computes, and why we refuse them.
+_REFUSED = {
+    "use_dora": "DoRA (use_dora=true) is not supported",
+    "modules_to_save": "modules_to_save is not supported (only LoRA deltas are served)",
+    "fan_in_fan_out": "fan_in_fan_out=true is not supported (Llama projections are nn.Linear)",
+    "lora_bias": "lora_bias=true (a bias on lora_B) is not supported",
+    "use_qalora": "QALoRA (use_qalora=true) is not supported",
+    "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
+    "trainable_token_indices": "trainable_token_indices is not supported",
+    "layer_replication": "layer_replication is not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "arrow_config": "Arrow routing (arrow_config) is not supported",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
+    "monteclora_config": "MonteCLoRA (monteclora_config) is not supported",
+    "kasa_config": "KaSA (kasa_config) is not supported: it rewrites the base weights",
+}
+# init_lora_weights values that leave a residual in the base weights.
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+_REGEX_MAX_LEN = 1000
+
+
+def parse_lora_config(config_bytes: bytes, *, max_rank: int) -> LoraConfig:
+    """Parse and check ``adapter_config.json``.
+
+    Args:
+        config_bytes: The file's bytes (UTF-8 JSON).
+        max_rank: The largest rank served (``--max-lora-rank``).
+
+    Returns:
+        PEFT's ``LoraConfig`` (``target_modules`` a set or a regex string).
+
+    Raises:
+        AdapterError: not a JSON object; ``peft_type`` missing or not LORA; an unsupported
+            feature (see the module docstring); an unknown key with a non-empty value;
+            ``r`` / ``rank_pattern`` values outside ``1..max_rank``; a non-positive or
+            non-finite alpha; ``bias`` other than "none"; no ``target_modules``; a bad or
+            potentially catastrophic regex; anything PEFT's own checks reject.
+    """
+    try:
+        raw = json.loads(config_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"adapter_config.json is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise AdapterError("adapter_config.json must be a JSON object")
+    peft_type = raw.get("peft_type")
+    if peft_type is None:
+        raise AdapterError("adapter_config.json has no peft_type (expected LORA)")
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
+        raise AdapterError(f"peft_type {peft_type!r} is not supported; only LORA adapters are")
+    kwargs = _known_kwargs(raw)
+    for key, reason in _REFUSED.items():
+        if kwargs.get(key):
+            raise AdapterError(reason)
+    if kwargs.get("bias", "none") != "none":
+        raise AdapterError(f"bias={kwargs['bias']!r} is not supported (only 'none')")
+    init = kwargs.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise AdapterError(
+            f"init_lora_weights={init!r} adapters need modified base weights; convert them "
+            "with save_pretrained(path_initial_model_for_weight_conversion=...)"
+        )
+    _check_numbers(kwargs, max_rank)
+    _check_patterns(kwargs)
+    kwargs.pop("runtime_config", None)  # not a saved setting; PEFT drops it too
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = LoraConfig(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - PEFT raises ValueError, TypeError, ImportError
+        raise AdapterError(f"adapter_config.json is not a valid LoRA config: {exc}") from None
+    if not config.target_modules:
+        raise AdapterError("adapter_config.json names no target_modules")
+    return config
+
+
+def _known_kwargs(raw: dict[str, Any]) -> dict[str, Any]:
+    """Drop unknown keys that are empty (a newer PEFT's feature, switched off); refuse others."""
+    unknown = {k: v for k, v in raw.items() if k not in _FIELDS}
+    active = sorted(k for k, v in unknown.items() if v not in (None, False, "", [], {}))
+    if active:
+        raise AdapterError(
+            f"adapter_config.json sets options this server does not know: {', '.join(active)}"
+        )
+    return {k: v for k, v in raw.items() if k in _FIELDS}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_numbers(kwargs: dict[str, Any], max_rank: int) -> None:
+    """Ranks are integers in ``1..max_rank``; alphas are positive finite numbers."""
+    ranks = {"r": kwargs.get("r", 8)}
+    alphas = {"lora_alpha": kwargs.get("lora_alpha", 8)}
+    for name, table in (("rank_pattern", ranks), ("alpha_pattern", alphas)):
+        pattern = kwargs.get(name) or {}
+        if not isinstance(pattern, dict):
+            raise AdapterError(f"{name} must be an object of pattern -> value")
+        table.update({f"{name}[{k!r}]": v for k, v in pattern.items()})
+    for where, r in ranks.items():
+        if not (isinstance(r, int) and not isinstance(r, bool)) or r < 1:
+            raise AdapterError(f"{where} = {r!r} is not a positive integer rank")
+        if r > max_rank:
+            raise AdapterError(f"{where} = {r} exceeds the server's max LoRA rank {max_rank}")
+    for where, alpha in alphas.items():
+        if not _is_number(alpha) or not math.isfinite(alpha) or alpha <= 0:
+            raise AdapterError(f"{where} = {alpha!r} is not a positive number")
+    if not isinstance(kwargs.get("use_rslora", False), bool):
+        raise AdapterError("use_rslora must be true or false")
+
+
+def _check_patterns(kwargs: dict[str, Any]) -> None:
+    """Types of the matching options, and every regex PEFT will run on module names."""
+    targets = kwargs.get("target_modules")
+    if isinstance(targets, str):
+        check_regex(targets, "target_modules")
+    elif targets is not None and not (
+        isinstance(targets, list) and all(isinstance(t, str) for t in targets)
+    ):
+        raise AdapterError("target_modules must be a list of names or a regex string")
+    excluded = kwargs.get("exclude_modules")
+    if isinstance(excluded, str):
+        check_regex(excluded, "exclude_modules")
+    elif excluded is not None and not (
+        isinstance(excluded, list) and all(isinstance(t, str) for t in excluded)
+    ):
+        raise AdapterError("exclude_modules must be a list of names or a regex string")
+    for name in ("rank_pattern", "alpha_pattern"):
+        for key in kwargs.get(name) or {}:
+            check_regex(key, name)
+    layers = kwargs.get("layers_to_transform")
+    if layers is not None and not (
+        (isinstance(layers, int) and not isinstance(layers, bool))
+        or (isinstance(layers, list) and all(isinstance(i, int) for i in layers))
+    ):
+        raise AdapterError("layers_to_transform must be an integer or a list of integers")
+    pattern = kwargs.get("layers_pattern")
+    patterns = [pattern] if isinstance(pattern, str) else pattern
+    if patterns is not None:
+        if not (isinstance(patterns, list) and all(isinstance(p, str) for p in patterns)):
+            raise AdapterError("layers_pattern must be a string or a list of strings")
+        for p in patterns:
+            check_regex(p, "layers_pattern")
+
+
+def check_regex(pattern: str, where: str) -> None:
+    """Refuse a regex that does not compile or could backtrack catastrophically.
+
+    Patterns come from uploads and run on module names, so a nested quantifier such as
+    ``(a+)+`` (star height > 1) is refused outright instead of risking exponential time.
+
+    Raises:
+        AdapterError: a bad, overlong or nested-quantifier pattern.
+    """
+    if len(pattern) > _REGEX_MAX_LEN:
+        raise AdapterError(f"{where} pattern is longer than {_REGEX_MAX_LEN} characters")
+    try:
+        parsed = sre_parse.parse(pattern)
+    except re.error as exc:
+        raise AdapterError(f"{where} pattern {pattern!r} is not a valid regex: {exc}") from None
+    if _star_height(parsed) > 1:
+        raise AdapterError(
+            f"{where} pattern {pattern!r} nests repetitions (e.g. (a+)+), which can take "
+            "exponential time; rewrite it without a repeated group that itself repeats"
+        )
+
+
+def _star_height(items: Any) -> int:
+    """Nesting depth of unbounded repeats (``*``, ``+``, ``{n,}``) in a parsed regex."""
+    height = 0
+    for op, arg in items:
+        name = str(op)
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            low, high, sub = arg
+            inner = _star_height(sub)
+            unbounded = high is sre_parse.MAXREPEAT or high > 1
+            height = max(height, inner + (1 if unbounded else 0))
+        elif name == "SUBPATTERN":
+            height = max(height, _star_height(arg[-1]))
+        elif name == "BRANCH":
+            height = max([height] + [_star_height(b) for b in arg[1]])
+        elif name in ("ASSERT", "ASSERT_NOT"):
+            height = max(height, _star_height(arg[1]))
+        elif name == "ATOMIC_GROUP":
+            height = max(height, _star_height(arg))
+        elif name == "GROUPREF_EXISTS":
+            height = max([height] + [_star_height(b) for b in arg[1:] if b is not None])
+    return height

@@ -1,0 +1,203 @@
+"""The content-addressed adapter store on disk.
+
+::
+
+    root/
+      <digest>/adapter_config.json          # the bytes as uploaded
+      <digest>/adapter_model.safetensors
+      .tmp-<random>/                        # a put in progress (renamed into place when done)
+
+An adapter is validated before anything is written; it is written into a fresh temporary
+directory and renamed to ``root/<digest>`` in one step, so a reader sees a complete adapter or
+none, and a failed validation or write leaves the store as it was. The digest is over what the
+adapter computes (:func:`adapters.validation.adapter_digest`), so re-uploading the same adapter
+reuses the existing entry. Names belong to tenants and are kept by the gateway, not here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from adapters.base_model import BaseModelInfo
+from adapters.errors import AdapterError
+from adapters.validation import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    LoraAdapter,
+    load_adapter_files,
+    read_adapter_dir,
+)
+
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+_TMP_PREFIX = ".tmp-"
+_STALE_TMP_SECONDS = 3600.0
+
+
+class AdapterStore:
+    """Validated adapters on disk, keyed by digest.
+
+    Args:
+        root: The store's directory (created if missing). Temporary directories older than an
+            hour, left by a crash, are removed.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        for path in self.root.glob(_TMP_PREFIX + "*"):
+            try:
+                if now - path.stat().st_mtime > _STALE_TMP_SECONDS:
+                    shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                pass
+
+    def put_files(
+        self,
+        config_bytes: bytes,
+        weights_bytes: bytes,
+        *,
+        target_shapes: dict[str, tuple[int, int]],
+        num_layers: int,
+        max_rank: int,
+        info: BaseModelInfo | None = None,
+    ) -> LoraAdapter:
+        """Validate an adapter and store it (an existing digest is reused).
+
+        Args:
+            config_bytes: ``adapter_config.json``.
+            weights_bytes: ``adapter_model.safetensors``.
+            target_shapes: See :func:`adapters.validation.load_adapter_files`.
+            num_layers: Decoder layers of the served model.
+            max_rank: The largest rank served.
+            info: Optional facts about the served model.
+
+        Returns:
+            The validated adapter.
+
+        Raises:
+            AdapterError: the adapter is invalid; nothing was written.
+            OSError: the disk write failed; nothing was left behind.
+        """
+        adapter = load_adapter_files(
+            config_bytes,
+            weights_bytes,
+            target_shapes=target_shapes,
+            num_layers=num_layers,
+            max_rank=max_rank,
+            info=info,
+        )
+        final = self.root / adapter.digest
+        if final.is_dir():
+            return adapter
+        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=self.root))
+        try:
+            for name, payload in ((CONFIG_NAME, config_bytes), (WEIGHTS_NAME, weights_bytes)):
+                with open(tmp / name, "wb") as f:
+                    f.write(payload)
+                    f.flush()
+                    os.fsync(f.fileno())
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not final.is_dir():  # not a concurrent put of the same adapter
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return adapter
+
+    def put_dir(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        target_shapes: dict[str, tuple[int, int]],
+        num_layers: int,
+        max_rank: int,
+        info: BaseModelInfo | None = None,
+    ) -> LoraAdapter:
+        """Validate a PEFT adapter directory and store it (see :meth:`put_files`).
+
+        Raises:
+            AdapterError: missing or pickle files, or an invalid adapter; nothing was written.
+        """
+        config_bytes, weights_bytes = read_adapter_dir(path)
+        return self.put_files(
+            config_bytes,
+            weights_bytes,
+            target_shapes=target_shapes,
+            num_layers=num_layers,
+            max_rank=max_rank,
+            info=info,
+        )
+
+    def load(
+        self,
+        digest: str,
+        *,
+        target_shapes: dict[str, tuple[int, int]],
+        num_layers: int,
+        max_rank: int,
+        info: BaseModelInfo | None = None,
+    ) -> LoraAdapter:
+        """Read and re-validate a stored adapter.
+
+        Raises:
+            KeyError: no adapter with this digest.
+            AdapterError: the stored files no longer validate or no longer hash to ``digest``.
+        """
+        directory = self._path(digest)
+        if directory is None or not directory.is_dir():
+            raise KeyError(digest)
+        config_bytes, weights_bytes = read_adapter_dir(directory)
+        adapter = load_adapter_files(
+            config_bytes,
+            weights_bytes,
+            target_shapes=target_shapes,
+            num_layers=num_layers,
+            max_rank=max_rank,
+            info=info,
+        )
+        if adapter.digest != digest:
+            raise AdapterError(
+                f"stored adapter {digest} is corrupt: its content hashes differently"
+            )
+        return adapter
+
+    def has(self, digest: str) -> bool:
+        """Whether an adapter with this digest is stored."""
+        directory = self._path(digest)
+        return directory is not None and directory.is_dir()
+
+    def delete(self, digest: str) -> bool:
+        """Remove a stored adapter; False if there was none.
+
+        The directory is renamed out of the way first, so readers never see half of it.
+        """
+        directory = self._path(digest)
+        if directory is None or not directory.is_dir():
+            return False
+        doomed = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=self.root)) / digest
+        try:
+            os.rename(directory, doomed)
+        except FileNotFoundError:  # deleted concurrently
+            shutil.rmtree(doomed.parent, ignore_errors=True)
+            return False
+        shutil.rmtree(doomed.parent, ignore_errors=True)
+        return True
+
+    def digests(self) -> list[str]:
+        """Every stored digest, sorted."""
+        return sorted(
+            p.name for p in self.root.iterdir() if _DIGEST_RE.fullmatch(p.name) and p.is_dir()
+        )
+
+    def _path(self, digest: str) -> Path | None:
+        """``root/<digest>``, or None for anything that is not a lowercase hex SHA-256."""
+        if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+            return None
+        return self.root / digest

@@ -1,0 +1,172 @@
+"""Per-request LoRA deltas in one batch (Punica / S-LoRA semantics), plain-torch implementation.
+
+Every token of a step carries the device slot of its request's adapter (-1: the base model).
+Each targeted projection adds, for token ``i`` with slot ``s = token_slots[i]``::
+
+    y[i] += scale[s] * (x[i] @ A[s].T) @ B[s].T          (shrink, then expand)
+
+with the stacked slot buffers ``A: [max_loras, max_rank, in]`` and ``B: [max_loras, out,
+max_rank]`` (ranks below ``max_rank`` are zero-padded; the slot's own rank is sliced off so
+padding costs nothing). Tokens are grouped by slot once per step, so the work is one shrink and
+one expand per distinct adapter and projection, never a Python loop per token. The Triton
+shrink/expand (a later issue) drops in behind :func:`add_lora`.
+
+Source: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), SGMV semantics
+``y[s[i]:s[i+1]] += x @ A.T @ B.T``; Sheng et al., "S-LoRA" (MLSys 2024).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LoRASlotBuffers:
+    """The stacked device weights of one targeted projection, shared with the LoRA manager.
+
+    Attributes:
+        lora_a: ``[max_loras, max_rank, in_features]``.
+        lora_b: ``[max_loras, out_features, max_rank]``.
+        scales: ``[max_loras]`` float32: ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA),
+            0 where the slot's adapter does not target this projection.
+        ranks: Host list, the rank of each slot's adapter for this projection (0: none).
+    """
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scales: torch.Tensor
+    ranks: list[int]
+
+
+@dataclass
+class LoRAStepContext:
+    """The step's token-to-slot mapping, set by the model runner before each forward pass.
+
+    Attributes:
+        groups: ``(slot, token indices [n] int64)`` for every adapter slot in the step; empty
+            when no token uses an adapter (then the LoRA layers cost nothing).
+    """
+
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def set_token_slots(self, token_slots: list[int], device: torch.device) -> None:
+        """Group the step's tokens by slot (``token_slots[i]`` = slot of token ``i``, -1 none)."""
+        by_slot: dict[int, list[int]] = {}
+        for i, s in enumerate(token_slots):
+            if s >= 0:
+                by_slot.setdefault(s, []).append(i)
+        self.groups = [
+            (s, torch.tensor(idx, dtype=torch.long, device=device)) for s, idx in by_slot.items()
+        ]
+
+    def clear(self) -> None:
+        """No adapter in the step."""
+        self.groups = []
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    buffers: LoRASlotBuffers,
+    groups: Iterable[tuple[int, torch.Tensor]],
+) -> torch.Tensor:
+    """Add every token's LoRA delta to a projection's output, in place.
+
+    Args:
+        y: ``[T, out]`` the base projection's output.
+        x: ``[T, in]`` its input.
+        buffers: The projection's stacked slot weights.
+        groups: ``(slot, token indices)`` pairs (see :class:`LoRAStepContext`).
+
+    Returns:
+        ``y``, with ``y[i] += scale[s] * (x[i] @ A[s, :r].T) @ B[s, :, :r].T`` for each token.
+    """
+    for slot, idx in groups:
+        rank = buffers.ranks[slot]
+        if rank == 0:
+            continue
+        a = buffers.lora_a[slot, :rank]  # [r, in]
+        b = buffers.lora_b[slot, :, :rank]  # [out, r]
+        h = x.index_select(0, idx) @ a.T  # shrink: [n, r]
+        delta = (h @ b.T) * buffers.scales[slot]  # expand: [n, out]
+        y.index_add_(0, idx, delta.to(y.dtype))
+    return y
+
+
+class LoRALinear(nn.Module):
+    """A base ``nn.Linear`` plus the per-token LoRA delta of the step's adapters.
+
+    Args:
+        base: The projection (its weights stay as loaded).
+        buffers: This projection's stacked slot weights.
+        context: The step context shared by every LoRA layer of the model.
+    """
+
+    def __init__(self, base: nn.Linear, buffers: LoRASlotBuffers, context: LoRAStepContext):
+        super().__init__()
+        self.base = base
+        self.buffers = buffers
+        self.context = context
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base weight (``[out, in]``)."""
+        return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        """The base projection's input size."""
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        """The base projection's output size."""
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, in] -> [T, out]``: base projection plus LoRA deltas."""
+        y = self.base(x)
+        if self.context.groups:
+            add_lora(y, x, self.buffers, self.context.groups)
+        return y
+
+
+def install_lora(
+    model: nn.Module, buffers: dict[tuple[int, str], LoRASlotBuffers], context: LoRAStepContext
+) -> int:
+    """Replace the model's LoRA targets (``model.lora_targets()``) with :class:`LoRALinear`.
+
+    Args:
+        model: A model from ``engine.models``.
+        buffers: Slot buffers per ``(layer_idx, projection name)``.
+        context: The step context the runner sets before each forward pass.
+
+    Returns:
+        The number of projections wrapped.
+
+    Raises:
+        KeyError: a target has no buffers.
+    """
+    parents = {
+        id(child): (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+    }
+    count = 0
+    for layer_idx, name, linear in list(model.lora_targets()):
+        parent, attr = parents[id(linear)]
+        setattr(parent, attr, LoRALinear(linear, buffers[(layer_idx, name)], context))
+        count += 1
+    return count
+
+
+def target_shapes(model: nn.Module) -> dict[tuple[int, str], tuple[int, int]]:
+    """``(layer_idx, name) -> (in_features, out_features)`` of every LoRA target."""
+    return {
+        (layer, name): (lin.in_features, lin.out_features)
+        for layer, name, lin in model.lora_targets()
+    }

@@ -1,0 +1,127 @@
+"""Real PEFT adapters made against the tiny models, and the served-model facts to validate them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from adapters.base_model import base_model_info, num_layers_from_config, target_shapes_from_config
+from adapters.errors import AdapterError
+from adapters.store import AdapterStore
+
+MAX_RANK = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def text_base(text_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def llava_base(llava_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
+
+
+def served(model_dir) -> dict:
+    """The keyword arguments validation takes for a served model directory."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return {
+        "target_shapes": target_shapes_from_config(config),
+        "num_layers": num_layers_from_config(config),
+        "max_rank": MAX_RANK,
+        "info": base_model_info(config, names=("tiny", str(model_dir))),
+    }
+
+
+@pytest.fixture(scope="session")
+def text_kw(text_dir):
+    return served(text_dir)
+
+
+@pytest.fixture(scope="session")
+def llava_kw(llava_dir):
+    return served(llava_dir)
+
+
+def make_adapter(base, out_dir: Path, *, seed: int = 0, safe: bool = True, **lora_kwargs):
+    """Wrap a copy of ``base`` with PEFT, randomize every LoRA tensor, save it.
+
+    Returns:
+        ``(out_dir, PEFT's state dict, the PeftModel)``.
+    """
+    with warnings.catch_warnings():  # transformers' deprecation notes, PEFT's embedding notice
+        warnings.simplefilter("ignore")
+        model = get_peft_model(copy.deepcopy(base), LoraConfig(**lora_kwargs))
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:  # PEFT initializes lora_B to zero
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        model.save_pretrained(str(out_dir), safe_serialization=safe)
+        return Path(out_dir), get_peft_model_state_dict(model), model
+
+
+def edit_config(adapter_dir: Path, **changes) -> Path:
+    """Rewrite keys of ``adapter_config.json`` in place (None deletes a key)."""
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    return adapter_dir
+
+
+def edit_tensors(adapter_dir: Path, fn) -> Path:
+    """Replace the weights with ``fn(dict of tensors)``'s result."""
+    path = adapter_dir / "adapter_model.safetensors"
+    tensors = fn(load_file(str(path)))
+    tensors = {k: v.clone().contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return adapter_dir
+
+
+def store_snapshot(store: AdapterStore) -> list[str]:
+    """Every path under the store's root (to show a refusal changed nothing)."""
+    return sorted(
+        os.path.relpath(os.path.join(d, f), store.root)
+        for d, dirs, files in os.walk(store.root)
+        for f in dirs + files
+    )
+
+
+def assert_refused(store: AdapterStore, adapter, kw: dict, match: str) -> AdapterError:
+    """``adapter`` (a directory or ``(config_bytes, weights_bytes)``) is refused, store intact."""
+    before = store_snapshot(store)
+    with pytest.raises(AdapterError, match=match) as info:
+        if isinstance(adapter, tuple):
+            store.put_files(*adapter, **kw)
+        else:
+            store.put_dir(adapter, **kw)
+    assert store_snapshot(store) == before
+    return info.value
