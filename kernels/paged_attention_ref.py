@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-DECODE_GROUP = 16  # decodes batched per call, grouped by context length
+DECODE_GROUP = 8  # decodes batched per call, grouped by context length
 
 
 def reshape_and_cache_ref(
@@ -160,10 +160,11 @@ def _decode(
     if window is not None:
         valid &= pos[None, :] > seq_len[:, None] - 1 - window
     q = query.index_select(0, rows).float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("blhd,bhgd->bhgl", keys.float(), q) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    res = torch.einsum("bhgl,blhd->bhgd", probs, values)
+    # Strided matmuls over [B, Hkv, L, D] views (einsum measured 2-4x slower here).
+    scores = torch.matmul(keys.float().permute(0, 2, 1, 3), q.transpose(2, 3)) * scale
+    scores = scores.masked_fill(~valid[:, None, :, None], float("-inf"))  # [B, Hkv, L, G]
+    probs = torch.softmax(scores, dim=2)
+    res = torch.matmul(probs.transpose(2, 3), values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
     out[rows] = res.reshape(batch, num_heads, head_dim)
 
 
@@ -183,8 +184,9 @@ def _prefill(
     if window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - window
     q = query[start : start + num_q].float().view(num_q, num_kv_heads, group, head_dim)
-    scores = torch.einsum("qhgd,lhd->hgql", q, keys) * scale
+    q = q.permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
+    scores = torch.matmul(q, keys.permute(1, 2, 0).unsqueeze(1)) * scale  # [Hkv, G, Q, L]
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    res = torch.einsum("hgql,lhd->qhgd", probs, values)
-    out[start : start + num_q] = res.reshape(num_q, num_heads, head_dim)
+    res = torch.matmul(probs, values.permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, Q, D]
+    out[start : start + num_q] = res.permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)

@@ -50,11 +50,16 @@ def run(args: argparse.Namespace) -> int:
     lines = [ln for ln in Path(args.input).read_text().splitlines() if ln.strip()]
     llm = LLM(config_from_args(args, resolve_model(args.model, data_dir(args.data_dir))))
     requests, results = [], {}
+    adapters: dict[str, str] = {}  # PEFT directory -> digest
     for i, line in enumerate(lines):
         try:
             obj = parse_line(line, i + 1)
+            lora_digest = None
             if obj.get("adapter"):
-                raise ValueError(f"line {i + 1}: LoRA adapters are not supported by this build yet")
+                path = str(obj["adapter"])
+                if path not in adapters:
+                    adapters[path] = llm.engine.add_lora_dir(path).digest
+                lora_digest = adapters[path]
             sampling = SamplingParams(
                 n=obj.get("n") or 1,
                 max_tokens=obj.get("max_tokens") or 16,
@@ -63,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
                 seed=obj.get("seed"),
             )
             sampling.validate()
-            req = llm.make_request(obj["messages"], sampling, request_id=f"line-{i}")
+            req = llm.make_request(
+                obj["messages"], sampling, lora_digest=lora_digest, request_id=f"line-{i}"
+            )
             llm.engine.add_request(req)
             requests.append((i, req))
         except (ValueError, TypeError) as exc:
