@@ -88,6 +88,27 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(("abort", rid))
 
+    async def add_lora(self, adapter: Any) -> None:
+        """Hot-add a validated adapter (runs on the engine thread between steps)."""
+        await self._call(self.engine.add_lora, adapter)
+
+    async def remove_lora(self, digest: str) -> bool:
+        """Hot-remove an adapter; False (nothing changes) while a running sequence uses it.
+
+        Requests already waiting for it fail cleanly when admitted (finish reason
+        ``"abort"``); no request ever switches adapter.
+        """
+        return await self._call(self.engine.remove_lora, digest)
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the engine thread, between steps."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", (fn, args, loop, future)))
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Abort a request (its stream ends with finish reason ``"abort"``)."""
         self._commands.put(("abort", request_id))
@@ -132,6 +153,13 @@ class AsyncLLM:
                     self.engine.add_request(arg)
                 except ValueError as exc:
                     self._deliver(arg.request_id, exc)
+            elif cmd == "call":
+                fn, args, loop, future = arg
+                try:
+                    result, error = fn(*args), None
+                except Exception as exc:  # handed to the caller
+                    result, error = None, exc
+                loop.call_soon_threadsafe(_settle, future, result, error)
             elif cmd == "abort":
                 out = self.engine.abort_request(arg)
                 if out is not None:
@@ -164,3 +192,12 @@ class AsyncLLM:
                 pending = list(self._streams)
             for rid in pending:
                 self._deliver(rid, EngineDeadError(str(self._dead)))
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -226,3 +226,46 @@ def test_slots_bound_each_step_and_waiting_adapters_keep_fifo(tiny_llava_dir, ad
     assert first_seen["A1"] < first_seen["B1"] <= first_seen["A2"]
     assert first_seen["base"] >= first_seen["A2"]
     assert engine.lora_manager.slots_in_use == 0 and engine.kv.pool.num_used == 0
+
+
+def test_hot_add_and_remove_while_serving(tiny_llava_dir, adapter_dirs):
+    import asyncio
+
+    from engine.async_llm import AsyncLLM
+
+    llm = LLM(EngineConfig(model=tiny_llava_dir, max_lora_rank=16))
+    adapter = llm.engine._read_adapter_dir(adapter_dirs["mlp-r8"])
+    async_llm = AsyncLLM(engine=llm.engine)
+
+    async def scenario():
+        await async_llm.add_lora(adapter)
+        req = llm.make_request(
+            user(long_text(20)),
+            SamplingParams(temperature=0, max_tokens=30),
+            lora_digest=adapter.digest,
+            request_id="hot",
+        )
+        stream = async_llm.generate(req)
+        first = await stream.__anext__()
+        assert not first.finished
+        assert await async_llm.remove_lora(adapter.digest) is False  # in flight: refused
+        last = first
+        async for out in stream:
+            last = out
+        assert last.finished and last.outputs[0].finish_reason == "length"
+        assert await async_llm.remove_lora(adapter.digest) is True
+        late = llm.make_request(
+            user("hi"),
+            SamplingParams(temperature=0, max_tokens=2),
+            lora_digest=adapter.digest,
+            request_id="late",
+        )
+        with pytest.raises(ValueError, match="unknown adapter"):
+            async for _ in async_llm.generate(late):
+                pass
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        async_llm.shutdown()
+    assert llm.engine.kv.pool.num_used == 0 and llm.engine.lora_manager.slots_in_use == 0
