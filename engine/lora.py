@@ -17,7 +17,6 @@ Source: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), SGMV sema
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,9 +48,17 @@ class LoRAStepContext:
     Attributes:
         groups: ``(slot, token indices [n] int64)`` for every adapter slot in the step; empty
             when no token uses an adapter (then the LoRA layers cost nothing).
+        slot_ids: ``[S]`` int64, the step's slots (batched path; see :func:`add_lora`).
+        padded_index: ``[S, n_max]`` int64 token indices per slot, padded with 0.
+        valid: ``[S * n_max]`` bool, which padded entries are real tokens.
+        flat_index: ``[sum n]`` int64 token index of each valid entry, in ``valid`` order.
     """
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    slot_ids: torch.Tensor | None = None
+    padded_index: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    flat_index: torch.Tensor | None = None
 
     def set_token_slots(self, token_slots: list[int], device: torch.device) -> None:
         """Group the step's tokens by slot (``token_slots[i]`` = slot of token ``i``, -1 none)."""
@@ -62,30 +69,60 @@ class LoRAStepContext:
         self.groups = [
             (s, torch.tensor(idx, dtype=torch.long, device=device)) for s, idx in by_slot.items()
         ]
+        if len(by_slot) > BATCHED_MIN_SLOTS:
+            width = max(len(idx) for idx in by_slot.values())
+            padded = [idx + [0] * (width - len(idx)) for idx in by_slot.values()]
+            valid = [[True] * len(idx) + [False] * (width - len(idx)) for idx in by_slot.values()]
+            self.slot_ids = torch.tensor(list(by_slot), dtype=torch.long, device=device)
+            self.padded_index = torch.tensor(padded, dtype=torch.long, device=device)
+            self.valid = torch.tensor(valid, device=device).reshape(-1)
+            self.flat_index = self.padded_index.reshape(-1)[self.valid]
+        else:
+            self.slot_ids = self.padded_index = self.valid = self.flat_index = None
 
     def clear(self) -> None:
         """No adapter in the step."""
         self.groups = []
+        self.slot_ids = self.padded_index = self.valid = self.flat_index = None
+
+
+BATCHED_MIN_SLOTS = 2  # above this many adapters in a step, one padded bmm beats a slot loop
 
 
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
     buffers: LoRASlotBuffers,
-    groups: Iterable[tuple[int, torch.Tensor]],
+    context: LoRAStepContext,
 ) -> torch.Tensor:
     """Add every token's LoRA delta to a projection's output, in place.
+
+    Two exact implementations of the same semantics: a loop over the step's slots (few
+    adapters), or, past ``BATCHED_MIN_SLOTS`` adapters, one batched shrink and one batched
+    expand over the tokens grouped per slot and zero-padded (``[S, n_max, in] x [S, in, R]``),
+    so the Python work per projection does not grow with the number of adapters.
 
     Args:
         y: ``[T, out]`` the base projection's output.
         x: ``[T, in]`` its input.
         buffers: The projection's stacked slot weights.
-        groups: ``(slot, token indices)`` pairs (see :class:`LoRAStepContext`).
+        context: The step's slot grouping.
 
     Returns:
         ``y``, with ``y[i] += scale[s] * (x[i] @ A[s, :r].T) @ B[s, :, :r].T`` for each token.
     """
-    for slot, idx in groups:
+    if context.slot_ids is not None:
+        slots = context.slot_ids
+        xg = x[context.padded_index]  # [S, n, in]
+        a = buffers.lora_a.index_select(0, slots)  # [S, R, in] (zero past each rank)
+        b = buffers.lora_b.index_select(0, slots)  # [S, out, R]
+        h = torch.bmm(xg, a.transpose(1, 2).to(xg.dtype))  # shrink: [S, n, R]
+        delta = torch.bmm(h, b.transpose(1, 2).to(h.dtype))  # expand: [S, n, out]
+        delta = delta * buffers.scales.index_select(0, slots)[:, None, None].to(delta.dtype)
+        flat = delta.reshape(-1, delta.shape[-1])[context.valid]
+        y.index_add_(0, context.flat_index, flat.to(y.dtype))
+        return y
+    for slot, idx in context.groups:
         rank = buffers.ranks[slot]
         if rank == 0:
             continue
@@ -131,7 +168,7 @@ class LoRALinear(nn.Module):
         """``[T, in] -> [T, out]``: base projection plus LoRA deltas."""
         y = self.base(x)
         if self.context.groups:
-            add_lora(y, x, self.buffers, self.context.groups)
+            add_lora(y, x, self.buffers, self.context)
         return y
 
 
