@@ -1,0 +1,1 @@
+"""Persistence: the ORM models, engine and session set-up, and schema migrations."""

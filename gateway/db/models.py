@@ -1,0 +1,159 @@
+"""The gateway's tables: tenants, API keys, adapters and usage events.
+
+Every datetime is timezone-aware UTC (``UTCDateTime``). Identifiers are random UUID4 hex strings,
+so they can be shown to users and never reveal how many tenants or keys exist. Constraint names
+follow ``NAMING_CONVENTION`` so that Alembic's batch mode can find them again on SQLite.
+
+The migration ``migrations/versions/0001_initial.py`` must create exactly this schema; a test
+compares the two with Alembic's ``compare_metadata``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from gateway.db.types import UTCDateTime, utcnow
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+USAGE_STATUSES = ("ok", "error", "aborted")
+
+# A 64-bit key on PostgreSQL; SQLite only auto-increments a column declared INTEGER.
+_BIG_ID = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def new_id() -> str:
+    """A fresh random identifier: 32 lowercase hex digits (UUID4)."""
+    return uuid.uuid4().hex
+
+
+class Base(DeclarativeBase):
+    """Declarative base holding the shared metadata."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    """A customer. Limits left NULL fall back to the server's defaults (its flags)."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
+
+    def __repr__(self) -> str:
+        return f"Tenant(id={self.id!r}, name={self.name!r})"
+
+
+class ApiKey(Base):
+    """A tenant's API key. Only the HMAC-SHA-256 of the key is stored, never the key.
+
+    ``prefix`` is the key's first 8 characters (``lpx-abcd``), for display and support; it carries
+    24 bits of the key's 256, so it identifies without weakening.
+    """
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+    def __repr__(self) -> str:  # never the hash: it is a credential-equivalent lookup value
+        return f"ApiKey(id={self.id!r}, tenant_id={self.tenant_id!r}, prefix={self.prefix!r})"
+
+
+class Adapter(Base):
+    """A tenant's uploaded LoRA adapter, by name; the weights live in the content store.
+
+    Deleting (or replacing) an adapter sets ``deleted_at`` and keeps the row, so history keeps
+    the digest a name meant at the time. A name is unique per tenant among live rows only: a
+    partial unique index, which both SQLite (3.8+) and PostgreSQL support.
+    """
+
+    __tablename__ = "adapters"
+    __table_args__ = (
+        Index(
+            "uq_adapters_tenant_id_name_live",
+            "tenant_id",
+            "name",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    digest: Mapped[str] = mapped_column(String(128))
+    rank: Mapped[int] = mapped_column(Integer)
+    lora_alpha: Mapped[float] = mapped_column(Float)
+    target_modules: Mapped[Any] = mapped_column(JSON)
+    base_model: Mapped[str | None] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+    def __repr__(self) -> str:
+        return f"Adapter(tenant_id={self.tenant_id!r}, name={self.name!r}, digest={self.digest!r})"
+
+
+class UsageEvent(Base):
+    """One request's usage, appended once per ``request_id`` (a retry is counted once).
+
+    Written for every outcome: ``status`` is ``ok``, ``error`` or ``aborted`` (client gone), and
+    the token counts are whatever was processed, partial ones included. ``model`` is the name the
+    client asked for (the served base model or the tenant's adapter name); ``adapter_digest`` pins
+    which weights that name meant.
+    """
+
+    __tablename__ = "usage_events"
+    __table_args__ = (
+        CheckConstraint("status IN ('ok', 'error', 'aborted')", name="status"),
+        Index("ix_usage_events_tenant_id_created_at", "tenant_id", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id"))
+    model: Mapped[str] = mapped_column(String(256))
+    adapter_digest: Mapped[str | None] = mapped_column(String(128))
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    images: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    status: Mapped[str] = mapped_column(String(16))
+    error_type: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    latency_ms: Mapped[float | None] = mapped_column(Float)

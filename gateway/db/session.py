@@ -1,0 +1,91 @@
+"""Database URLs, async engines and session factories.
+
+SQLite (the default, ``DATA_DIR/loraplex.db``) runs through ``aiosqlite``; PostgreSQL through
+``asyncpg`` (``postgresql+asyncpg://user:pass@host/db``). A plain ``sqlite:///``,
+``postgresql://`` or ``postgres://`` URL is given the async driver.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+DB_FILENAME = "loraplex.db"
+ENV_DB_URL = "LORAPLEX_DB_URL"
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+_ASYNC_DRIVERS = {
+    "sqlite": "sqlite+aiosqlite",
+    "postgresql": "postgresql+asyncpg",
+    "postgres": "postgresql+asyncpg",
+}
+
+
+def db_url(data_dir: str | Path, explicit: str | None = None) -> str:
+    """The database URL: ``--db-url``, else ``$LORAPLEX_DB_URL``, else SQLite in the data dir.
+
+    Args:
+        data_dir: The data directory; the default database is ``data_dir/loraplex.db``.
+        explicit: The ``--db-url`` flag, if given.
+
+    Returns:
+        An async SQLAlchemy URL (``sqlite+aiosqlite:///...`` or ``postgresql+asyncpg://...``).
+    """
+    url = explicit or os.environ.get(ENV_DB_URL)
+    if not url:
+        return f"sqlite+aiosqlite:///{Path(data_dir).resolve() / DB_FILENAME}"
+    scheme, sep, rest = url.partition("://")
+    return f"{_ASYNC_DRIVERS.get(scheme, scheme)}{sep}{rest}"
+
+
+def is_sqlite(url: str) -> bool:
+    """Whether ``url`` names an SQLite database."""
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def make_engine(url: str, *, for_migrations: bool = False, **kwargs: Any) -> AsyncEngine:
+    """An async engine for ``url``.
+
+    On SQLite every connection gets ``journal_mode=WAL`` (readers never block the writer),
+    a busy timeout, and ``foreign_keys=ON``. An engine ``for_migrations`` instead leaves
+    foreign keys off (batch mode rebuilds tables by copy, drop and rename, which enforced
+    foreign keys would break) and makes transactions real: ``BEGIN IMMEDIATE`` takes the
+    write lock up front, so DDL is atomic and concurrent upgrades queue instead of racing.
+
+    Args:
+        url: An async SQLAlchemy URL (see ``db_url``).
+        for_migrations: Configure the engine for running Alembic migrations.
+        **kwargs: Passed to ``create_async_engine``.
+    """
+    engine = create_async_engine(url, **kwargs)
+    if engine.dialect.name != "sqlite":
+        return engine
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        if for_migrations:
+            dbapi_connection.isolation_level = None  # let the "begin" hook below emit BEGIN
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA foreign_keys = {'OFF' if for_migrations else 'ON'}")
+        if make_url(url).database not in (None, "", ":memory:"):
+            cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.close()
+
+    if for_migrations:
+
+        @event.listens_for(engine.sync_engine, "begin")
+        def _on_begin(connection: Any) -> None:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def session_factory(engine: AsyncEngine) -> async_sessionmaker:
+    """Sessions bound to ``engine``; objects stay readable after commit."""
+    return async_sessionmaker(engine, expire_on_commit=False)
