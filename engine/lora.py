@@ -60,8 +60,20 @@ class LoRAStepContext:
     valid: torch.Tensor | None = None
     flat_index: torch.Tensor | None = None
 
-    def set_token_slots(self, token_slots: list[int], device: torch.device) -> None:
-        """Group the step's tokens by slot (``token_slots[i]`` = slot of token ``i``, -1 none)."""
+    def set_token_slots(
+        self, token_slots: list[int], device: torch.device, batched: bool | None = None
+    ) -> None:
+        """Group the step's tokens by slot (``token_slots[i]`` = slot of token ``i``, -1 none).
+
+        Args:
+            token_slots: Slot of each of the step's tokens.
+            device: Where the index tensors go.
+            batched: Force the batched (True) or per-slot (False) path of :func:`add_lora`;
+                None picks batched only past ``BATCHED_MIN_SLOTS`` adapters and when
+                zero-padding every slot's tokens to the largest group at most doubles them
+                (with Zipf popularity one adapter dominates and the loop is faster: measured
+                in ``bench.multi_lora``).
+        """
         by_slot: dict[int, list[int]] = {}
         for i, s in enumerate(token_slots):
             if s >= 0:
@@ -69,8 +81,11 @@ class LoRAStepContext:
         self.groups = [
             (s, torch.tensor(idx, dtype=torch.long, device=device)) for s, idx in by_slot.items()
         ]
-        if len(by_slot) > BATCHED_MIN_SLOTS:
-            width = max(len(idx) for idx in by_slot.values())
+        width = max((len(idx) for idx in by_slot.values()), default=0)
+        if batched is None:
+            used = sum(len(idx) for idx in by_slot.values())
+            batched = len(by_slot) > BATCHED_MIN_SLOTS and len(by_slot) * width <= 2 * used
+        if batched and by_slot:
             padded = [idx + [0] * (width - len(idx)) for idx in by_slot.values()]
             valid = [[True] * len(idx) + [False] * (width - len(idx)) for idx in by_slot.values()]
             self.slot_ids = torch.tensor(list(by_slot), dtype=torch.long, device=device)

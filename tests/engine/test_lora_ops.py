@@ -37,10 +37,12 @@ def test_add_lora_matches_a_per_token_loop(popularity, num_slots):
         if s >= 0:
             r = ranks[s]
             expected[i] += scales[s] * (x[i] @ a[s, :r].T) @ b[s, :, :r].T
-    ctx = LoRAStepContext()
-    ctx.set_token_slots(slots, torch.device("cpu"))
-    assert (ctx.slot_ids is not None) == (len(set(slots) - {-1}) > 2)
-    out = add_lora(y0.clone(), x, buffers, ctx)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    ctx.clear()
-    assert ctx.groups == [] and ctx.slot_ids is None
+    for batched in (False, True, None):
+        ctx = LoRAStepContext()
+        ctx.set_token_slots(slots, torch.device("cpu"), batched=batched)
+        if batched is not None:
+            assert (ctx.slot_ids is not None) == batched
+        out = add_lora(y0.clone(), x, buffers, ctx)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        ctx.clear()
+        assert ctx.groups == [] and ctx.slot_ids is None
