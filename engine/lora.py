@@ -48,6 +48,8 @@ class LoRAStepContext:
     Attributes:
         groups: ``(slot, token indices [n] int64)`` for every adapter slot in the step; empty
             when no token uses an adapter (then the LoRA layers cost nothing).
+        perm: ``[N]`` int64, the step's adapter tokens sorted by slot (segment path).
+        segments: ``(slot, start, end)`` ranges of ``perm`` per slot.
         slot_ids: ``[S]`` int64, the step's slots (batched path; see :func:`add_lora`).
         padded_index: ``[S, n_max]`` int64 token indices per slot, padded with 0.
         valid: ``[S * n_max]`` bool, which padded entries are real tokens.
@@ -55,6 +57,8 @@ class LoRAStepContext:
     """
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    perm: torch.Tensor | None = None
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
     slot_ids: torch.Tensor | None = None
     padded_index: torch.Tensor | None = None
     valid: torch.Tensor | None = None
@@ -81,6 +85,12 @@ class LoRAStepContext:
         self.groups = [
             (s, torch.tensor(idx, dtype=torch.long, device=device)) for s, idx in by_slot.items()
         ]
+        order: list[int] = []
+        self.segments = []
+        for s, idx in by_slot.items():
+            self.segments.append((s, len(order), len(order) + len(idx)))
+            order.extend(idx)
+        self.perm = torch.tensor(order, dtype=torch.long, device=device) if order else None
         width = max((len(idx) for idx in by_slot.values()), default=0)
         if batched is None:
             used = sum(len(idx) for idx in by_slot.values())
@@ -98,6 +108,8 @@ class LoRAStepContext:
     def clear(self) -> None:
         """No adapter in the step."""
         self.groups = []
+        self.perm = None
+        self.segments = []
         self.slot_ids = self.padded_index = self.valid = self.flat_index = None
 
 
@@ -112,10 +124,11 @@ def add_lora(
 ) -> torch.Tensor:
     """Add every token's LoRA delta to a projection's output, in place.
 
-    Two exact implementations of the same semantics: a loop over the step's slots (few
-    adapters), or, past ``BATCHED_MIN_SLOTS`` adapters, one batched shrink and one batched
-    expand over the tokens grouped per slot and zero-padded (``[S, n_max, in] x [S, in, R]``),
-    so the Python work per projection does not grow with the number of adapters.
+    Two exact implementations of the same semantics: segments (the adapter tokens gathered
+    once sorted by slot, a shrink and an expand per slot on contiguous views, one scatter
+    back), or, past ``BATCHED_MIN_SLOTS`` adapters with little padding, one batched shrink and
+    one batched expand over the tokens grouped per slot and zero-padded
+    (``[S, n_max, in] x [S, in, R]``).
 
     Args:
         y: ``[T, out]`` the base projection's output.
@@ -137,15 +150,19 @@ def add_lora(
         flat = delta.reshape(-1, delta.shape[-1])[context.valid]
         y.index_add_(0, context.flat_index, flat.to(y.dtype))
         return y
-    for slot, idx in context.groups:
+    # Segment path (SGMV-style): gather the adapter tokens once, sorted by slot, then one
+    # shrink and one expand per slot on contiguous views, and one scatter back.
+    xs = x.index_select(0, context.perm)  # [N, in]
+    delta = x.new_zeros((xs.shape[0], y.shape[1]))  # [N, out]
+    for slot, start, end in context.segments:
         rank = buffers.ranks[slot]
         if rank == 0:
             continue
-        a = buffers.lora_a[slot, :rank]  # [r, in]
-        b = buffers.lora_b[slot, :, :rank]  # [out, r]
-        h = x.index_select(0, idx) @ a.T  # shrink: [n, r]
-        delta = (h @ b.T) * buffers.scales[slot]  # expand: [n, out]
-        y.index_add_(0, idx, delta.to(y.dtype))
+        h = xs[start:end] @ buffers.lora_a[slot, :rank].T  # shrink: [n, r]
+        seg = delta[start:end]
+        torch.matmul(h, buffers.lora_b[slot, :, :rank].T, out=seg)  # expand: [n, out]
+        seg.mul_(buffers.scales[slot])
+    y.index_add_(0, context.perm, delta.to(y.dtype))
     return y
 
 
