@@ -142,25 +142,31 @@ def main() -> None:
     print(f"{'hashing':<34}{'ns/token':>10}{'floor':>10}{'x floor':>10}")
     for name in ("sha256", "xxhash"):
         ratio = h[name] / h[f"{name}_floor"]
-        print(f"{'RequestBlockHasher ' + name:<34}{h[name]:>10.1f}{h[name + '_floor']:>10.1f}"
-              f"{ratio:>10.2f}")
+        print(
+            f"{'RequestBlockHasher ' + name:<34}{h[name]:>10.1f}{h[name + '_floor']:>10.1f}"
+            f"{ratio:>10.2f}"
+        )
     print(f"{'allocate + free, 128 blocks':<34}{'miss us':>10}{'hit us':>10}")
     for num_blocks, (miss, hit) in alloc.items():
         print(f"{'pool ' + str(num_blocks) + ' blocks':<34}{miss:>10.1f}{hit:>10.1f}")
     miss, hit = alloc[POOL_BLOCKS]
-    print(json.dumps({
-        "hash_sha256_ns_per_token": round(h["sha256"], 1),
-        "hash_xxhash_ns_per_token": round(h["xxhash"], 1),
-        "alloc_free_us": round(miss, 1),
-        "alloc_free_hit_us": round(hit, 1),
-        "sha256_floor_ns_per_token": round(h["sha256_floor"], 1),
-        "xxhash_floor_ns_per_token": round(h["xxhash_floor"], 1),
-        "sha256_ratio_vs_floor": round(h["sha256"] / h["sha256_floor"], 2),
-        "xxhash_ratio_vs_floor": round(h["xxhash"] / h["xxhash_floor"], 2),
-        "alloc_free_us_by_pool": {str(k): round(v[0], 1) for k, v in alloc.items()},
-        "alloc_free_hit_us_by_pool": {str(k): round(v[1], 1) for k, v in alloc.items()},
-        "pool_blocks": POOL_BLOCKS,
-    }))
+    print(
+        json.dumps(
+            {
+                "hash_sha256_ns_per_token": round(h["sha256"], 1),
+                "hash_xxhash_ns_per_token": round(h["xxhash"], 1),
+                "alloc_free_us": round(miss, 1),
+                "alloc_free_hit_us": round(hit, 1),
+                "sha256_floor_ns_per_token": round(h["sha256_floor"], 1),
+                "xxhash_floor_ns_per_token": round(h["xxhash_floor"], 1),
+                "sha256_ratio_vs_floor": round(h["sha256"] / h["sha256_floor"], 2),
+                "xxhash_ratio_vs_floor": round(h["xxhash"] / h["xxhash_floor"], 2),
+                "alloc_free_us_by_pool": {str(k): round(v[0], 1) for k, v in alloc.items()},
+                "alloc_free_hit_us_by_pool": {str(k): round(v[1], 1) for k, v in alloc.items()},
+                "pool_blocks": POOL_BLOCKS,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bench.throughput import padded_generate
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import EngineRequest
@@ -28,8 +29,15 @@ from engine.sampling.params import SamplingParams
 from gateway.settings import data_dir
 
 RANK = 16
-PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-        "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PROJ = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def model_dir(quick: bool) -> Path:
@@ -48,10 +56,15 @@ def write_adapters(root: Path, cfg: dict, count: int) -> list[str]:
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
-    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim),
-              "v_proj": (hidden, kv * head_dim), "o_proj": (heads * head_dim, hidden),
-              "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-              "down_proj": (inter, hidden)}
+    shapes = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv * head_dim),
+        "v_proj": (hidden, kv * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
     dirs = []
     for n in range(count):
         d = root / f"adapter-{n:03d}"
@@ -68,11 +81,20 @@ def write_adapters(root: Path, cfg: dict, count: int) -> list[str]:
                 tensors[f"{key}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=gen) * 0.02
                 tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen) * 0.02
         save_file(tensors, str(d / "adapter_model.safetensors"))
-        (d / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 32,
-            "target_modules": sorted(PROJ), "lora_dropout": 0.0, "bias": "none",
-            "base_model_name_or_path": None,
-        }))
+        (d / "adapter_config.json").write_text(
+            json.dumps(
+                {
+                    "peft_type": "LORA",
+                    "task_type": "CAUSAL_LM",
+                    "r": RANK,
+                    "lora_alpha": 32,
+                    "target_modules": sorted(PROJ),
+                    "lora_dropout": 0.0,
+                    "bias": "none",
+                    "base_model_name_or_path": None,
+                }
+            )
+        )
     return dirs
 
 
@@ -85,15 +107,22 @@ def workload(n: int, vocab: int, num_adapters: int, seed: int = 0):
     prompts = []
     for i in range(n):
         length = int(torch.randint(32, 129, (1,), generator=gen))
-        prompts.append((torch.randint(16, vocab, (length,), generator=gen).tolist(),
-                        int(picks[i])))
+        prompts.append((torch.randint(16, vocab, (length,), generator=gen).tolist(), int(picks[i])))
     return prompts
 
 
 def run_engine(path, dirs, prompts, output_tokens, max_loras) -> dict:
-    llm = LLM(EngineConfig(model=str(path), max_num_seqs=128, max_num_batched_tokens=4096,
-                           num_kv_blocks=4096, max_loras=max_loras,
-                           max_cpu_loras=max(max_loras, 64), max_lora_rank=RANK))
+    llm = LLM(
+        EngineConfig(
+            model=str(path),
+            max_num_seqs=128,
+            max_num_batched_tokens=4096,
+            num_kv_blocks=4096,
+            max_loras=max_loras,
+            max_cpu_loras=max(max_loras, 64),
+            max_lora_rank=RANK,
+        )
+    )
     engine = llm.engine
     digests = [engine.add_lora_dir(d).digest for d in sorted({dirs[a] for _, a in prompts})]
     by_dir = dict(zip(sorted({dirs[a] for _, a in prompts}), digests, strict=True))
@@ -101,8 +130,9 @@ def run_engine(path, dirs, prompts, output_tokens, max_loras) -> dict:
     llm.generate([EngineRequest("warm", [20] * 8, SamplingParams(temperature=0, max_tokens=2))])
     t0 = time.perf_counter()
     for i, (prompt, a) in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", list(prompt), params,
-                                         lora_digest=by_dir[dirs[a]]))
+        engine.add_request(
+            EngineRequest(f"r{i}", list(prompt), params, lora_digest=by_dir[dirs[a]])
+        )
     produced = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -119,8 +149,12 @@ def run_engine(path, dirs, prompts, output_tokens, max_loras) -> dict:
     cold_ms = (time.perf_counter() - t1) * 1e3
     assert slot is not None
     manager.release(cold)
-    return {"tokens_per_s": produced / elapsed, "seconds": elapsed, "cold_load_ms": cold_ms,
-            "loads": manager.num_loads}
+    return {
+        "tokens_per_s": produced / elapsed,
+        "seconds": elapsed,
+        "cold_load_ms": cold_ms,
+        "loads": manager.num_loads,
+    }
 
 
 def run_peft(path, dirs, prompts, output_tokens) -> dict:
@@ -138,17 +172,7 @@ def run_peft(path, dirs, prompts, output_tokens) -> dict:
     for a in used:
         model.set_adapter(f"a{a}")
         batch = [p for p, x in prompts if x == a]
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(batch):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=output_tokens, min_new_tokens=output_tokens,
-                                 pad_token_id=pad)
-        produced += (out.shape[1] - width) * len(batch)
+        produced += padded_generate(model, batch, output_tokens, pad) * len(batch)
     elapsed = time.perf_counter() - t0
     return {"tokens_per_s": produced / elapsed, "seconds": elapsed}
 
@@ -168,23 +192,31 @@ def main() -> None:
         results[c] = run_engine(path, dirs, prompts, output_tokens, max_loras=min(c, 32))
     peft = run_peft(path, dirs, workload(n, cfg["vocab_size"], 64), output_tokens)
     one = results[1]["tokens_per_s"]
-    print(f"model {path.name}; {n} requests, {output_tokens} output tokens, rank {RANK}, "
-          f"Zipf(1.1) popularity")
+    print(
+        f"model {path.name}; {n} requests, {output_tokens} output tokens, rank {RANK}, "
+        f"Zipf(1.1) popularity"
+    )
     print(f"{'adapters':<26}{'tok/s':>10}{'vs 1':>8}{'seconds':>10}{'slot loads':>12}")
     for c, r in results.items():
-        print(f"{c:<26}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / one:>8.2f}"
-              f"{r['seconds']:>10.2f}{r['loads']:>12}")
-    print(f"{'peft, 64, one at a time':<26}{peft['tokens_per_s']:>10.1f}"
-          f"{peft['tokens_per_s'] / one:>8.2f}{peft['seconds']:>10.2f}")
+        print(
+            f"{c:<26}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / one:>8.2f}"
+            f"{r['seconds']:>10.2f}{r['loads']:>12}"
+        )
+    print(
+        f"{'peft, 64, one at a time':<26}{peft['tokens_per_s']:>10.1f}"
+        f"{peft['tokens_per_s'] / one:>8.2f}{peft['seconds']:>10.2f}"
+    )
     out = {f"ratio_{c}_vs_1": round(results[c]["tokens_per_s"] / one, 3) for c in counts[1:]}
-    out.update({
-        "ratio_vs_peft": round(results[64]["tokens_per_s"] / peft["tokens_per_s"], 2),
-        "cold_load_ms": round(results[max(counts)]["cold_load_ms"], 1),
-        "tokens_per_s_1": round(one, 1),
-        "tokens_per_s_64": round(results[64]["tokens_per_s"], 1),
-        "peft_tokens_per_s": round(peft["tokens_per_s"], 1),
-        "requests": n,
-    })
+    out.update(
+        {
+            "ratio_vs_peft": round(results[64]["tokens_per_s"] / peft["tokens_per_s"], 2),
+            "cold_load_ms": round(results[max(counts)]["cold_load_ms"], 1),
+            "tokens_per_s_1": round(one, 1),
+            "tokens_per_s_64": round(results[64]["tokens_per_s"], 1),
+            "peft_tokens_per_s": round(peft["tokens_per_s"], 1),
+            "requests": n,
+        }
+    )
     print(json.dumps(out))
 
 

@@ -33,20 +33,29 @@ BLOCK = 16
 def workload(num_requests: int, vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(16, vocab, (SHARED,), generator=gen).tolist()
-    return [shared + torch.randint(16, vocab, (UNIQUE,), generator=gen).tolist()
-            for _ in range(num_requests)]
+    return [
+        shared + torch.randint(16, vocab, (UNIQUE,), generator=gen).tolist()
+        for _ in range(num_requests)
+    ]
 
 
 def run(path, prompts, caching: bool) -> dict[str, float]:
-    llm = LLM(EngineConfig(model=str(path), enable_prefix_caching=caching, num_kv_blocks=2048,
-                           max_num_batched_tokens=2048))
+    llm = LLM(
+        EngineConfig(
+            model=str(path),
+            enable_prefix_caching=caching,
+            num_kv_blocks=2048,
+            max_num_batched_tokens=2048,
+        )
+    )
     engine = llm.engine
     llm.generate([EngineRequest("warm", [20] * 40, SamplingParams(temperature=0, max_tokens=2))])
     engine.kv.stats.reset()
     ttfts, computed = [], 0
     for i, prompt in enumerate(prompts):
-        engine.add_request(EngineRequest(f"r{i}", list(prompt),
-                                         SamplingParams(temperature=0, max_tokens=1)))
+        engine.add_request(
+            EngineRequest(f"r{i}", list(prompt), SamplingParams(temperature=0, max_tokens=1))
+        )
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -73,26 +82,35 @@ def main() -> None:
     off = run(path, prompts, caching=False)
     total = n * (SHARED + UNIQUE)
     max_hit = (n - 1) * (SHARED // BLOCK) * BLOCK / total
-    print(f"{n} requests: {SHARED}-token shared prefix + {UNIQUE} unique tokens, "
-          f"model {path.name}")
-    print(f"{'caching':<10}{'TTFT mean ms':>14}{'TTFT 2nd+ ms':>14}{'prefill tokens':>16}"
-          f"{'hit rate':>10}")
+    print(f"{n} requests: {SHARED}-token shared prefix + {UNIQUE} unique tokens, model {path.name}")
+    print(
+        f"{'caching':<10}{'TTFT mean ms':>14}{'TTFT 2nd+ ms':>14}{'prefill tokens':>16}"
+        f"{'hit rate':>10}"
+    )
     for name, r in (("on", on), ("off", off)):
-        print(f"{name:<10}{r['ttft_mean_s'] * 1e3:>14.1f}{r['ttft_after_first_s'] * 1e3:>14.1f}"
-              f"{r['prefill_tokens']:>16}{r['hit_rate']:>10.3f}")
+        print(
+            f"{name:<10}{r['ttft_mean_s'] * 1e3:>14.1f}{r['ttft_after_first_s'] * 1e3:>14.1f}"
+            f"{r['prefill_tokens']:>16}{r['hit_rate']:>10.3f}"
+        )
     print(f"highest possible hit rate for this workload: {max_hit:.3f}")
-    print(json.dumps({
-        "ttft_speedup": round(off["ttft_mean_s"] / on["ttft_mean_s"], 2),
-        "ttft_speedup_after_first": round(off["ttft_after_first_s"] / on["ttft_after_first_s"],
-                                          2),
-        "prefill_tokens_saved_fraction": round(1 - on["prefill_tokens"] / off["prefill_tokens"],
-                                               4),
-        "hit_rate": round(on["hit_rate"], 4),
-        "max_hit_rate": round(max_hit, 4),
-        "ttft_ms_on": round(on["ttft_mean_s"] * 1e3, 1),
-        "ttft_ms_off": round(off["ttft_mean_s"] * 1e3, 1),
-        "requests": n,
-    }))
+    print(
+        json.dumps(
+            {
+                "ttft_speedup": round(off["ttft_mean_s"] / on["ttft_mean_s"], 2),
+                "ttft_speedup_after_first": round(
+                    off["ttft_after_first_s"] / on["ttft_after_first_s"], 2
+                ),
+                "prefill_tokens_saved_fraction": round(
+                    1 - on["prefill_tokens"] / off["prefill_tokens"], 4
+                ),
+                "hit_rate": round(on["hit_rate"], 4),
+                "max_hit_rate": round(max_hit, 4),
+                "ttft_ms_on": round(on["ttft_mean_s"] * 1e3, 1),
+                "ttft_ms_off": round(off["ttft_mean_s"] * 1e3, 1),
+                "requests": n,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

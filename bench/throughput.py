@@ -67,13 +67,26 @@ def kv_waste(engine) -> tuple[int, int]:
 
 
 def run_loraplex(path: Path, prompts, output_tokens: int, caching: bool) -> dict[str, float]:
-    llm = LLM(EngineConfig(model=str(path), max_num_seqs=len(prompts),
-                           max_num_batched_tokens=4096, num_kv_blocks=4096,
-                           enable_prefix_caching=caching))
+    llm = LLM(
+        EngineConfig(
+            model=str(path),
+            max_num_seqs=len(prompts),
+            max_num_batched_tokens=4096,
+            num_kv_blocks=4096,
+            enable_prefix_caching=caching,
+        )
+    )
     engine = llm.engine
     # Warm-up (allocator, kernels), not timed.
-    llm.generate([EngineRequest("warm", prompts[0][:32], SamplingParams(
-        temperature=0.0, max_tokens=4, ignore_eos=True))])
+    llm.generate(
+        [
+            EngineRequest(
+                "warm",
+                prompts[0][:32],
+                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+            )
+        ]
+    )
     engine.step_times.clear()
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -101,6 +114,30 @@ def run_loraplex(path: Path, prompts, output_tokens: int, caching: bool) -> dict
     }
 
 
+def padded_generate(model, batch: list[list[int]], output_tokens: int, pad: int) -> int:
+    """Transformers ``generate`` over one left-padded batch, greedy, exactly ``output_tokens``.
+
+    Returns:
+        Tokens generated per row.
+    """
+    width = max(len(p) for p in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, p in enumerate(batch):  # left padding, as for decoder-only generation
+        ids[r, width - len(p) :] = torch.tensor(p)
+        mask[r, width - len(p) :] = 1
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=output_tokens,
+            min_new_tokens=output_tokens,
+            pad_token_id=pad,
+        )
+    return out.shape[1] - width
+
+
 def run_transformers(path: Path, prompts, output_tokens: int, batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -108,17 +145,7 @@ def run_transformers(path: Path, prompts, output_tokens: int, batch_size: int) -
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     def generate(batch):
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, p in enumerate(batch):  # left padding, as for decoder-only generation
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=output_tokens, min_new_tokens=output_tokens,
-                                 pad_token_id=pad)
-        return out.shape[1] - width
+        return padded_generate(model, batch, output_tokens, pad)
 
     generate(prompts[:2])  # warm-up
     t0 = time.perf_counter()
@@ -147,33 +174,44 @@ def main() -> None:
     hf_runs = [run_transformers(path, prompts, output_tokens, b) for b in hf_batches]
     hf = max(hf_runs, key=lambda r: r["tokens_per_s"])
 
-    print(f"model {path.name}: {parameter_count(path) / 1e6:.1f}M parameters; "
-          f"{num_requests} requests, {output_tokens} output tokens, torch threads "
-          f"{torch.get_num_threads()}")
+    print(
+        f"model {path.name}: {parameter_count(path) / 1e6:.1f}M parameters; "
+        f"{num_requests} requests, {output_tokens} output tokens, torch threads "
+        f"{torch.get_num_threads()}"
+    )
     print(f"{'system':<34}{'tok/s':>10}{'seconds':>10}{'overhead':>10}{'kv waste':>10}")
-    print(f"{'loraplex, prefix cache on':<34}{on['tokens_per_s']:>10.1f}{on['seconds']:>10.2f}"
-          f"{on['overhead_fraction']:>10.3f}{on['kv_waste_fraction']:>10.3f}")
-    print(f"{'loraplex, prefix cache off':<34}{off['tokens_per_s']:>10.1f}{off['seconds']:>10.2f}"
-          f"{off['overhead_fraction']:>10.3f}{off['kv_waste_fraction']:>10.3f}")
+    print(
+        f"{'loraplex, prefix cache on':<34}{on['tokens_per_s']:>10.1f}{on['seconds']:>10.2f}"
+        f"{on['overhead_fraction']:>10.3f}{on['kv_waste_fraction']:>10.3f}"
+    )
+    print(
+        f"{'loraplex, prefix cache off':<34}{off['tokens_per_s']:>10.1f}{off['seconds']:>10.2f}"
+        f"{off['overhead_fraction']:>10.3f}{off['kv_waste_fraction']:>10.3f}"
+    )
     for r in hf_runs:
         name = f"transformers generate, batch {r['batch_size']}"
         print(f"{name:<34}{r['tokens_per_s']:>10.1f}{r['seconds']:>10.2f}")
-    print(json.dumps({
-        "tokens_per_s": round(on["tokens_per_s"], 1),
-        "ratio_vs_transformers": round(on["tokens_per_s"] / hf["tokens_per_s"], 2),
-        "overhead_fraction": round(on["overhead_fraction"], 3),
-        "kv_waste_fraction": round(on["kv_waste_fraction"], 4),
-        "prefix_hit_rate": round(on["hit_rate"], 3),
-        "tokens_per_s_no_prefix_cache": round(off["tokens_per_s"], 1),
-        "ratio_vs_transformers_no_prefix_cache": round(off["tokens_per_s"] / hf["tokens_per_s"],
-                                                       2),
-        "overhead_fraction_no_prefix_cache": round(off["overhead_fraction"], 3),
-        "kv_waste_fraction_no_prefix_cache": round(off["kv_waste_fraction"], 4),
-        "transformers_tokens_per_s": round(hf["tokens_per_s"], 1),
-        "transformers_batch_size": hf["batch_size"],
-        "requests": num_requests,
-        "output_tokens": output_tokens,
-    }))
+    print(
+        json.dumps(
+            {
+                "tokens_per_s": round(on["tokens_per_s"], 1),
+                "ratio_vs_transformers": round(on["tokens_per_s"] / hf["tokens_per_s"], 2),
+                "overhead_fraction": round(on["overhead_fraction"], 3),
+                "kv_waste_fraction": round(on["kv_waste_fraction"], 4),
+                "prefix_hit_rate": round(on["hit_rate"], 3),
+                "tokens_per_s_no_prefix_cache": round(off["tokens_per_s"], 1),
+                "ratio_vs_transformers_no_prefix_cache": round(
+                    off["tokens_per_s"] / hf["tokens_per_s"], 2
+                ),
+                "overhead_fraction_no_prefix_cache": round(off["overhead_fraction"], 3),
+                "kv_waste_fraction_no_prefix_cache": round(off["kv_waste_fraction"], 4),
+                "transformers_tokens_per_s": round(hf["tokens_per_s"], 1),
+                "transformers_batch_size": hf["batch_size"],
+                "requests": num_requests,
+                "output_tokens": output_tokens,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,3 +30,21 @@ def tiny_llava_dir(llava_dir):
 @pytest.fixture(scope="session")
 def tiny_text_dir(text_dir):
     return str(text_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_llava(llava_dir):
+    """transformers' own LLaVA for the tiny model (float32, eval): the oracle."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_text(text_dir):
+    """transformers' own Llama for the tiny text model (float32, eval): the oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32).eval()

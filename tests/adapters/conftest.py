@@ -30,17 +30,13 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def text_base(text_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32).eval()
+def text_base(hf_text):
+    return hf_text
 
 
 @pytest.fixture(scope="session")
-def llava_base(llava_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
+def llava_base(hf_llava):
+    return hf_llava
 
 
 def served(model_dir) -> dict:

@@ -22,8 +22,11 @@ def make(digest, rank, value, keys=((0, "q_proj"), (1, "q_proj"))):
     weights = {}
     for key in keys:
         fan_in, fan_out = SHAPES[key]
-        weights[key] = (torch.full((rank, fan_in), value), torch.full((fan_out, rank), value),
-                        2.0 / rank)
+        weights[key] = (
+            torch.full((rank, fan_in), value),
+            torch.full((fan_out, rank), value),
+            2.0 / rank,
+        )
     return FakeAdapter(digest, rank, weights)
 
 
@@ -37,8 +40,15 @@ def manager(disk, loads, max_loras=2, max_cpu=3):
         loads.append(digest)
         return disk[digest]
 
-    return LoRAManager(SHAPES, max_loras=max_loras, max_cpu_loras=max_cpu, max_rank=8,
-                       device=torch.device("cpu"), dtype=torch.float32, loader=loader)
+    return LoRAManager(
+        SHAPES,
+        max_loras=max_loras,
+        max_cpu_loras=max_cpu,
+        max_rank=8,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        loader=loader,
+    )
 
 
 def test_slots_hold_padded_weights_and_scales(disk):
@@ -101,6 +111,13 @@ def test_rank_over_the_limit_and_bad_sizes(disk):
     with pytest.raises(AdapterError, match="rank"):
         m.acquire("big")
     with pytest.raises(ValueError):
-        LoRAManager(SHAPES, max_loras=3, max_cpu_loras=2, max_rank=8,
-                    device=torch.device("cpu"), dtype=torch.float32, loader=disk.get)
+        LoRAManager(
+            SHAPES,
+            max_loras=3,
+            max_cpu_loras=2,
+            max_rank=8,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            loader=disk.get,
+        )
     assert lora_scale(16, 4, False) == 4.0 and lora_scale(16, 4, True) == 8.0

@@ -5,7 +5,6 @@ import io
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 from skimage import data as skdata
 
@@ -50,16 +49,14 @@ def user(*parts):
 
 
 @pytest.fixture(scope="session")
-def hf_llava(tiny_llava_dir):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+def hf_llava(hf_llava, tiny_llava_dir):
+    from transformers import AutoProcessor
 
-    model = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir, dtype=torch.float32)
-    return model.eval(), AutoProcessor.from_pretrained(tiny_llava_dir)
+    return hf_llava, AutoProcessor.from_pretrained(tiny_llava_dir)
 
 
 @pytest.fixture(scope="session")
-def hf_text(tiny_text_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_text(hf_text, tiny_text_dir):
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_text_dir, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(tiny_text_dir)
+    return hf_text, AutoTokenizer.from_pretrained(tiny_text_dir)

@@ -23,8 +23,11 @@ def test_encoding_is_canonical_msgpack():
     parent = bytes(range(32))
     data = encode_block(parent, [1, 2, 70000], (("lora", "abc"), ("mm", "img", -3)))
     decoded = msgpack.unpackb(data)
-    assert decoded == [parent, (1).to_bytes(4, "little") + (2).to_bytes(4, "little")
-                       + (70000).to_bytes(4, "little"), [["lora", "abc"], ["mm", "img", -3]]]
+    assert decoded == [
+        parent,
+        (1).to_bytes(4, "little") + (2).to_bytes(4, "little") + (70000).to_bytes(4, "little"),
+        [["lora", "abc"], ["mm", "img", -3]],
+    ]
     assert hash_block(parent, [1, 2, 70000], (("lora", "abc"), ("mm", "img", -3))) == (
         hashlib.sha256(data).digest()
     )
@@ -102,8 +105,7 @@ def test_extra_keys_per_block():
     # block 1 = [8, 16): imgA continues (started 2 positions before the block)
     assert block_extra_keys(1, 8, **kw) == (("lora", "D"), ("mm", "imgA", -2))
     # block 2 = [16, 24): imgA ends at 18, imgB at 20
-    assert block_extra_keys(2, 8, **kw) == (
-        ("lora", "D"), ("mm", "imgA", -10), ("mm", "imgB", 4))
+    assert block_extra_keys(2, 8, **kw) == (("lora", "D"), ("mm", "imgA", -10), ("mm", "imgB", 4))
     assert block_extra_keys(3, 8, **kw) == (("lora", "D"),)
     assert block_extra_keys(3, 8) == ()
 
@@ -133,8 +135,9 @@ def reference_hashes(tokens, block_size, algorithm="sha256", **kw):
     hasher = RequestBlockHasher(block_size, algorithm=algorithm, **kw)
     out, parent = [], None
     for i in range(len(tokens) // block_size):
-        parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size],
-                            hasher.extra_keys(i), algorithm)
+        parent = hash_block(
+            parent, tokens[i * block_size : (i + 1) * block_size], hasher.extra_keys(i), algorithm
+        )
         out.append(parent)
     return out
 
@@ -150,12 +153,15 @@ def reference_hashes(tokens, block_size, algorithm="sha256", **kw):
     image=st.sampled_from([None, (0, 5), (7, 20)]),
 )
 def test_incremental_equals_one_shot(tokens, cuts, block_size, algorithm, lora, salt, image):
-    kw = dict(lora_digest=lora, cache_salt=salt,
-              placeholders=[MMPlaceholder("img", *image)] if image else [])
+    kw = dict(
+        lora_digest=lora,
+        cache_salt=salt,
+        placeholders=[MMPlaceholder("img", *image)] if image else [],
+    )
     hasher = RequestBlockHasher(block_size, algorithm=algorithm, **kw)
     pos, returned = 0, []
     for cut in cuts:
-        returned += hasher.extend(tokens[pos:pos + cut])
+        returned += hasher.extend(tokens[pos : pos + cut])
         pos += cut
     returned += hasher.extend(tokens[pos:])
     expected = reference_hashes(tokens, block_size, algorithm, **kw)
@@ -175,7 +181,8 @@ def test_only_full_blocks_are_hashed_and_fork_diverges():
 
 
 def test_stat_sources():
-    h = RequestBlockHasher(4, lora_digest="d", cache_salt="s",
-                           placeholders=[MMPlaceholder("i", 0, 2)])
+    h = RequestBlockHasher(
+        4, lora_digest="d", cache_salt="s", placeholders=[MMPlaceholder("i", 0, 2)]
+    )
     assert h.stat_sources() == (("lora", "d"), ("salt", "s"), ("mm", True))
     assert RequestBlockHasher(4).stat_sources() == ()

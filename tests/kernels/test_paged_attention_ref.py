@@ -48,8 +48,9 @@ def test_matches_contiguous_attention(block_size, heads, kv_heads, window):
         v = torch.randn(length, kv_heads, head_dim, generator=gen)
         full_k.append(k)
         full_v.append(v)
-        seq_slots = torch.tensor([ids[p // block_size] * block_size + p % block_size
-                                  for p in range(length)])
+        seq_slots = torch.tensor(
+            [ids[p // block_size] * block_size + p % block_size for p in range(length)]
+        )
         # The cached context is already there; the new tokens are written by the step.
         reshape_and_cache_ref(k[:ctx], v[:ctx], k_cache, v_cache, seq_slots[:ctx])
         slots.append(seq_slots[ctx:])
@@ -61,12 +62,19 @@ def test_matches_contiguous_attention(block_size, heads, kv_heads, window):
     qsl = torch.tensor([0] + [n for _, n in seqs]).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
     out = paged_attention_ref(
-        q, k_cache, v_cache, tables, seq_lens, qsl, head_dim**-0.5,
-        max_query_len=max(n for _, n in seqs), max_seq_len=int(seq_lens.max()),
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        seq_lens,
+        qsl,
+        head_dim**-0.5,
+        max_query_len=max(n for _, n in seqs),
+        max_seq_len=int(seq_lens.max()),
         sliding_window=window,
     )
     assert out.shape == q.shape
     for b, (ctx, _) in enumerate(seqs):
         ref = contiguous_attention(queries[b], full_k[b], full_v[b], ctx, window)
-        torch.testing.assert_close(out[qsl[b]:qsl[b + 1]], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[qsl[b] : qsl[b + 1]], ref, atol=1e-5, rtol=1e-5)
     assert not torch.isnan(out).any()

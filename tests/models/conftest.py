@@ -29,20 +29,6 @@ def ours_text(text_dir):
 
 
 @pytest.fixture(scope="session")
-def hf_llava(llava_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
-def hf_text(text_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
 def processor(llava_dir):
     from transformers import AutoProcessor
 
