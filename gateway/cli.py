@@ -10,7 +10,7 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from gateway.commands import db, generate, keys, model, tenants
+from gateway.commands import db, generate, keys, model, serve, tenants
 
 
 def _version() -> str:
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"loraplex {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (generate, model, tenants, keys, db):
+    for module in (serve, generate, model, tenants, keys, db):
         module.register(subparsers)
     return parser
 

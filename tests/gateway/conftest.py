@@ -4,6 +4,8 @@
 """
 
 import asyncio
+import time
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +43,44 @@ def database_url(fresh_url):
     """A database migrated to head."""
     upgrade(fresh_url)
     return fresh_url
+
+
+def adapter_store_dir(llava_dir):
+    """The adapter store shared by the session engine and every live gateway."""
+    return llava_dir.parent / "gateway-adapter-store"
+
+
+@pytest.fixture(scope="session")
+def engine_client(llava_dir):
+    """One engine (the tiny LLaVA, float32, CPU) shared by every live-gateway test."""
+    from engine.config import EngineConfig
+    from gateway.server.build import start_engine
+
+    client = start_engine(
+        EngineConfig(
+            model=str(llava_dir),
+            served_model_name="tiny-llava",
+            num_kv_blocks=512,
+            max_loras=4,
+        ),
+        adapter_store_dir(llava_dir),
+    )
+    yield client
+    client.shutdown()
+
+
+@pytest.fixture
+def live(engine_client, tmp_path):
+    """A gateway on loopback with a fresh SQLite database, sharing the session's engine.
+
+    After the test: every KV block is back (nothing leaked by any request of the test).
+    """
+    from tests.gateway.live import LiveGateway
+
+    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    with LiveGateway(engine_client, tmp_path / "data", adapter_store_dir=store) as gw:
+        yield gw
+    deadline = time.monotonic() + 10
+    while engine_client.stats()["kv_blocks_in_use"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_client.stats()["kv_blocks_in_use"] == 0, "KV blocks leaked"

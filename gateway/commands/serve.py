@@ -1,0 +1,118 @@
+"""``loraplex serve``: the gateway and the engine in one process (CONTRACT.md's main job)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gateway.commands.engine_args import add_engine_args, config_from_args
+from gateway.server.config import GatewayConfig
+
+logger = logging.getLogger("loraplex.serve")
+
+
+def register(subparsers) -> None:
+    """Add the ``serve`` command."""
+    p = subparsers.add_parser("serve", help="run the HTTP gateway and the engine")
+    d = GatewayConfig(data_dir=None, db_url="", served_model_name="")  # type: ignore[arg-type]
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument(
+        "--db-url",
+        default=None,
+        help="SQLAlchemy async URL, e.g. postgresql+asyncpg://user:pass@host/db "
+        "(default $LORAPLEX_DB_URL, else SQLite in the data directory)",
+    )
+    p.add_argument(
+        "--admin-key", default=None, help="admin key (default $LORAPLEX_ADMIN_KEY, else made)"
+    )
+    add_engine_args(p)
+    g = p.add_argument_group("limits (per key; a tenant's own limits override them)")
+    g.add_argument("--requests-per-minute", type=int, default=d.default_requests_per_minute)
+    g.add_argument("--tokens-per-minute", type=int, default=d.default_tokens_per_minute)
+    g.add_argument("--max-concurrent-requests", type=int, default=d.default_max_concurrent_requests)
+    g.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit)
+    g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_seconds)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -> GatewayConfig:
+    """The gateway settings for ``serve``'s flags.
+
+    Raises:
+        ValueError: a limit that is not positive.
+    """
+    from gateway.db.session import db_url
+    from gateway.settings import data_dir
+
+    directory = data_dir(args.data_dir)
+    for flag in ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    return GatewayConfig(
+        data_dir=directory,
+        db_url=db_url(directory, args.db_url),
+        served_model_name=served_model_name,
+        host=args.host,
+        port=args.port,
+        max_tokens_limit=args.max_tokens_limit,
+        default_requests_per_minute=args.requests_per_minute,
+        default_tokens_per_minute=args.tokens_per_minute,
+        default_max_concurrent_requests=args.max_concurrent_requests,
+        shutdown_grace_seconds=args.shutdown_grace,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Migrate, load the model, print where the admin key is, serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from gateway.auth.redact import RedactingFilter
+    from gateway.auth.secrets_store import load_or_create_admin_key
+    from gateway.server.build import build_gateway, served_name, start_engine
+    from gateway.settings import data_dir, resolve_model
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().addFilter(RedactingFilter())
+    directory = data_dir(args.data_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    engine_config = config_from_args(args, resolve_model(args.model, directory))
+    gateway_config = gateway_config_from_args(args, served_name(engine_config))
+    admin_key, admin_path, created = load_or_create_admin_key(directory, args.admin_key)
+    client = start_engine(engine_config, gateway_config.store_dir)
+    try:
+        app, state = build_gateway(gateway_config, client, admin_key=admin_key)
+    except BaseException:
+        client.shutdown()
+        raise
+    where = (
+        f"written to {admin_path}"
+        if created
+        else (f"in {admin_path}" if admin_path else "from --admin-key / $LORAPLEX_ADMIN_KEY")
+    )
+    print(f"loraplex: admin key {where}", file=sys.stderr, flush=True)
+    print(
+        f"loraplex: serving {gateway_config.served_model_name} on "
+        f"http://{gateway_config.host}:{gateway_config.port} "
+        f"(database {_safe_url(gateway_config.db_url)})",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=gateway_config.host,
+        port=gateway_config.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(gateway_config.shutdown_grace_seconds) + 1,
+    )
+    return 0
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

@@ -1,0 +1,1 @@
+"""The HTTP API by domain; each package exports ``ROUTES`` (controllers and handlers)."""

@@ -1,0 +1,3 @@
+"""The adapters domain of the HTTP API (CONTRACT.md)."""
+
+ROUTES: list = []

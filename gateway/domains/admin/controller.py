@@ -1,0 +1,123 @@
+"""``/admin/*``: tenants, their keys and limits (the admin key only; CONTRACT.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Request, delete, get, post, put
+from litestar.params import FromPath, JSONBody
+from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
+
+from gateway.server.auth import admin_guard
+from gateway.server.errors import bad_request
+from gateway.services.keys import create_key, list_keys, revoke_key
+from gateway.services.tenants import (
+    TenantLimits,
+    create_tenant_with_key,
+    get_tenant,
+    limits_of,
+    list_tenants,
+    set_limits,
+)
+
+_LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
+
+
+def _tenant_view(tenant: Any) -> dict[str, Any]:
+    return {
+        "id": tenant.id,
+        "name": tenant.name,
+        "created_at": tenant.created_at.isoformat(),
+        "limits": {f: getattr(tenant, f) for f in _LIMIT_FIELDS},
+    }
+
+
+def _object(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    return data
+
+
+def _limits(data: dict[str, Any]) -> TenantLimits:
+    unknown = set(data) - set(_LIMIT_FIELDS)
+    if unknown:
+        raise bad_request(f"unknown limit {sorted(unknown)[0]!r}", param=sorted(unknown)[0])
+    return TenantLimits(**{f: data.get(f) for f in _LIMIT_FIELDS})
+
+
+class AdminController(Controller):
+    """Tenant administration. Every route needs the admin key (403 for tenant keys)."""
+
+    path = "/admin"
+    guards = [admin_guard]
+
+    @post("/tenants", status_code=HTTP_201_CREATED)
+    async def create_tenant(self, request: Request, data: JSONBody[Any]) -> dict[str, Any]:
+        """``{"name", "limits"?}`` -> 201 ``{"id", "name", "api_key"}`` (the key, once)."""
+        body = _object(data)
+        state = request.app.state.gateway
+        name = body.get("name")
+        if not isinstance(name, str):
+            raise bad_request("'name' is required and must be a string", param="name")
+        limits = _limits(_object(body.get("limits") or {}))
+        async with state.sessions() as session, session.begin():
+            tenant, key = await create_tenant_with_key(session, name, state.secret, limits)
+            return {"id": tenant.id, "name": tenant.name, "api_key": key.api_key}
+
+    @get("/tenants")
+    async def list_tenants(self, request: Request) -> dict[str, Any]:
+        """Every tenant with its limits."""
+        async with request.app.state.gateway.sessions() as session:
+            tenants = await list_tenants(session)
+            return {"object": "list", "data": [_tenant_view(t) for t in tenants]}
+
+    @get("/tenants/{tenant_id:str}")
+    async def get_tenant(self, request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
+        """One tenant, with its keys (ids and prefixes, never hashes)."""
+        async with request.app.state.gateway.sessions() as session:
+            tenant = await get_tenant(session, tenant_id)
+            keys = await list_keys(session, tenant_id)
+            view = _tenant_view(tenant)
+            view["keys"] = [
+                {
+                    "id": k.id,
+                    "prefix": k.prefix,
+                    "created_at": k.created_at.isoformat(),
+                    "revoked": k.revoked_at is not None,
+                }
+                for k in keys
+            ]
+            return view
+
+    @put("/tenants/{tenant_id:str}/limits", status_code=HTTP_200_OK)
+    async def put_limits(
+        self, request: Request, tenant_id: FromPath[str], data: JSONBody[Any]
+    ) -> dict[str, Any]:
+        """Replace the tenant's per-key limits; a null or missing field means the default."""
+        state = request.app.state.gateway
+        limits = _limits(_object(data))
+        async with state.sessions() as session, session.begin():
+            tenant = await set_limits(session, tenant_id, limits)
+            view = _tenant_view(tenant)
+        state.key_cache.forget_tenant(tenant_id)
+        effective = limits_of(tenant).or_defaults(state.default_limits)
+        view["effective_limits"] = {f: getattr(effective, f) for f in _LIMIT_FIELDS}
+        return view
+
+    @post("/tenants/{tenant_id:str}/keys", status_code=HTTP_201_CREATED)
+    async def create_key(self, request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
+        """-> 201 ``{"id", "api_key"}`` (the key, once)."""
+        state = request.app.state.gateway
+        async with state.sessions() as session, session.begin():
+            key = await create_key(session, tenant_id, state.secret)
+            return {"id": key.id, "api_key": key.api_key}
+
+    @delete("/keys/{key_id:str}", status_code=HTTP_200_OK)
+    async def revoke_key(self, request: Request, key_id: FromPath[str]) -> dict[str, Any]:
+        """Revoke a key: from now on it gets 401 (the auth cache drops it at once)."""
+        state = request.app.state.gateway
+        async with state.sessions() as session, session.begin():
+            key = await revoke_key(session, key_id)
+            out = {"id": key.id, "revoked": True}
+        state.key_cache.forget_key(key_id)
+        return out

@@ -1,0 +1,3 @@
+"""The chat domain of the HTTP API (CONTRACT.md)."""
+
+ROUTES: list = []

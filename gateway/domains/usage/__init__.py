@@ -1,0 +1,3 @@
+"""The usage domain of the HTTP API (CONTRACT.md)."""
+
+ROUTES: list = []

@@ -1,0 +1,1 @@
+"""The Litestar application: configuration, shared state, auth, errors and the app factory."""

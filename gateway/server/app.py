@@ -1,0 +1,80 @@
+"""The Litestar app factory: routes by domain, auth middleware, OpenAI errors, lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from litestar import Litestar
+from litestar.config.app import AppConfig
+from litestar.datastructures import State
+from litestar.middleware import DefineMiddleware
+from litestar.openapi import OpenAPIConfig
+
+from gateway.auth.redact import RedactingFilter
+from gateway.domains import adapters, admin, chat, system, usage
+from gateway.server.auth import KeyAuthMiddleware
+from gateway.server.errors import EXCEPTION_HANDLERS
+from gateway.server.state import GatewayState
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(state: GatewayState) -> Litestar:
+    """Build the gateway app around ready services.
+
+    On startup the usage writer starts. On shutdown: new chat requests get 503, in-flight ones
+    get ``shutdown_grace_seconds`` to finish (then the engine aborts them and their usage is
+    recorded as aborted), usage is flushed, the database engine disposed, and the engine shut
+    down if the app owns it.
+    """
+
+    async def on_startup() -> None:
+        state.usage.start()
+
+    async def on_shutdown() -> None:
+        await shutdown(state)
+
+    return Litestar(
+        route_handlers=[
+            *system.ROUTES,
+            *chat.ROUTES,
+            *adapters.ROUTES,
+            *usage.ROUTES,
+            *admin.ROUTES,
+        ],
+        state=State({"gateway": state}),
+        middleware=[DefineMiddleware(KeyAuthMiddleware, exclude_from_auth_key="exclude_from_auth")],
+        exception_handlers=EXCEPTION_HANDLERS,
+        on_startup=[on_startup],
+        on_shutdown=[on_shutdown],
+        request_max_body_size=state.config.chat_max_body_bytes,
+        openapi_config=OpenAPIConfig(title="loraplex", version="0.1.0", path="/docs"),
+        on_app_init=[_quiet_keys],
+    )
+
+
+def _quiet_keys(config: AppConfig) -> AppConfig:
+    """Make sure no log record of ours or the server's carries a key."""
+    for name in ("", "litestar", "uvicorn", "uvicorn.access", "uvicorn.error"):
+        target = logging.getLogger(name)
+        if not any(isinstance(f, RedactingFilter) for f in target.filters):
+            target.addFilter(RedactingFilter())
+    return config
+
+
+async def shutdown(state: GatewayState) -> None:
+    """Drain, flush usage, release the database and (if owned) the engine."""
+    state.draining = True
+    if state.in_flight:
+        _, pending = await asyncio.wait(
+            set(state.in_flight), timeout=state.config.shutdown_grace_seconds
+        )
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+    if state.owns_engine:
+        await asyncio.to_thread(state.engine.shutdown)
+    await state.usage.close()
+    await state.db.dispose()

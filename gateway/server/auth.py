@@ -1,0 +1,156 @@
+"""Authentication (Litestar's authentication middleware) and the guards on top of it.
+
+Every route needs ``Authorization: Bearer <key>`` except those marked ``exclude_from_auth``
+(``/health``, ``/metrics``). The middleware resolves the key to a :class:`TenantPrincipal`
+(a tenant key, ``lpx-...``, looked up by its HMAC in the database) or :class:`AdminPrincipal`
+(the admin key, compared in constant time) and puts it on ``request.user``; the guards then
+keep the admin key on ``/admin/*`` and tenant keys off it (403 either way). Verified tenant keys
+are cached for ``auth_cache_seconds`` (a database read saved per request); revoking a key through
+the admin API drops it from the cache at once. Keys never reach a log: only the key id does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from litestar.middleware import AbstractAuthenticationMiddleware, AuthenticationResult
+
+from gateway.auth.keys import hash_key
+from gateway.auth.secrets_store import verify_admin_key
+from gateway.server.errors import APIError
+from gateway.services.keys import authenticate
+from gateway.services.tenants import TenantLimits, limits_of
+
+AUTH_HEADER = "authorization"
+
+
+@dataclass(frozen=True)
+class TenantPrincipal:
+    """The caller behind a valid tenant key.
+
+    Attributes:
+        tenant_id: The tenant (also the engine requests' cache salt).
+        tenant_name: Its name.
+        key_id: The key's id (usage rows, rate limits, logs).
+        limits: The tenant's own limits (None fields: the server defaults apply).
+    """
+
+    tenant_id: str
+    tenant_name: str
+    key_id: str
+    limits: TenantLimits
+
+
+@dataclass(frozen=True)
+class AdminPrincipal:
+    """The caller presented the admin key."""
+
+
+class KeyCache:
+    """Verified tenant keys by HMAC, for a short time.
+
+    Args:
+        ttl: Seconds an entry lives.
+    """
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._entries: dict[str, tuple[float, TenantPrincipal]] = {}
+
+    def get(self, key_hash: str) -> TenantPrincipal | None:
+        """The cached principal, or None when absent or expired."""
+        hit = self._entries.get(key_hash)
+        if hit is None:
+            return None
+        if hit[0] < time.monotonic():
+            self._entries.pop(key_hash, None)
+            return None
+        return hit[1]
+
+    def put(self, key_hash: str, principal: TenantPrincipal) -> None:
+        """Cache a verified key."""
+        if self.ttl > 0:
+            if len(self._entries) > 100_000:
+                self._entries.clear()
+            self._entries[key_hash] = (time.monotonic() + self.ttl, principal)
+
+    def forget_key(self, key_id: str) -> None:
+        """Drop a key (revoked)."""
+        for h in [h for h, (_, p) in self._entries.items() if p.key_id == key_id]:
+            self._entries.pop(h, None)
+
+    def forget_tenant(self, tenant_id: str) -> None:
+        """Drop every key of a tenant (its limits changed)."""
+        for h in [h for h, (_, p) in self._entries.items() if p.tenant_id == tenant_id]:
+            self._entries.pop(h, None)
+
+
+def bearer_token(connection: ASGIConnection) -> str:
+    """The token of ``Authorization: Bearer <token>``.
+
+    Raises:
+        APIError: 401 when the header is missing or not a bearer token.
+    """
+    header = connection.headers.get(AUTH_HEADER)
+    if not header:
+        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'")
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(401, "malformed Authorization header: expected 'Bearer <key>'")
+    return token
+
+
+class KeyAuthMiddleware(AbstractAuthenticationMiddleware):
+    """Resolves the bearer key to a principal on ``request.user`` (401 when it cannot)."""
+
+    async def authenticate_request(self, connection: ASGIConnection) -> AuthenticationResult:
+        """See the module docstring.
+
+        Raises:
+            APIError: 401 for a missing, malformed, unknown or revoked key.
+        """
+        state = connection.app.state.gateway
+        token = bearer_token(connection)
+        if verify_admin_key(token, state.admin_key):
+            return AuthenticationResult(user=AdminPrincipal(), auth=None)
+        key_hash = hash_key(token, state.secret)
+        principal = state.key_cache.get(key_hash)
+        if principal is None:
+            async with state.sessions() as session:
+                found = await authenticate(session, token, state.secret)
+            if found is None:
+                raise APIError(401, "invalid API key (unknown or revoked)")
+            principal = TenantPrincipal(
+                tenant_id=found.tenant.id,
+                tenant_name=found.tenant.name,
+                key_id=found.key.id,
+                limits=limits_of(found.tenant),
+            )
+            state.key_cache.put(key_hash, principal)
+        return AuthenticationResult(user=principal, auth=None)
+
+
+def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """Only the admin key.
+
+    Raises:
+        APIError: 403 for a tenant key.
+    """
+    if not isinstance(connection.user, AdminPrincipal):
+        raise APIError(403, "this route needs the admin key", code="admin_only")
+
+
+def tenant_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """Only tenant keys (the admin key serves ``/admin/*`` only).
+
+    Raises:
+        APIError: 403 for the admin key.
+    """
+    if not isinstance(connection.user, TenantPrincipal):
+        raise APIError(
+            403, "the admin key serves /admin/* only; use a tenant key", code="tenant_only"
+        )

@@ -1,0 +1,70 @@
+"""Assemble a running gateway: migrated database, engine with the adapter store, the app.
+
+``loraplex serve`` and the live-server tests both go through :func:`build_gateway`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from litestar import Litestar
+
+from engine.config import EngineConfig
+from gateway.server.app import create_app
+from gateway.server.config import GatewayConfig
+from gateway.server.engine_client import EngineClient, LocalEngineClient
+from gateway.server.state import GatewayState, build_state
+
+
+def served_name(engine_config: EngineConfig) -> str:
+    """``--served-model-name``, else the model directory's base name."""
+    return engine_config.served_model_name or Path(engine_config.model).name
+
+
+def start_engine(engine_config: EngineConfig, store_root: Path) -> LocalEngineClient:
+    """Load the model and start the engine thread, reading tenant adapters from the store.
+
+    Raises:
+        ValueError: the model or config is unusable.
+    """
+    from adapters.store import AdapterStore
+    from engine.async_llm import AsyncLLM
+    from engine.llm_engine import LLMEngine
+
+    store = AdapterStore(store_root)
+    holder: dict[str, Any] = {}
+
+    def load(digest: str) -> Any:
+        limits = holder["client"].adapter_limits
+        return store.load(
+            digest,
+            target_shapes=limits.target_shapes,
+            num_layers=limits.num_layers,
+            max_rank=limits.max_rank,
+        )
+
+    engine = LLMEngine(engine_config, adapter_loader=load)
+    client = LocalEngineClient(AsyncLLM(engine=engine), served_name(engine_config))
+    holder["client"] = client
+    return client
+
+
+def build_gateway(
+    gateway_config: GatewayConfig,
+    engine: EngineClient,
+    *,
+    admin_key: str,
+    owns_engine: bool = True,
+) -> tuple[Litestar, GatewayState]:
+    """Migrate the database and build the app around ``engine``.
+
+    Raises:
+        sqlalchemy.exc.SQLAlchemyError: the database is unreachable or cannot be migrated.
+    """
+    from gateway.db.migrate import upgrade
+
+    gateway_config.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(gateway_config.db_url)
+    state = build_state(gateway_config, engine, admin_key=admin_key, owns_engine=owns_engine)
+    return create_app(state), state

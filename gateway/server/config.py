@@ -1,0 +1,68 @@
+"""The gateway's own settings (the engine has :class:`engine.config.EngineConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """What ``loraplex serve`` configures besides the engine. Frozen; derive with :meth:`replace`.
+
+    Attributes:
+        data_dir: The data directory (database, secrets, adapter store).
+        db_url: SQLAlchemy async URL of the usage database.
+        served_model_name: The base model's name in ``model`` fields and ``/v1/models``.
+        host: Bind address.
+        port: Bind port.
+        chat_max_body_bytes: Largest ``/v1/chat/completions`` body (images inline); 413 beyond.
+        upload_max_body_bytes: Largest ``/v1/adapters`` body; 413 beyond.
+        max_archive_members: Most entries an uploaded archive may hold.
+        max_archive_unpacked_bytes: Most bytes an uploaded archive may unpack to.
+        max_tokens_limit: Largest ``max_tokens`` a request may ask for (also bounded by the
+            model length); 400 beyond.
+        max_n: Largest ``n``.
+        default_requests_per_minute: Per-key requests per minute when the tenant sets none
+            (None: unlimited).
+        default_tokens_per_minute: Per-key prompt + completion tokens per minute (None: unlimited).
+        default_max_concurrent_requests: Per-key requests in flight (None: unlimited).
+        auth_cache_seconds: How long a verified key stays cached (revocations through the admin
+            API take effect at once; ``loraplex keys revoke`` from another process within this).
+        usage_flush_seconds: Longest a usage event waits in memory before it is written.
+        shutdown_grace_seconds: On shutdown, how long in-flight requests may run before they
+            are aborted.
+        adapter_store_dir: The content-addressed adapter store (default ``DATA/adapters``); the
+            engine's adapter loader must read the same store.
+    """
+
+    data_dir: Path
+    db_url: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    chat_max_body_bytes: int = 32 * MiB
+    upload_max_body_bytes: int = 512 * MiB
+    max_archive_members: int = 16
+    max_archive_unpacked_bytes: int = 1024 * MiB
+    max_tokens_limit: int = 4096
+    max_n: int = 8
+    default_requests_per_minute: int | None = 600
+    default_tokens_per_minute: int | None = 1_000_000
+    default_max_concurrent_requests: int | None = 64
+    auth_cache_seconds: float = 2.0
+    usage_flush_seconds: float = 0.05
+    shutdown_grace_seconds: float = 10.0
+    adapter_store_dir: Path | None = None
+
+    @property
+    def store_dir(self) -> Path:
+        """Where uploaded adapters are stored."""
+        return self.adapter_store_dir or self.data_dir / "adapters"
+
+    def replace(self, **changes: object) -> GatewayConfig:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)

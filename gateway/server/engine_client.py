@@ -1,0 +1,140 @@
+"""What the gateway needs from an engine, and its implementation over :class:`AsyncLLM`.
+
+Routes talk to an :class:`EngineClient`, never to the engine's internals, so the gateway
+benchmark can put an instant fake engine behind the real app (``bench/gateway.py``) and tests can
+share one engine between apps. Input processing (chat template, image decoding) is CPU work: it
+runs on one worker thread, never on the event loop (and never two at once on the tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.inputs import ProcessedPrompt
+from engine.request import EngineRequest, RequestOutput
+
+
+@dataclass(frozen=True)
+class AdapterLimits:
+    """What an uploaded adapter is validated against (``adapters.validation``).
+
+    Attributes:
+        target_shapes: ``projection name -> (in_features, out_features)``.
+        num_layers: Decoder layers of the served model.
+        max_rank: ``--max-lora-rank``.
+    """
+
+    target_shapes: dict[str, tuple[int, int]]
+    num_layers: int
+    max_rank: int
+
+
+class EngineClient(Protocol):
+    """The engine as the gateway sees it.
+
+    Attributes:
+        model_name: The served base model's name.
+        max_model_len: Most tokens (prompt + completion) of one sequence.
+        adapter_limits: What uploaded adapters must fit.
+    """
+
+    model_name: str
+    max_model_len: int
+    adapter_limits: AdapterLimits
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine can take requests."""
+        ...
+
+    async def process(self, messages: Any) -> ProcessedPrompt:
+        """Chat messages to prompt token ids and images.
+
+        Raises:
+            ValueError: bad messages or images (``InvalidImageError`` is one).
+        """
+        ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; the last one is finished.
+
+        Raises:
+            ValueError: the engine refused the request.
+            EngineDeadError: the engine is not running.
+        """
+        ...
+
+    async def add_lora(self, adapter: Any) -> None:
+        """Make a validated adapter available by its digest."""
+        ...
+
+    async def remove_lora(self, digest: str) -> bool:
+        """Drop an adapter from memory; False while a running request uses it."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Scheduler and cache figures (``AsyncLLM.stats`` keys)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Abort everything and stop."""
+        ...
+
+
+class LocalEngineClient:
+    """:class:`EngineClient` over an in-process :class:`engine.async_llm.AsyncLLM`.
+
+    Args:
+        llm: The running engine.
+        model_name: Name of the base model in the API.
+    """
+
+    def __init__(self, llm: Any, model_name: str) -> None:
+        engine = llm.engine
+        self.llm = llm
+        self.model_name = model_name
+        self.max_model_len = engine.max_model_len
+        self.adapter_limits = AdapterLimits(
+            target_shapes=engine.lora_shapes,
+            num_layers=engine.model.num_layers,
+            max_rank=engine.config.max_lora_rank,
+        )
+        self._inputs = engine.inputs
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-inputs")
+
+    @property
+    def is_running(self) -> bool:
+        """See :class:`EngineClient`."""
+        return self.llm.is_running
+
+    async def process(self, messages: Any) -> ProcessedPrompt:
+        """See :class:`EngineClient`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, self._inputs, messages)
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """See :class:`EngineClient`."""
+        return self.llm.generate(request)
+
+    async def add_lora(self, adapter: Any) -> None:
+        """See :class:`EngineClient`."""
+        await self.llm.add_lora(adapter)
+
+    async def remove_lora(self, digest: str) -> bool:
+        """See :class:`EngineClient`."""
+        return await self.llm.remove_lora(digest)
+
+    def stats(self) -> dict[str, Any]:
+        """See :class:`EngineClient`; adds ``lora_slots_in_use``."""
+        out = dict(self.llm.stats())
+        out.setdefault("lora_slots_in_use", self.llm.engine.lora_manager.slots_in_use)
+        return out
+
+    def shutdown(self) -> None:
+        """See :class:`EngineClient`."""
+        self.llm.shutdown()
+        self._worker.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,187 @@
+"""OpenAI's error body on every route, for our errors and for Litestar's own.
+
+Every error response is ``{"error": {"message", "type", "param", "code"}}`` (CONTRACT.md), with
+the status the contract gives: 400 invalid request, 401 bad key, 403 admin route with a tenant
+key, 404 unknown model or adapter, 409 name taken, 413 body too large, 429 rate limited (with
+``Retry-After``), 503 overloaded or engine unavailable. Litestar's default body never reaches a
+client: its HTTP exceptions (validation, 404 route, 405, 413 from the body limit) are
+mapped here too, and anything unexpected becomes a 500 without internals.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
+
+from gateway.auth.redact import redact
+from gateway.services.errors import ConflictError, InvalidInputError, NotFoundError
+
+logger = logging.getLogger(__name__)
+
+# status -> OpenAI error type
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+DEFAULT_CODES = {
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    409: "conflict",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI's error fields.
+
+    Args:
+        status: HTTP status code.
+        message: Shown to the client; never holds a key or internals.
+        param: The request field at fault, if any.
+        code: A machine-readable code (``model_not_found``, ``rate_limit_exceeded``, ...).
+        headers: Extra response headers (``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else DEFAULT_CODES.get(status)
+        self.headers = headers or {}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found(message: str, code: str = "not_found", param: str | None = None) -> APIError:
+    """A 404 (unknown model or adapter, another tenant's included)."""
+    return APIError(404, message, param=param, code=code)
+
+
+def rate_limited(message: str, retry_after_seconds: float) -> APIError:
+    """A 429 with ``Retry-After`` in whole seconds (at least 1)."""
+    seconds = max(1, math.ceil(retry_after_seconds))
+    return APIError(429, message, headers={"Retry-After": str(seconds)})
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error body for ``status``."""
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(
+                status, "server_error" if status >= 500 else "invalid_request_error"
+            ),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """A JSON error response in OpenAI's shape."""
+    return Response(
+        content=error_body(status, message, param, code),
+        status_code=status,
+        headers=headers,
+        media_type="application/json",
+    )
+
+
+def _api_error(_: Request, exc: APIError) -> Response:
+    return error_response(
+        exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers
+    )
+
+
+def _service_error(_: Request, exc: Exception) -> Response:
+    if isinstance(exc, NotFoundError):
+        return error_response(404, str(exc), code="not_found")
+    if isinstance(exc, ConflictError):
+        return error_response(409, str(exc), code="conflict")
+    return error_response(400, str(exc))
+
+
+def _http_exception(_: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    message = exc.detail or "error"
+    if isinstance(exc, ValidationException):
+        message = _validation_message(exc)
+    elif status == 413:
+        message = "request body too large"
+    elif status == 404 and message == "Not Found":
+        message = "no such route"
+    headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() == "retry-after"}
+    if status == 405:
+        headers = dict(exc.headers or {})
+    return error_response(status, message, code=DEFAULT_CODES.get(status), headers=headers)
+
+
+def _validation_message(exc: ValidationException) -> str:
+    extra = exc.extra
+    if isinstance(extra, list) and extra:
+        first = extra[0]
+        if isinstance(first, dict) and first.get("message"):
+            key = first.get("key")
+            return f"{first['message']}" + (f" ({key})" if key else "")
+    return str(exc.detail or "invalid request")
+
+
+def _unexpected(request: Request, exc: Exception) -> Response:
+    logger.error(
+        "unhandled error on %s %s: %s",
+        request.method,
+        request.url.path,
+        redact(repr(exc)),
+        exc_info=(type(exc), exc, exc.__traceback__),
+    )
+    return error_response(HTTP_500_INTERNAL_SERVER_ERROR, "internal server error")
+
+
+EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
+    APIError: _api_error,
+    NotFoundError: _service_error,
+    ConflictError: _service_error,
+    InvalidInputError: _service_error,
+    HTTPException: _http_exception,
+    Exception: _unexpected,
+}

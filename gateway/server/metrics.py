@@ -1,0 +1,111 @@
+"""Prometheus metrics: engine gauges read at scrape time, per-tenant counters from the gateway.
+
+Each app has its own ``CollectorRegistry`` (several apps can live in one test process). Engine
+figures (KV blocks, prefix-cache tokens, queue lengths, LoRA slots) come from
+``EngineClient.stats()`` when ``/metrics`` is scraped, so the engine thread never touches
+prometheus objects. Tenants are labelled by id, never by key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector(Collector):
+    """Reads ``stats()`` at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self._stats()
+        gauges = (
+            ("loraplex_kv_blocks_total", "KV cache blocks in the pool", "kv_blocks_total"),
+            ("loraplex_kv_blocks_in_use", "KV cache blocks referenced", "kv_blocks_in_use"),
+            ("loraplex_requests_running", "Requests in the running batch", "requests_running"),
+            ("loraplex_requests_waiting", "Requests waiting to be scheduled", "requests_waiting"),
+            ("loraplex_lora_slots_in_use", "Device LoRA slots held", "lora_slots_in_use"),
+        )
+        for name, doc, key in gauges:
+            yield GaugeMetricFamily(name, doc, value=float(s.get(key, 0)))
+        queried = float(s.get("prefix_cache_queried_tokens", 0))
+        hit = float(s.get("prefix_cache_hit_tokens", 0))
+        yield CounterMetricFamily(
+            "loraplex_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            value=queried,
+        )
+        yield CounterMetricFamily(
+            "loraplex_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            value=hit,
+        )
+        yield GaugeMetricFamily(
+            "loraplex_prefix_cache_hit_rate",
+            "Hit tokens over queried tokens since start",
+            value=hit / queried if queried else 0.0,
+        )
+
+
+class GatewayMetrics:
+    """The app's registry and its counters.
+
+    Args:
+        stats: The engine's ``stats()``.
+    """
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        self.requests = Counter(
+            "loraplex_tenant_requests",
+            "Chat requests by tenant, model kind and status",
+            ["tenant", "status"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "loraplex_tenant_tokens",
+            "Tokens by tenant and kind (prompt, completion, cached)",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
+        self.rate_limited = Counter(
+            "loraplex_rate_limited_requests",
+            "Requests refused with 429, by tenant and limit",
+            ["tenant", "limit"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "loraplex_time_to_first_token_seconds",
+            "Time from arrival to the first token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+
+    def record_request(
+        self,
+        tenant_id: str,
+        status: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        ttft_seconds: float | None,
+    ) -> None:
+        """Count one finished request (any status)."""
+        self.requests.labels(tenant_id, status).inc()
+        self.tokens.labels(tenant_id, "prompt").inc(prompt_tokens)
+        self.tokens.labels(tenant_id, "completion").inc(completion_tokens)
+        self.tokens.labels(tenant_id, "cached").inc(cached_tokens)
+        if ttft_seconds is not None:
+            self.ttft.observe(ttft_seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

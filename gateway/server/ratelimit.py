@@ -1,0 +1,135 @@
+"""Per-key rate limits: requests per minute, tokens per minute, concurrent requests.
+
+Token buckets (the scheme OpenAI's and most gateways' limits follow): each key has a request
+bucket of capacity ``requests_per_minute`` refilled at ``rpm / 60`` per second, and a token
+bucket of capacity ``tokens_per_minute`` refilled at ``tpm / 60`` per second. Admission takes one
+request from the first and needs the second to be positive; when the request ends, the tokens it
+actually used (prompt + completion) are taken from the token bucket, which may go negative, so a
+large request delays the next ones instead of being refused up front. A refusal carries the time
+until admission would succeed, for ``Retry-After``. State lives in this process (one gateway
+process per engine); it is lost on restart, which only forgives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.services.tenants import TenantLimits
+
+
+class RateLimitExceeded(Exception):
+    """A key is over one of its limits.
+
+    Attributes:
+        limit: ``"requests_per_minute"``, ``"tokens_per_minute"`` or ``"max_concurrent_requests"``.
+        retry_after: Seconds until a retry can succeed (an estimate for concurrency).
+    """
+
+    def __init__(self, limit: str, retry_after: float) -> None:
+        super().__init__(f"rate limit exceeded: {limit}")
+        self.limit = limit
+        self.retry_after = retry_after
+
+
+@dataclass
+class _Bucket:
+    level: float
+    stamp: float
+
+    def refill(self, capacity: float, per_second: float, now: float) -> None:
+        self.level = min(capacity, self.level + (now - self.stamp) * per_second)
+        self.stamp = now
+
+
+@dataclass
+class _KeyState:
+    requests: _Bucket
+    tokens: _Bucket
+    in_flight: int = 0
+
+
+class Ticket:
+    """An admitted request; :meth:`release` it exactly once, with the tokens it used."""
+
+    def __init__(self, limiter: RateLimiter, key_id: str, limits: TenantLimits) -> None:
+        self._limiter = limiter
+        self._key_id = key_id
+        self._limits = limits
+        self._released = False
+
+    def release(self, tokens_used: int) -> None:
+        """End the request: free its concurrency slot, charge its tokens. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self._limiter._release(self._key_id, self._limits, tokens_used)
+
+
+class RateLimiter:
+    """Token-bucket limits per API key.
+
+    Args:
+        clock: Monotonic seconds (tests pass a fake).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._keys: dict[str, _KeyState] = {}
+
+    def admit(self, key_id: str, limits: TenantLimits) -> Ticket:
+        """Admit one request for ``key_id`` under ``limits`` (None fields: unlimited).
+
+        Raises:
+            RateLimitExceeded: over a limit; nothing was taken.
+        """
+        now = self._clock()
+        state = self._state(key_id, limits, now)
+        rpm, tpm, conc = (
+            limits.requests_per_minute,
+            limits.tokens_per_minute,
+            limits.max_concurrent_requests,
+        )
+        if rpm is not None:
+            state.requests.refill(rpm, rpm / 60.0, now)
+        if tpm is not None:
+            state.tokens.refill(tpm, tpm / 60.0, now)
+        if conc is not None and state.in_flight >= conc:
+            raise RateLimitExceeded("max_concurrent_requests", 1.0)
+        if rpm is not None and state.requests.level < 1.0:
+            raise RateLimitExceeded(
+                "requests_per_minute", (1.0 - state.requests.level) / (rpm / 60.0)
+            )
+        if tpm is not None and state.tokens.level <= 0.0:
+            raise RateLimitExceeded("tokens_per_minute", (1.0 - state.tokens.level) / (tpm / 60.0))
+        if rpm is not None:
+            state.requests.level -= 1.0
+        state.in_flight += 1
+        return Ticket(self, key_id, limits)
+
+    def in_flight(self, key_id: str) -> int:
+        """Requests of ``key_id`` admitted and not yet released."""
+        state = self._keys.get(key_id)
+        return state.in_flight if state else 0
+
+    def _state(self, key_id: str, limits: TenantLimits, now: float) -> _KeyState:
+        state = self._keys.get(key_id)
+        if state is None:
+            state = _KeyState(
+                requests=_Bucket(float(limits.requests_per_minute or 0), now),
+                tokens=_Bucket(float(limits.tokens_per_minute or 0), now),
+            )
+            self._keys[key_id] = state
+        return state
+
+    def _release(self, key_id: str, limits: TenantLimits, tokens_used: int) -> None:
+        state = self._keys.get(key_id)
+        if state is None:
+            return
+        state.in_flight = max(0, state.in_flight - 1)
+        tpm = limits.tokens_per_minute
+        if tpm is not None:
+            now = self._clock()
+            state.tokens.refill(tpm, tpm / 60.0, now)
+            state.tokens.level -= max(0, tokens_used)

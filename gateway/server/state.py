@@ -1,0 +1,97 @@
+"""Everything the routes share, built once per app (``app.state.gateway``)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+
+from adapters.store import AdapterStore
+from gateway.server.auth import KeyCache
+from gateway.server.config import GatewayConfig
+from gateway.server.engine_client import EngineClient
+from gateway.server.metrics import GatewayMetrics
+from gateway.server.ratelimit import RateLimiter
+from gateway.server.usage_writer import UsageWriter
+from gateway.services.tenants import TenantLimits
+
+
+@dataclass
+class GatewayState:
+    """Shared services of one gateway app.
+
+    Attributes:
+        config: Gateway settings.
+        engine: The engine behind the API.
+        db: The database engine (disposed on shutdown).
+        sessions: Async session factory.
+        secret: Server secret for key HMACs.
+        admin_key: The admin key (never logged).
+        store: The content-addressed adapter store.
+        key_cache: Verified keys.
+        limiter: Per-key rate limits.
+        usage: The background usage writer.
+        metrics: Prometheus registry and counters.
+        owns_engine: Shut the engine down with the app (False when tests share one).
+        draining: Set on shutdown: new chat requests get 503.
+        in_flight: Chat requests running now (graceful shutdown waits for them).
+    """
+
+    config: GatewayConfig
+    engine: EngineClient
+    db: AsyncEngine
+    sessions: async_sessionmaker
+    secret: bytes
+    admin_key: str
+    store: AdapterStore
+    key_cache: KeyCache
+    limiter: RateLimiter
+    usage: UsageWriter
+    metrics: GatewayMetrics
+    owns_engine: bool = True
+    draining: bool = False
+    in_flight: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def default_limits(self) -> TenantLimits:
+        """The server-wide limits (flags) for tenants that set none."""
+        c = self.config
+        return TenantLimits(
+            requests_per_minute=c.default_requests_per_minute,
+            tokens_per_minute=c.default_tokens_per_minute,
+            max_concurrent_requests=c.default_max_concurrent_requests,
+        )
+
+
+def build_state(
+    config: GatewayConfig,
+    engine: EngineClient,
+    *,
+    admin_key: str,
+    owns_engine: bool = True,
+) -> GatewayState:
+    """Wire the shared services for ``config`` (no I/O beyond creating the data directory).
+
+    The database must already be migrated (``gateway.db.migrate.upgrade``).
+    """
+    from gateway.auth.secrets_store import load_or_create_secret
+    from gateway.db.session import make_engine, session_factory
+
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    db = make_engine(config.db_url)
+    sessions = session_factory(db)
+    return GatewayState(
+        config=config,
+        engine=engine,
+        db=db,
+        sessions=sessions,
+        secret=load_or_create_secret(config.data_dir),
+        admin_key=admin_key,
+        store=AdapterStore(config.store_dir),
+        key_cache=KeyCache(config.auth_cache_seconds),
+        limiter=RateLimiter(),
+        usage=UsageWriter(sessions, flush_seconds=config.usage_flush_seconds),
+        metrics=GatewayMetrics(engine.stats),
+        owns_engine=owns_engine,
+    )

@@ -1,0 +1,119 @@
+"""A real gateway on loopback for tests: uvicorn on a free port, in a background thread.
+
+``LiveGateway`` builds the app around an engine client (tests share one engine per session, so
+``owns_engine=False``), runs it with uvicorn on ``127.0.0.1:<free port>``, and stops it with a
+graceful shutdown (the same path as SIGINT for ``loraplex serve``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from gateway.db.session import db_url
+from gateway.server.build import build_gateway
+from gateway.server.config import GatewayConfig
+
+ADMIN_KEY = "lpx-admin-test-key-0123456789abcdef0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveGateway:
+    """A running gateway.
+
+    Attributes:
+        base_url: ``http://127.0.0.1:<port>``.
+        state: The app's :class:`GatewayState` (engine, store, usage writer, ...).
+        admin_key: The admin key.
+    """
+
+    def __init__(
+        self,
+        engine,
+        data_dir: Path,
+        *,
+        db: str | None = None,
+        owns_engine: bool = False,
+        **config_overrides,
+    ) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.admin_key = ADMIN_KEY
+        config = GatewayConfig(
+            data_dir=Path(data_dir),
+            db_url=db or db_url(data_dir),
+            served_model_name=engine.model_name,
+            port=self.port,
+            **config_overrides,
+        )
+        self.app, self.state = build_gateway(
+            config, engine, admin_key=ADMIN_KEY, owns_engine=owns_engine
+        )
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                lifespan="on",
+                loop="asyncio",
+                timeout_graceful_shutdown=5,
+            )
+        )
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self._server.serve())
+
+    def start(self) -> LiveGateway:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+
+    def __enter__(self) -> LiveGateway:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ helpers
+    def client(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=60)
+
+    def admin(self) -> httpx.Client:
+        return self.client(self.admin_key)
+
+    def create_tenant(self, name: str) -> dict:
+        """``POST /admin/tenants`` -> ``{"id", "name", "api_key"}``."""
+        with self.admin() as c:
+            r = c.post("/admin/tenants", json={"name": name})
+            assert r.status_code == 201, r.text
+            return r.json()
+
+    def openai(self, key: str):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0)
+
+    def kv_blocks_in_use(self) -> int:
+        return int(self.state.engine.stats()["kv_blocks_in_use"])
