@@ -15,6 +15,10 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
    the running sequences, and so every step, never hold more distinct adapters than slots;
    and since nothing overtakes, requests waiting for a slot are served first come, first
    served across adapters (no starvation).
+3. The step's sequences are put in batch order grouped by adapter (a stable sort, base model
+   first), so every adapter's tokens form one contiguous segment of the flattened batch:
+   Punica's SGMV layout, where each segment's LoRA shrink/expand works on a view of the
+   activations in place, with no gather or scatter.
 """
 
 from __future__ import annotations
@@ -163,6 +167,12 @@ class Scheduler:
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring)."""
+        out = self._schedule()
+        if self.lora_manager is not None and len(out.scheduled) > 1:
+            out.scheduled.sort(key=_adapter_key)
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         step_loras: set[str] = set()
@@ -306,3 +316,8 @@ class Scheduler:
             ScheduledSeq(seq, restored, num_new, restored + num_new == seq.num_tokens)
         )
         return True
+
+
+def _adapter_key(item: ScheduledSeq) -> str:
+    """Batch-order key: the adapter digest, base model (``""``) first."""
+    return item.seq.request.lora_digest or ""

@@ -269,3 +269,32 @@ def test_hot_add_and_remove_while_serving(tiny_llava_dir, adapter_dirs):
     finally:
         async_llm.shutdown()
     assert llm.engine.kv.pool.num_used == 0 and llm.engine.lora_manager.slots_in_use == 0
+
+
+def test_each_adapter_is_one_contiguous_segment_of_the_batch(tiny_llava_dir, adapter_dirs):
+    llm = LLM(EngineConfig(model=tiny_llava_dir, max_loras=4, max_lora_rank=16))
+    engine = llm.engine
+    a = engine.add_lora_dir(adapter_dirs["attn-r4"]).digest
+    b = engine.add_lora_dir(adapter_dirs["mlp-r8"]).digest
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    order = [a, None, b, a, None, b, a]
+    for i, digest in enumerate(order):
+        engine.add_request(
+            llm.make_request(user(long_text(4 + i)), sp, lora_digest=digest, request_id=f"r{i}")
+        )
+    schedule = engine.scheduler.schedule
+    batches = []
+
+    def recording():
+        out = schedule()
+        batches.append([s.seq.request.lora_digest for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recording
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(len(set(batch)) == 3 for batch in batches)
+    for batch in batches:
+        runs = [d for i, d in enumerate(batch) if i == 0 or batch[i - 1] != d]
+        assert len(runs) == len(set(runs)), batch  # no adapter appears in two runs
+        assert batch[: batch.count(None)] == [None] * batch.count(None)  # base model first
