@@ -68,6 +68,10 @@ class EngineClient(Protocol):
         """
         ...
 
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's text decoded alone (the ``token`` of OpenAI logprobs)."""
+        ...
+
     async def add_lora(self, adapter: Any) -> None:
         """Make a validated adapter available by its digest."""
         ...
@@ -104,6 +108,7 @@ class LocalEngineClient:
             max_rank=engine.config.max_lora_rank,
         )
         self._inputs = engine.inputs
+        self._tokenizer = engine.tokenizer
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-inputs")
 
     @property
@@ -119,6 +124,10 @@ class LocalEngineClient:
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """See :class:`EngineClient`."""
         return self.llm.generate(request)
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """See :class:`EngineClient`."""
+        return self._tokenizer.batch_decode([[t] for t in token_ids])
 
     async def add_lora(self, adapter: Any) -> None:
         """See :class:`EngineClient`."""

@@ -1,3 +1,5 @@
-"""The chat domain of the HTTP API (CONTRACT.md)."""
+"""The chat domain of the HTTP API (CONTRACT.md): ``POST /v1/chat/completions``."""
 
-ROUTES: list = []
+from gateway.domains.chat.controller import chat_completions
+
+ROUTES = [chat_completions]

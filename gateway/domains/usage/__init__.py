@@ -1,3 +1,5 @@
-"""The usage domain of the HTTP API (CONTRACT.md)."""
+"""The usage domain of the HTTP API (CONTRACT.md): ``GET /v1/usage``."""
 
-ROUTES: list = []
+from gateway.domains.usage.controller import get_usage
+
+ROUTES = [get_usage]

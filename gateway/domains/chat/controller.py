@@ -1,0 +1,205 @@
+"""``POST /v1/chat/completions``: OpenAI Chat Completions over the engine (CONTRACT.md).
+
+Order of checks, and what each failure leaves behind::
+
+    auth (401/403, middleware + guard)   no usage row
+    draining or engine down (503)        no usage row
+    rate limits (429 + Retry-After)      no usage row; counted in loraplex_rate_limited_requests
+    body: size (413), JSON and fields (400), model (404), messages and images (400),
+          prompt + max_tokens vs max_model_len (400)      usage row "error", 0 tokens
+    engine run: see ``service.ChatRun``                    usage row "ok" / "error" / "aborted"
+
+Every request past the rate limiter writes exactly one usage row, keyed by
+``<tenant id>:<X-Request-Id>`` when the client sends that header (a retried request is counted
+once) and by the response id otherwise. The engine request's cache salt is always the tenant's
+id: no client field reaches it.
+
+The client is watched while the engine works: one that disconnects (before the answer, or
+mid-stream) gets its engine request aborted and its usage recorded as ``aborted``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from litestar import Request, Response, post
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from engine.request import EngineRequest, RequestOutput
+from gateway.domains.chat.responses import completion_body
+from gateway.domains.chat.schemas import ChatRequest, parse_chat_request
+from gateway.domains.chat.service import ChatRun, UsageLedger, resolve_model
+from gateway.domains.chat.streaming import HEADERS, StreamMeta, chunk_stream
+from gateway.server.auth import TenantPrincipal, tenant_guard
+from gateway.server.errors import ERROR_TYPES, APIError, bad_request, rate_limited
+from gateway.server.ratelimit import RateLimitExceeded
+
+if TYPE_CHECKING:
+    from gateway.server.state import GatewayState
+
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,64}$")  # printable ASCII, no spaces
+
+
+@post("/v1/chat/completions", guards=[tenant_guard], status_code=200)
+async def chat_completions(request: Request) -> Response:
+    """Answer one chat request, as JSON or as server-sent events (``stream: true``).
+
+    Raises:
+        APIError: 400 bad request, 404 unknown model, 413 body too large (Litestar's, mapped),
+            429 rate limited, 503 draining or engine unavailable; always OpenAI's error body.
+    """
+    state: GatewayState = request.app.state.gateway
+    principal: TenantPrincipal = request.user
+    if state.draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    if not state.engine.is_running:
+        raise APIError(503, "the engine is not running", code="engine_unavailable")
+    limits = principal.limits.or_defaults(state.default_limits)
+    try:
+        ticket = state.limiter.admit(principal.key_id, limits)
+    except RateLimitExceeded as exc:
+        state.metrics.rate_limited.labels(principal.tenant_id, exc.limit).inc()
+        raise rate_limited(
+            f"rate limit exceeded: {exc.limit} of this key; retry after "
+            f"{max(1.0, exc.retry_after):.0f} s",
+            exc.retry_after,
+        ) from None
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    client_id = request.headers.get(REQUEST_ID_HEADER)
+    valid_id = client_id is not None and _REQUEST_ID.match(client_id) is not None
+    usage_id = f"{principal.tenant_id}:{client_id}" if valid_id else response_id
+    ledger = UsageLedger(state, principal, ticket, usage_id)
+    run: ChatRun | None = None
+    try:
+        if client_id is not None and not valid_id:
+            raise bad_request(
+                "X-Request-Id must be 1 to 64 printable ASCII characters without spaces",
+                param="X-Request-Id",
+            )
+        chat = parse_chat_request(
+            await request.body(),
+            max_tokens_limit=state.config.max_tokens_limit,
+            max_n=state.config.max_n,
+        )
+        ledger.model = chat.model
+        run = await _start(state, principal, chat, ledger, response_id)
+        if chat.stream:
+            return await _stream(request, state, run, chat, response_id)
+        return await _complete(request, state, run, chat, response_id)
+    except BaseException as exc:
+        if run is None:
+            ledger.close("error", _error_type(exc))
+        elif isinstance(exc, asyncio.CancelledError):
+            run.cancel("shutdown")
+        raise
+
+
+async def _start(
+    state: GatewayState,
+    principal: TenantPrincipal,
+    chat: ChatRequest,
+    ledger: UsageLedger,
+    response_id: str,
+) -> ChatRun:
+    """Resolve the model, process the messages, check lengths, and start the engine run."""
+    engine = state.engine
+    ledger.adapter_digest = await resolve_model(state, principal.tenant_id, chat.model)
+    try:
+        prompt = await engine.process(chat.messages)
+    except ValueError as exc:  # InvalidImageError included
+        raise bad_request(str(exc), param="messages") from None
+    sampling = chat.sampling_params(
+        len(prompt.prompt_token_ids), engine.max_model_len, state.config.max_tokens_limit
+    )
+    engine_request = EngineRequest(
+        request_id=response_id,
+        prompt_token_ids=prompt.prompt_token_ids,
+        sampling=sampling,
+        images=prompt.images,
+        lora_digest=ledger.adapter_digest,
+        cache_salt=principal.tenant_id,  # always the tenant: never from the client
+    )
+    ledger.prompt_tokens = len(prompt.prompt_token_ids)
+    ledger.images = len(prompt.images)
+    return ChatRun(state, engine_request, ledger)
+
+
+async def _complete(
+    request: Request, state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
+) -> Response:
+    """Wait for the whole answer (or the client leaving) and return ``chat.completion``."""
+    out = await _unless_client_leaves(request, run, run.final())
+    body = completion_body(
+        out,
+        response_id=response_id,
+        created=int(time.time()),
+        model=chat.model,
+        want_logprobs=chat.logprobs,
+        token_texts=state.engine.token_texts,
+    )
+    return Response(body, media_type="application/json")
+
+
+async def _stream(
+    request: Request, state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
+) -> Response:
+    """Wait for the first output (so refusals are still plain HTTP errors), then stream."""
+    first = await _unless_client_leaves(request, run, run.next())
+    meta = StreamMeta(
+        response_id=response_id,
+        created=int(time.time()),
+        model=chat.model,
+        n=run.request.sampling.n,
+        include_usage=chat.include_usage,
+        want_logprobs=chat.logprobs,
+        token_texts=state.engine.token_texts,
+    )
+    return Stream(chunk_stream(run, first, meta), media_type="text/event-stream", headers=HEADERS)
+
+
+async def _unless_client_leaves(request: Request, run: ChatRun, waiting: Any) -> RequestOutput:
+    """Await ``waiting`` (an output of ``run``) while watching for the client's disconnect.
+
+    Raises:
+        APIError: what ``waiting`` raises, or 503 ``client_disconnected`` once the run was
+            cancelled because the client left (nobody reads that answer).
+    """
+    result = asyncio.ensure_future(waiting)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not result.done():
+            result.cancel()
+    if result.done() and not result.cancelled():
+        return result.result()
+    run.cancel("client_disconnected")
+    raise APIError(503, "the client disconnected", code="client_disconnected")
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: only that can arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _error_type(exc: BaseException) -> str:
+    """The usage row's ``error_type`` for a request that failed before the engine."""
+    if isinstance(exc, APIError):
+        return exc.code or ERROR_TYPES.get(exc.status, "invalid_request_error")
+    if isinstance(exc, HTTPException):
+        if exc.status_code == 413:
+            return "request_too_large"
+        return ERROR_TYPES.get(exc.status_code, "invalid_request_error")
+    if isinstance(exc, asyncio.CancelledError):
+        return "shutdown"
+    return "internal_error"

@@ -1,0 +1,248 @@
+"""``POST /v1/chat/completions`` bodies: parsed and checked into a :class:`ChatRequest`.
+
+Everything the gateway can refuse without the engine is refused here, with a 400 that names the
+field (OpenAI's ``param``): malformed JSON, a missing or empty ``messages``, wrong types, an
+``image_url`` that is not a ``data:`` URL (nothing is ever fetched), out-of-range sampling
+values, ``max_tokens`` over the server's limit, ``n`` over ``max_n``. Unknown fields are
+ignored, and an explicit ``null`` means "not given". No field sets the cache salt: a client
+``cache_salt`` is one more unknown field.
+
+The prompt's length is known only after the chat template runs, so ``max_tokens`` against the
+model length is checked later by :meth:`ChatRequest.sampling_params`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from engine.sampling.params import MAX_LOGPROBS, SamplingParams
+from gateway.server.errors import APIError, bad_request
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A checked chat request.
+
+    Attributes:
+        model: The ``model`` field as sent (the base model's name or an adapter's).
+        messages: OpenAI chat messages (structure checked, images not yet decoded).
+        max_tokens: ``max_completion_tokens`` or ``max_tokens``; None: as many as fit.
+        max_tokens_param: Which of the two fields set it (for error messages).
+        stream: Answer with server-sent events.
+        include_usage: ``stream_options.include_usage``: a last chunk with the usage.
+        logprobs: Return each token's logprob.
+        top_logprobs: Alternatives per token (0..20) when ``logprobs``.
+        sampling: ``SamplingParams`` fields other than ``max_tokens`` and ``logprobs``.
+        images: ``image_url`` parts in the messages.
+    """
+
+    model: str
+    messages: list[Any]
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    sampling: dict[str, Any] = field(default_factory=dict)
+    images: int = 0
+
+    def sampling_params(self, prompt_tokens: int, max_model_len: int, limit: int) -> SamplingParams:
+        """The engine's sampling parameters for a prompt of ``prompt_tokens`` tokens.
+
+        Without ``max_tokens``, as many tokens as the model length leaves (at most ``limit``).
+
+        Raises:
+            APIError: 400 ``context_length_exceeded`` when the prompt leaves no room, or when
+                prompt plus ``max_tokens`` exceeds ``max_model_len``.
+        """
+        room = max_model_len - prompt_tokens
+        if room < 1:
+            raise bad_request(
+                f"the prompt is {prompt_tokens} tokens; this model allows at most "
+                f"{max_model_len - 1} prompt tokens (max_model_len {max_model_len})",
+                param="messages",
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
+        max_tokens = self.max_tokens if self.max_tokens is not None else min(limit, room)
+        if max_tokens > room:
+            raise bad_request(
+                f"the prompt is {prompt_tokens} tokens and {self.max_tokens_param} is "
+                f"{max_tokens}: together they exceed this model's max_model_len of "
+                f"{max_model_len}; ask for at most {room} tokens",
+                param=self.max_tokens_param,
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
+        return _sampling(
+            max_tokens=max_tokens,
+            logprobs=self.top_logprobs if self.logprobs else None,
+            **self.sampling,
+        )
+
+
+def parse_chat_request(body: bytes, *, max_tokens_limit: int, max_n: int) -> ChatRequest:
+    """Parse and check a request body.
+
+    Args:
+        body: The raw JSON body.
+        max_tokens_limit: Largest ``max_tokens`` a request may ask for.
+        max_n: Largest ``n``.
+
+    Returns:
+        The checked request.
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a non-empty string", param="model")
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' is required and must be a non-empty array", param="messages")
+    images = check_messages(messages)
+
+    max_tokens, max_tokens_param = None, "max_tokens"
+    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
+        value = _get(data, name, int)
+        if value is not None:
+            max_tokens, max_tokens_param = value, name
+            break
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise bad_request(f"'{max_tokens_param}' must be at least 1", param=max_tokens_param)
+        if max_tokens > max_tokens_limit:
+            raise bad_request(
+                f"'{max_tokens_param}' is {max_tokens}; this server allows at most "
+                f"{max_tokens_limit}",
+                param=max_tokens_param,
+            )
+    n = _get(data, "n", int, 1)
+    if not 1 <= n <= max_n:
+        raise bad_request(f"'n' must be between 1 and {max_n}, got {n}", param="n")
+    stream = _get(data, "stream", bool, False)
+    options = _get(data, "stream_options", dict, {})
+    include_usage = _get(options, "include_usage", bool, False, where="stream_options.")
+    logprobs = _get(data, "logprobs", bool, False)
+    top_logprobs = _get(data, "top_logprobs", int)
+    if top_logprobs is not None and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(
+            f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", param="top_logprobs"
+        )
+    stop = data.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise bad_request("'stop' must be a string or an array of strings", param="stop")
+    sampling = {
+        "n": n,
+        "temperature": _get(data, "temperature", float, 1.0),
+        "top_p": _get(data, "top_p", float, 1.0),
+        "top_k": _get(data, "top_k", int, 0),
+        "seed": _get(data, "seed", int),
+        "stop": stop,
+    }
+    request = ChatRequest(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        stream=stream,
+        include_usage=stream and include_usage,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs or 0,
+        sampling=sampling,
+        images=images,
+    )
+    _sampling(max_tokens=1, logprobs=None, **sampling)  # range checks now, not after processing
+    return request
+
+
+def check_messages(messages: list[Any]) -> int:
+    """Check the messages' structure and image URLs; the engine decodes the images later.
+
+    Returns:
+        The number of ``image_url`` parts.
+
+    Raises:
+        APIError: 400 naming the message or part at fault (``messages[0].content[1]...``).
+    """
+    images = 0
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"{where} must be an object with a string 'role'", param=where)
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise bad_request(
+                f"{where}.content must be a string or an array of parts", param=f"{where}.content"
+            )
+        for j, part in enumerate(content):
+            at = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise bad_request(f"{at}.text must be a string", param=f"{at}.text")
+            elif kind == "image_url":
+                spec = part.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                if not isinstance(url, str):
+                    raise bad_request(
+                        f"{at}.image_url.url must be a string", param=f"{at}.image_url"
+                    )
+                if not url.startswith("data:"):
+                    scheme = url.partition(":")[0] if ":" in url else "no scheme"
+                    raise bad_request(
+                        f"{at}.image_url.url must be a data: URL "
+                        f"(data:image/png|jpeg|webp;base64,...), not {scheme[:16]!r}: this "
+                        "server never fetches remote images",
+                        param=f"{at}.image_url.url",
+                        code="invalid_image_url",
+                    )
+                images += 1
+            else:
+                raise bad_request(
+                    f"{at} must be a part of type 'text' or 'image_url'", param=f"{at}.type"
+                )
+    return images
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", dict: "an object"}
+
+
+def _get(data: dict, name: str, kind: type, default: Any = None, *, where: str = "") -> Any:
+    """``data[name]`` checked to be of ``kind`` (ints pass as floats, bools never as numbers)."""
+    value = data.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise bad_request(f"'{where}{name}' must be {_TYPE_NAMES[kind]}", param=where + name)
+    return value
+
+
+def _sampling(**fields: Any) -> SamplingParams:
+    """``SamplingParams(**fields)``, its ``ValueError`` as a 400 naming the field."""
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        message = str(exc)
+        name = message.split(" ", 1)[0]
+        raise APIError(400, message, param=name if name in fields else None) from None

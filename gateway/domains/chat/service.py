@@ -1,0 +1,237 @@
+"""One chat request against the engine: model resolution, the run itself, and its usage row.
+
+Life of an admitted request (the controller drives it)::
+
+    admit (429: no usage row)
+      -> UsageLedger            from here on exactly one usage row and one ticket release
+      -> parse, resolve model, process messages, check lengths     (4xx: row "error", 0 tokens)
+      -> ChatRun: a task in state.in_flight pumps engine outputs into a queue
+           finished "stop"/"length"       -> row "ok"
+           engine refusal / death / abort -> row "error" (refusal: 0 tokens)
+           cancelled (client gone, shutdown) -> engine request aborted, row "aborted",
+                                                the tokens generated so far
+
+The run lives in its own task so that the HTTP side (JSON or SSE) only reads a queue: a client
+that disconnects cancels the run, which closes the engine's stream, which aborts the engine
+request (its KV blocks are freed at the next step boundary); graceful shutdown waits for the
+same tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine.async_llm import EngineDeadError
+from engine.request import EngineRequest, RequestOutput
+from gateway.server.errors import APIError, not_found
+from gateway.services.adapters import find_adapter
+from gateway.services.usage import UsageRecord
+
+if TYPE_CHECKING:
+    from gateway.server.auth import TenantPrincipal
+    from gateway.server.ratelimit import Ticket
+    from gateway.server.state import GatewayState
+
+logger = logging.getLogger(__name__)
+
+MODEL_NOT_FOUND = "model_not_found"
+_MAX_ADAPTER_NAME = 64
+_MAX_MODEL_COLUMN = 256
+
+
+async def resolve_model(state: GatewayState, tenant_id: str, model: str) -> str | None:
+    """The adapter digest ``model`` names for this tenant; None for the base model.
+
+    Raises:
+        APIError: 404 ``model_not_found`` for an unknown name or another tenant's adapter
+            (the same answer, so a name's existence never leaks across tenants).
+    """
+    if model == state.engine.model_name:
+        return None
+    row = None
+    if len(model) <= _MAX_ADAPTER_NAME:
+        async with state.sessions() as session:
+            row = await find_adapter(session, tenant_id, model)
+    if row is None:
+        raise not_found(
+            f"the model {model[:_MAX_ADAPTER_NAME]!r} does not exist: use "
+            f"{state.engine.model_name!r} or the name of one of your adapters",
+            code=MODEL_NOT_FOUND,
+            param="model",
+        )
+    return row.digest
+
+
+class UsageLedger:
+    """What one admitted request used; writes its usage row and frees its ticket, once.
+
+    Args:
+        state: The gateway.
+        principal: The caller.
+        ticket: The rate limiter's admission, released with the tokens used.
+        usage_id: The usage row's key (``tenant:X-Request-Id`` or the response id).
+    """
+
+    def __init__(
+        self, state: GatewayState, principal: TenantPrincipal, ticket: Ticket, usage_id: str
+    ) -> None:
+        self.state = state
+        self.principal = principal
+        self.ticket = ticket
+        self.usage_id = usage_id
+        self.started = time.perf_counter()
+        self.model = "(invalid request)"  # replaced as soon as the body names a model
+        self.adapter_digest: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.images = 0
+        self.ttft: float | None = None
+        self.closed = False
+
+    def observe(self, out: RequestOutput) -> None:
+        """Take the counts of an engine output (each one supersedes the previous)."""
+        self.prompt_tokens = len(out.prompt_token_ids)
+        self.completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+        self.cached_tokens = out.num_cached_tokens
+        if out.ttft is not None:
+            self.ttft = out.ttft
+
+    def close(self, status: str, error_type: str | None = None) -> None:
+        """Record the request (``ok``, ``error`` or ``aborted``); later calls do nothing.
+
+        Never raises: a usage row that cannot be queued is logged, never the request's failure.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        tenant = self.principal.tenant_id
+        try:
+            self.state.usage.submit(
+                UsageRecord(
+                    request_id=self.usage_id,
+                    tenant_id=tenant,
+                    model=self.model[:_MAX_MODEL_COLUMN],
+                    key_id=self.principal.key_id,
+                    adapter_digest=self.adapter_digest,
+                    prompt_tokens=self.prompt_tokens,
+                    completion_tokens=self.completion_tokens,
+                    cached_tokens=self.cached_tokens,
+                    images=self.images,
+                    status=status,
+                    error_type=error_type if status != "ok" else None,
+                    ttft_ms=None if self.ttft is None else self.ttft * 1000.0,
+                    latency_ms=(time.perf_counter() - self.started) * 1000.0,
+                )
+            )
+            self.state.metrics.record_request(
+                tenant,
+                status,
+                self.prompt_tokens,
+                self.completion_tokens,
+                self.cached_tokens,
+                self.ttft,
+            )
+        except Exception:  # a bug in a record; the request itself is not at fault
+            logger.exception("could not record usage of %s", self.usage_id)
+        finally:
+            self.ticket.release(self.prompt_tokens + self.completion_tokens)
+
+
+class _Cancelled(Exception):
+    """The run was cancelled (client gone or shutdown); nothing more will come."""
+
+
+class ChatRun:
+    """An engine request running in its own task, its outputs readable with :meth:`next`.
+
+    Args:
+        state: The gateway (the task joins ``state.in_flight``).
+        request: The engine request.
+        ledger: Its usage; the run closes it when it ends, whatever the way.
+    """
+
+    def __init__(self, state: GatewayState, request: EngineRequest, ledger: UsageLedger) -> None:
+        self.state = state
+        self.request = request
+        self.ledger = ledger
+        self.cancel_reason = "shutdown"  # what a cancel from outside (app shutdown) means
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.task = asyncio.create_task(self._pump(), name=f"loraplex-{request.request_id}")
+        state.in_flight.add(self.task)
+        self.task.add_done_callback(self._done)
+
+    async def next(self) -> RequestOutput:
+        """The next engine output; the last one has ``finished`` set.
+
+        Raises:
+            APIError: the engine refused the request (400), is not running or aborted it
+                (503), or the run was cancelled (503).
+        """
+        item = await self._queue.get()
+        if isinstance(item, _Cancelled):
+            raise APIError(503, "the request was aborted", code="request_aborted")
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished and any(o.finish_reason == "abort" for o in item.outputs):
+            raise APIError(503, "the engine aborted the request", code="request_aborted")
+        return item
+
+    async def final(self) -> RequestOutput:
+        """Wait for the finished output (see :meth:`next`)."""
+        while True:
+            out = await self.next()
+            if out.finished:
+                return out
+
+    def cancel(self, reason: str) -> None:
+        """Stop the run (the engine request is aborted); its usage row says ``aborted``."""
+        if not self.task.done() and not self.ledger.closed:
+            self.cancel_reason = reason
+            self.task.cancel()
+
+    async def _pump(self) -> None:
+        ledger = self.ledger
+        status, error_type = "error", "internal_error"
+        try:
+            async for out in self.state.engine.generate(self.request):
+                ledger.observe(out)
+                if out.finished:  # recorded before anyone can see it: a late cancel is moot
+                    status, error_type = _final_status(out)
+                    ledger.close(status, error_type)
+                self._queue.put_nowait(out)
+        except asyncio.CancelledError:
+            status, error_type = "aborted", self.cancel_reason
+            self._queue.put_nowait(_Cancelled())
+            raise
+        except EngineDeadError:
+            error_type = "engine_unavailable"
+            self._queue.put_nowait(
+                APIError(503, "the engine is not running", code="engine_unavailable")
+            )
+        except ValueError as exc:  # refused at admission: nothing ran, nothing to count
+            ledger.prompt_tokens = ledger.completion_tokens = ledger.cached_tokens = 0
+            error_type = "invalid_request_error"
+            self._queue.put_nowait(APIError(400, str(exc)))
+        except Exception:
+            logger.exception("chat request %s failed", self.request.request_id)
+            self._queue.put_nowait(APIError(500, "internal server error"))
+        finally:
+            ledger.close(status, error_type)
+
+    def _done(self, task: asyncio.Task) -> None:
+        """Leave ``in_flight``; a task cancelled before it ever ran still closes its ledger."""
+        self.state.in_flight.discard(task)
+        if not self.ledger.closed:
+            self._queue.put_nowait(_Cancelled())
+            self.ledger.close("aborted", self.cancel_reason)
+
+
+def _final_status(out: RequestOutput) -> tuple[str, str | None]:
+    """``("ok", None)`` unless a choice was aborted by the engine (e.g. its adapter failed)."""
+    if any(o.finish_reason == "abort" for o in out.outputs):
+        return "error", "engine_abort"
+    return "ok", None

@@ -1,0 +1,40 @@
+"""``GET /v1/usage``: the calling tenant's usage, totals and per model (CONTRACT.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, get
+from litestar.params import FromQuery
+
+from gateway.server.auth import TenantPrincipal, tenant_guard
+from gateway.server.errors import bad_request
+from gateway.services.errors import InvalidInputError
+from gateway.services.usage import parse_time, usage_summary
+
+
+@get("/v1/usage", guards=[tenant_guard])
+async def get_usage(
+    request: Request,
+    since: FromQuery[str | None] = None,
+    until: FromQuery[str | None] = None,
+) -> dict[str, Any]:
+    """``{"object": "usage", "tenant", "totals", "by_model"}`` over ``[since, until)``.
+
+    Usage still queued in memory is written first, so a request's usage shows as soon as its
+    response has been read. Only the caller's tenant's rows are ever read.
+
+    Raises:
+        APIError: 400 when ``since`` or ``until`` is not ISO 8601.
+    """
+    state = request.app.state.gateway
+    principal: TenantPrincipal = request.user
+    bounds = {}
+    for name, value in (("since", since), ("until", until)):
+        try:
+            bounds[name] = parse_time(value)
+        except InvalidInputError as exc:
+            raise bad_request(f"'{name}': {exc}", param=name) from None
+    await state.usage.flush()
+    async with state.sessions() as session:
+        return await usage_summary(session, principal.tenant_id, **bounds)

@@ -1,0 +1,147 @@
+"""Helpers of the chat, usage and prefix-cache API tests: photos, prompts, the engine run
+directly, and the usage rows as stored."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import struct
+import time
+import uuid
+import zlib
+
+import numpy as np
+from PIL import Image
+from skimage import data as skdata
+from sqlalchemy import select
+
+from engine.request import EngineRequest
+from engine.sampling.params import SamplingParams
+from gateway.db.models import UsageEvent
+from tests.gateway.conftest import with_db
+
+BLOCK_SIZE = 16
+
+
+def photo(name: str = "astronaut", size: int = 96) -> Image.Image:
+    """A real photo from scikit-image, RGB, downsized to ``size`` x ``size``."""
+    arr = getattr(skdata, name)()
+    if arr.ndim == 2:
+        arr = np.stack([arr] * 3, axis=-1)
+    return Image.fromarray(arr[..., :3].astype(np.uint8)).resize((size, size), Image.LANCZOS)
+
+
+def encode(img: Image.Image, fmt: str = "PNG", **save) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **save)
+    return buf.getvalue()
+
+
+def data_url(payload: bytes | Image.Image, mime: str = "image/png", fmt: str = "PNG", **save):
+    if isinstance(payload, Image.Image):
+        payload = encode(payload, fmt, **save)
+    return f"data:{mime};base64," + base64.b64encode(payload).decode()
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user(*parts) -> dict:
+    """A user message from str (text parts) and dicts (image parts)."""
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return {"role": "user", "content": content}
+
+
+def long_text(words: int, seed: int = 0) -> str:
+    """Deterministic prose-like filler of ``words`` words."""
+    vocab = (
+        "the cat sat on a warm mat while the quick brown fox jumped over lazy dogs and "
+        "small birds sang songs about rivers mountains stars cities bread honey"
+    ).split()
+    rng = np.random.default_rng(seed)
+    return " ".join(vocab[i] for i in rng.integers(0, len(vocab), size=words))
+
+
+def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
+    """A valid PNG header claiming ``width x height`` pixels, with a tiny IDAT (~70 bytes)."""
+
+    def chunk(tag: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(tag + body) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 16))
+        + chunk(b"IEND", b"")
+    )
+
+
+def prompt_ids(engine_client, messages) -> list[int]:
+    """The prompt token ids the engine makes of ``messages`` (chat template, images expanded)."""
+    return engine_client.llm.engine.inputs(messages).prompt_token_ids
+
+
+def full_blocks(n_tokens: int) -> int:
+    """Tokens in the full blocks of an ``n_tokens`` prefix."""
+    return n_tokens // BLOCK_SIZE * BLOCK_SIZE
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def engine_direct(engine_client, messages, lora_digest=None, **sampling):
+    """Run ``messages`` on the session engine itself, no gateway: the final RequestOutput."""
+
+    async def go():
+        prompt = await engine_client.process(messages)
+        request = EngineRequest(
+            request_id=f"direct-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt.prompt_token_ids,
+            sampling=SamplingParams(**sampling),
+            images=prompt.images,
+            lora_digest=lora_digest,
+            cache_salt=f"direct-{uuid.uuid4().hex}",  # shares no cache with any tenant
+        )
+        final = None
+        async for out in engine_client.generate(request):
+            final = out
+        return final
+
+    return asyncio.run(go())
+
+
+def usage_events(live, api_key: str) -> list[UsageEvent]:
+    """The caller's tenant's usage rows as stored (``GET /v1/usage`` flushes the writer first)."""
+    with live.client(api_key) as c:
+        r = c.get("/v1/usage")
+        assert r.status_code == 200, r.text
+        tenant = r.json()["tenant"]
+
+    async def body(sessions):
+        async with sessions() as s:
+            rows = await s.scalars(
+                select(UsageEvent).where(UsageEvent.tenant_id == tenant).order_by(UsageEvent.id)
+            )
+            return list(rows)
+
+    return with_db(live.state.config.db_url, body)
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    """Poll ``predicate()`` until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
