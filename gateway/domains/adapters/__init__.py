@@ -1,3 +1,6 @@
-"""The adapters domain of the HTTP API (CONTRACT.md)."""
+"""Tenants' LoRA adapters (``/v1/adapters``) and what a tenant may serve (``/v1/models``)."""
 
-ROUTES: list = []
+from gateway.domains.adapters.controller import AdapterController
+from gateway.domains.adapters.models import ModelsController
+
+ROUTES = [AdapterController, ModelsController]

@@ -1,0 +1,46 @@
+"""``GET /v1/models``: the served base model and the calling tenant's adapters (OpenAI shape)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Request, get
+from litestar.params import FromPath
+
+from gateway.domains.adapters.views import adapter_model_card, base_model_card, list_body
+from gateway.server.auth import tenant_guard
+from gateway.server.errors import not_found
+from gateway.services.adapters import find_adapter, list_adapters
+
+
+class ModelsController(Controller):
+    """What a tenant may put in ``model``: the base model's name or one of its adapters."""
+
+    path = "/v1/models"
+    guards = [tenant_guard]
+
+    @get("/")
+    async def list_models(self, request: Request) -> dict[str, Any]:
+        """The base model first, then the tenant's adapters by name."""
+        state = request.app.state.gateway
+        principal = request.user
+        async with state.sessions() as session:
+            rows = await list_adapters(session, principal.tenant_id)
+        base = state.engine.model_name
+        cards = [adapter_model_card(r, principal.tenant_name, base) for r in rows]
+        return list_body([base_model_card(base), *cards])
+
+    @get("/{model:path}")
+    async def get_model(self, request: Request, model: FromPath[str]) -> dict[str, Any]:
+        """One model by id (404 ``model_not_found`` for unknown or another tenant's adapter)."""
+        state = request.app.state.gateway
+        principal = request.user
+        model = model.lstrip("/")
+        base = state.engine.model_name
+        if model == base:
+            return base_model_card(base)
+        async with state.sessions() as session:
+            row = await find_adapter(session, principal.tenant_id, model)
+        if row is None:
+            raise not_found(f"the model {model!r} does not exist", code="model_not_found")
+        return adapter_model_card(row, principal.tenant_name, base)

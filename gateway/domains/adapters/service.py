@@ -1,0 +1,187 @@
+"""Adapters across their three homes: the content store, the database and the engine.
+
+Upload: validate and store the weights (a worker thread), record the name (one transaction,
+replacing the old row when asked), then hand the adapter to the engine so the first chat does
+not pay a cold load. Delete: soft-delete the row; when no live row of any tenant holds the
+digest any more, drop it from the engine and from the store. While a running request still
+uses it the engine refuses, and the weights stay (a preempted request may need to reload them);
+the digest is remembered and collected by the next upload or delete once the engine lets go.
+Both hold one lock per app around the store-and-database step, so a delete can never remove
+weights that an upload has just counted on.
+
+A chat request that resolved a name just before its delete may reach the engine after the
+weights left: the engine then finishes it as aborted (no request ever switches adapter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters.validation import LoraAdapter
+from gateway.db.models import Adapter
+from gateway.server.state import GatewayState
+from gateway.services.adapters import (
+    AdapterFacts,
+    create_adapter,
+    delete_adapter,
+    digest_in_use,
+    find_adapter,
+)
+from gateway.services.errors import ConflictError
+
+logger = logging.getLogger(__name__)
+
+_REGISTRY_KEY = "adapter_registry"
+
+
+@dataclass
+class Registry:
+    """Per-app bookkeeping of adapter changes.
+
+    Attributes:
+        lock: Held around every store-and-table change.
+        pending: Digests no live row holds whose removal a running request refused.
+    """
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    pending: set[str] = field(default_factory=set)
+
+
+def registry_of(app_state: Any) -> Registry:
+    """The app's :class:`Registry` (made on first use).
+
+    Args:
+        app_state: The Litestar app's ``State`` (one per app).
+    """
+    registry = app_state.get(_REGISTRY_KEY)
+    if registry is None:
+        registry = app_state[_REGISTRY_KEY] = Registry()
+    return registry
+
+
+async def ensure_name_free(state: GatewayState, tenant_id: str, name: str) -> None:
+    """Refuse a taken name before any validation work (re-checked on insert).
+
+    Raises:
+        ConflictError: the tenant has a live adapter called ``name``.
+    """
+    async with state.sessions() as session:
+        if await find_adapter(session, tenant_id, name) is not None:
+            raise ConflictError(
+                f"an adapter named {name!r} already exists (upload with ?replace=true to "
+                "replace it)"
+            )
+
+
+async def store_adapter(
+    state: GatewayState, config_bytes: bytes, weights_bytes: bytes
+) -> LoraAdapter:
+    """Validate against the served model and store, in a worker thread.
+
+    Raises:
+        AdapterError: the adapter is refused; the store is unchanged.
+    """
+    limits = state.engine.adapter_limits
+    return await asyncio.to_thread(
+        state.store.put_files,
+        config_bytes,
+        weights_bytes,
+        target_shapes=limits.target_shapes,
+        num_layers=limits.num_layers,
+        max_rank=limits.max_rank,
+    )
+
+
+async def register(
+    state: GatewayState,
+    registry: Registry,
+    tenant_id: str,
+    name: str,
+    config_bytes: bytes,
+    weights_bytes: bytes,
+    *,
+    replace: bool,
+) -> Adapter:
+    """Validate, store and record an upload; warm it in the engine.
+
+    Returns:
+        The new row.
+
+    Raises:
+        AdapterError: the adapter is refused (the store is unchanged).
+        ConflictError: the name is taken and ``replace`` is False.
+    """
+    adapter = await store_adapter(state, config_bytes, weights_bytes)
+    async with registry.lock:
+        if not state.store.has(adapter.digest):  # deleted since: it had no other live row
+            adapter = await store_adapter(state, config_bytes, weights_bytes)
+        try:
+            async with state.sessions() as session, session.begin():
+                row, old = await create_adapter(
+                    session,
+                    tenant_id,
+                    name,
+                    AdapterFacts(
+                        digest=adapter.digest,
+                        rank=adapter.rank,
+                        lora_alpha=adapter.lora_alpha,
+                        target_modules=adapter.target_modules,
+                        base_model=adapter.base_model,
+                    ),
+                    replace=replace,
+                )
+        except ConflictError:
+            await _collect(state, registry, adapter.digest)  # only if no live row holds it
+            raise
+        if old is not None and old.digest != row.digest:
+            await _collect(state, registry, old.digest)
+        await _retry_pending(state, registry)
+    try:
+        await state.engine.add_lora(adapter)
+    except Exception as exc:  # the store has it: the engine loads it on first use
+        logger.warning("could not pre-load adapter %s: %r", adapter.digest, exc)
+    return row
+
+
+async def unregister(state: GatewayState, registry: Registry, tenant_id: str, name: str) -> Adapter:
+    """Soft-delete the tenant's adapter and release its weights if nobody else holds them.
+
+    Raises:
+        NotFoundError: the tenant has no live adapter by that name.
+    """
+    async with registry.lock:
+        async with state.sessions() as session, session.begin():
+            row = await delete_adapter(session, tenant_id, name)
+        await _collect(state, registry, row.digest)
+        await _retry_pending(state, registry)
+    return row
+
+
+async def _collect(state: GatewayState, registry: Registry, digest: str) -> None:
+    """Drop ``digest`` from engine and store when no live row holds it (caller holds the lock).
+
+    The weights stay, and the digest goes to ``registry.pending``, while a running request
+    uses them (the engine refuses the removal) or when the engine cannot be asked.
+    """
+    registry.pending.discard(digest)
+    async with state.sessions() as session:
+        if await digest_in_use(session, digest):
+            return
+    try:
+        removed = await state.engine.remove_lora(digest)
+    except Exception as exc:
+        logger.warning("could not remove adapter %s from the engine: %r", digest, exc)
+        removed = False
+    if not removed:
+        registry.pending.add(digest)
+        return
+    await asyncio.to_thread(state.store.delete, digest)
+
+
+async def _retry_pending(state: GatewayState, registry: Registry) -> None:
+    """Collect digests whose removal was refused earlier (caller holds the lock)."""
+    for digest in sorted(registry.pending):
+        await _collect(state, registry, digest)
