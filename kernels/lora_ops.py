@@ -1,0 +1,435 @@
+"""Triton LoRA shrink and expand over stacked slot buffers (Punica SGMV, segmented by slot).
+
+Semantics, exactly those of :mod:`kernels.lora_ref` (token ``i``, slot ``s``, slice ``k``)::
+
+    shrink:  h[k, i, :]                    = x[i] @ A_k[s, :r].T            [S, T, max_rank] f32
+    expand:  y[i, off_k : off_k + out_k]  += scale_k[s] * h[k, i, :r] @ B_k[s, :, :r].T
+
+**Fused slices.** Both ops take one stack (a single projection) or a sequence of stacks that
+share an input: q/k/v (three ``A`` of the same shape) or gate/up. The shrink reads ``x`` once per
+token block for every slice; the expand writes slice ``k`` into columns
+``[off_k, off_k + out_k)`` of one ``y`` (the fused projection's output), so a fused q/k/v costs
+one shrink and one expand launch. Several stacks reach the kernel through a small table of
+device pointers (vLLM's approach); a single stack is passed as is.
+
+**Schedule.** :func:`make_lora_batch` sorts the step's adapter tokens by slot once (on the host,
+where the slots are known) and cuts each slot's segment into blocks of ``block_m`` tokens; each
+program owns one block, so no program is spent on base-model tokens (slot -1 never appears) and
+a program never mixes adapters. The rank of each slot may be passed per slice (``ranks``): loads
+stop at the slot's own rank, so a rank-8 adapter in a rank-64 buffer reads 1/8 of the bytes.
+
+Sources: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), SGMV/BGMV; Sheng et
+al., "S-LoRA" (MLSys 2024); vLLM's ``lora/ops/triton_ops``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_ref import TensorOrList, as_slices, slice_offsets
+
+SHRINK_BLOCK_K = 128  # input features per step of the shrink's reduction
+EXPAND_BLOCK_N = 128  # output columns per expand program
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """The step's tokens grouped by adapter slot, as the kernels consume them.
+
+    Attributes:
+        token_slots: ``[T]`` int64 slot of every token (-1: none), for the references.
+        sorted_tokens: ``[N]`` int32 indices of the adapter tokens, sorted by slot (stable).
+        blocks: ``[P, 3]`` int32 ``(slot, start, end)``: a program's rows are
+            ``sorted_tokens[start : min(start + block_m, end)]``, all of ``slot``.
+        block_m: Tokens per block (the kernels' ``BLOCK_M``).
+        slots: The distinct adapter slots of the step, ascending.
+    """
+
+    token_slots: torch.Tensor
+    sorted_tokens: torch.Tensor
+    blocks: torch.Tensor
+    block_m: int
+    slots: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        """Programs per (rank or output tile, slice): ``P``."""
+        return int(self.blocks.shape[0])
+
+
+def make_lora_batch(
+    token_slots: Sequence[int], device: torch.device | str, block_m: int | None = None
+) -> LoRABatch:
+    """Group a step's tokens by slot and cut the segments into token blocks.
+
+    Args:
+        token_slots: Slot of each of the step's tokens (-1: base model).
+        device: Where the index tensors go.
+        block_m: Tokens per block (a power of two >= 16); None: 16 when every segment fits in
+            16 tokens (decode-heavy steps), else 64.
+
+    Returns:
+        The :class:`LoRABatch`.
+    """
+    by_slot: dict[int, list[int]] = {}
+    for i, s in enumerate(token_slots):
+        if s >= 0:
+            by_slot.setdefault(int(s), []).append(i)
+    if block_m is None:
+        block_m = 16 if max((len(v) for v in by_slot.values()), default=0) <= 16 else 64
+    order: list[int] = []
+    blocks: list[tuple[int, int, int]] = []
+    for slot in sorted(by_slot):
+        start, end = len(order), len(order) + len(by_slot[slot])
+        blocks.extend((slot, b, end) for b in range(start, end, block_m))
+        order.extend(by_slot[slot])
+    return LoRABatch(
+        token_slots=torch.tensor(list(token_slots), dtype=torch.long, device=device),
+        sorted_tokens=torch.tensor(order, dtype=torch.int32, device=device),
+        blocks=torch.tensor(blocks, dtype=torch.int32, device=device).reshape(-1, 3),
+        block_m=block_m,
+        slots=tuple(sorted(by_slot)),
+    )
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    a_table_ptr,
+    h_ptr,
+    sorted_ptr,
+    blocks_ptr,
+    ranks_ptr,
+    in_features,
+    max_rank,
+    stride_xt,
+    stride_al,
+    stride_ar,
+    stride_hs,
+    stride_ht,
+    stride_rs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    MULTI: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pb = tl.program_id(0)
+    r_tile = tl.program_id(1)
+    slice_id = tl.program_id(2) // SPLIT_K
+    k_split = tl.program_id(2) % SPLIT_K
+    slot = tl.load(blocks_ptr + pb * 3).to(tl.int64)
+    start = tl.load(blocks_ptr + pb * 3 + 1)
+    end = tl.load(blocks_ptr + pb * 3 + 2)
+    rank = max_rank
+    if HAS_RANKS:
+        rank = tl.load(ranks_ptr + slice_id * stride_rs + slot)
+    a_base = a_ptr
+    if MULTI:
+        a_base = tl.load(a_table_ptr + slice_id).to(tl.pointer_type(a_ptr.dtype.element_ty))
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    tok = tl.load(sorted_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    offs_r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    r_ok = offs_r < rank
+    # A tile wholly past the slot's rank reads nothing and stores zeros.
+    k_end = in_features
+    if r_tile * BLOCK_R >= rank:
+        k_end = 0
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(k_split * BLOCK_K, k_end, BLOCK_K * SPLIT_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        k_ok = offs_k < in_features
+        x = tl.load(
+            x_ptr + tok[:, None] * stride_xt + offs_k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        a = tl.load(
+            a_base + slot * stride_al + offs_r[None, :] * stride_ar + offs_k[:, None],
+            mask=r_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_R]: A[slot].T
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, a.to(x.dtype))
+    h_ptrs = h_ptr + slice_id * stride_hs + tok[:, None] * stride_ht + offs_r[None, :]
+    h_mask = row_ok[:, None] & (offs_r < max_rank)[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(h_ptrs, acc, mask=h_mask)
+    else:
+        tl.store(h_ptrs, acc, mask=h_mask)
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr,
+    h_ptr,
+    b_ptr,
+    b_table_ptr,
+    scales_ptr,
+    sorted_ptr,
+    blocks_ptr,
+    ranks_ptr,
+    col_offset,
+    out_width,
+    stride_bl,
+    max_rank,
+    stride_yt,
+    stride_hs,
+    stride_ht,
+    stride_bn,
+    stride_ss,
+    stride_rs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MULTI: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pb = tl.program_id(0)
+    n_tile = tl.program_id(1)
+    slice_id = tl.program_id(2)
+    b_base = b_ptr
+    if MULTI:  # table row: (pointer, column offset, width, slot stride)
+        row = b_table_ptr + slice_id * 4
+        b_base = tl.load(row).to(tl.pointer_type(b_ptr.dtype.element_ty))
+        col_offset = tl.load(row + 1)
+        out_width = tl.load(row + 2)
+        stride_bl = tl.load(row + 3)
+    if n_tile * BLOCK_N >= out_width:
+        return
+    slot = tl.load(blocks_ptr + pb * 3).to(tl.int64)
+    start = tl.load(blocks_ptr + pb * 3 + 1)
+    end = tl.load(blocks_ptr + pb * 3 + 2)
+    rank = max_rank
+    if HAS_RANKS:
+        rank = tl.load(ranks_ptr + slice_id * stride_rs + slot)
+    scale = tl.load(scales_ptr + slice_id * stride_ss + slot).to(tl.float32)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    tok = tl.load(sorted_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    n_ok = offs_n < out_width
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_K):
+        offs_r = r0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        r_ok = offs_r < rank
+        h = tl.load(
+            h_ptr + slice_id * stride_hs + tok[:, None] * stride_ht + offs_r[None, :],
+            mask=row_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_base + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
+            mask=n_ok[None, :] & r_ok[:, None],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]: B[slot].T
+        if DOT_F32:
+            acc += tl.dot(h.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(h.to(b.dtype), b)
+    y_ptrs = y_ptr + tok[:, None] * stride_yt + col_offset + offs_n[None, :]
+    mask = row_ok[:, None] & n_ok[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + scale * acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _interpreted() -> bool:
+    return type(_lora_shrink_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not _interpreted():
+        raise RuntimeError("Triton on CPU needs TRITON_INTERPRET=1 set before importing kernels")
+
+
+def _per_slice(values: list[torch.Tensor] | None, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Per-slice ``[max_loras]`` vectors as one tensor and its slice stride (0 when shared)."""
+    if values is None:
+        return like, 0
+    if len(values) == 1:
+        return values[0], 0
+    stacked = torch.stack([v.to(values[0].dtype) for v in values])
+    return stacked, stacked.stride(0)
+
+
+def _dot_f32(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or _interpreted()
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: TensorOrList,
+    batch: LoRABatch,
+    ranks: TensorOrList | None = None,
+    *,
+    split_k: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Shrink every adapter token of the step: ``h[k, i] = x[i] @ A_k[slot(i), :r].T`` (Triton).
+
+    Args:
+        x: ``[T, in]`` float32/float16/bfloat16, last dim contiguous.
+        lora_a: ``[max_loras, max_rank, in]`` per slice (one tensor, or several of the same
+            shape and strides: fused q/k/v or gate/up).
+        batch: The step's :class:`LoRABatch`.
+        ranks: ``[max_loras]`` int32 rank of each slot, per slice (None: ``max_rank``).
+        split_k: Split the ``in`` reduction over this many programs (atomic float32 adds into a
+            zeroed ``h``): more parallelism for few tokens and a wide input.
+        out: Optional ``[S, T, max_rank]`` float32 destination.
+
+    Returns:
+        ``[S, T, max_rank]`` float32; rows of base-model tokens (slot -1) are not written.
+
+    Raises:
+        ValueError: slices of different shapes or strides, or ``in`` not matching ``x``.
+    """
+    stacks = as_slices(lora_a)
+    first = stacks[0]
+    num_loras, max_rank, in_features = first.shape
+    if any(a.shape != first.shape or a.stride() != first.stride() for a in stacks):
+        raise ValueError("fused A stacks must share shape and strides")
+    if x.shape[1] != in_features or first.stride(2) != 1:
+        raise ValueError(f"x {tuple(x.shape)} does not fit A {tuple(first.shape)}")
+    _check_device(x)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    shape = (len(stacks), x.shape[0], max_rank)
+    if out is None:
+        out = (torch.zeros if split_k > 1 else torch.empty)(
+            shape, dtype=torch.float32, device=x.device
+        )
+    elif split_k > 1:
+        out.zero_()
+    if batch.num_blocks == 0:
+        return out
+    rank_vec, stride_rs = _per_slice(as_slices(ranks), batch.blocks)
+    table = first
+    if len(stacks) > 1:
+        table = torch.tensor([a.data_ptr() for a in stacks], dtype=torch.int64, device=x.device)
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_r = min(block_r, 64)
+    grid = (batch.num_blocks, triton.cdiv(max_rank, block_r), len(stacks) * split_k)
+    _lora_shrink_kernel[grid](
+        x,
+        first,
+        table,
+        out,
+        batch.sorted_tokens,
+        batch.blocks,
+        rank_vec,
+        in_features,
+        max_rank,
+        x.stride(0),
+        first.stride(0),
+        first.stride(1),
+        out.stride(0),
+        out.stride(1),
+        stride_rs,
+        BLOCK_M=batch.block_m,
+        BLOCK_R=block_r,
+        BLOCK_K=min(SHRINK_BLOCK_K, max(16, triton.next_power_of_2(in_features))),
+        SPLIT_K=split_k,
+        MULTI=len(stacks) > 1,
+        HAS_RANKS=ranks is not None,
+        DOT_F32=_dot_f32(x.dtype),
+    )
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    lora_b: TensorOrList,
+    scales: TensorOrList,
+    batch: LoRABatch,
+    ranks: TensorOrList | None = None,
+    offsets: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Expand and accumulate: ``y[i, off_k:off_k+out_k] += scale_k[s] * h[k, i] @ B_k[s].T``.
+
+    Each ``(token, column)`` belongs to one program (slices own disjoint columns), so the
+    read-modify-write of ``y`` needs no atomics; the sum is formed in float32 and rounded once.
+
+    Args:
+        y: ``[T, total_out]``, last dim contiguous; modified in place.
+        h: ``[S, T, max_rank]`` float32 from :func:`lora_shrink`.
+        lora_b: ``[max_loras, out_k, max_rank]`` per slice (widths may differ, e.g. q vs k/v;
+            same dtype, rank-contiguous, same column stride).
+        scales: ``[max_loras]`` float per slice (0 for a slot that does not target the slice).
+        batch: The step's :class:`LoRABatch`.
+        ranks: ``[max_loras]`` int32 rank of each slot, per slice (None: ``max_rank``).
+        offsets: Column offset of each slice in ``y``; None packs the slices in order.
+
+    Returns:
+        ``y``.
+
+    Raises:
+        ValueError: mismatched slices or a slice past ``y``'s columns.
+    """
+    stacks = as_slices(lora_b)
+    first = stacks[0]
+    max_rank = first.shape[2]
+    widths = [b.shape[1] for b in stacks]
+    cols = slice_offsets(widths, offsets)
+    if any(
+        b.shape[2] != max_rank or b.stride(2) != 1 or b.stride(1) != first.stride(1) for b in stacks
+    ):
+        raise ValueError("B stacks must share max_rank, dtype and column stride")
+    if any(c < 0 or c + w > y.shape[1] for c, w in zip(cols, widths, strict=True)):
+        raise ValueError(
+            f"slices {list(zip(cols, widths, strict=True))} overflow y {tuple(y.shape)}"
+        )
+    if y.stride(1) != 1:
+        raise ValueError("y's last dim must be contiguous")
+    _check_device(y)
+    if batch.num_blocks == 0:
+        return y
+    scale_vec, stride_ss = _per_slice(as_slices(scales), batch.blocks)
+    rank_vec, stride_rs = _per_slice(as_slices(ranks), batch.blocks)
+    table = first
+    if len(stacks) > 1:
+        rows = [
+            [b.data_ptr(), c, b.shape[1], b.stride(0)] for b, c in zip(stacks, cols, strict=True)
+        ]
+        table = torch.tensor(rows, dtype=torch.int64, device=y.device)
+    block_n = min(EXPAND_BLOCK_N, max(16, triton.next_power_of_2(max(widths))))
+    grid = (batch.num_blocks, triton.cdiv(max(widths), block_n), len(stacks))
+    _lora_expand_kernel[grid](
+        y,
+        h,
+        first,
+        table,
+        scale_vec,
+        batch.sorted_tokens,
+        batch.blocks,
+        rank_vec,
+        cols[0],
+        widths[0],
+        first.stride(0),
+        max_rank,
+        y.stride(0),
+        h.stride(0),
+        h.stride(1),
+        first.stride(1),
+        stride_ss,
+        stride_rs,
+        BLOCK_M=batch.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=max(16, min(64, triton.next_power_of_2(max_rank))),
+        MULTI=len(stacks) > 1,
+        HAS_RANKS=ranks is not None,
+        DOT_F32=_dot_f32(first.dtype),
+    )
+    return y
