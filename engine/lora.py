@@ -8,8 +8,10 @@ Each targeted projection adds, for token ``i`` with slot ``s = token_slots[i]``:
 with the stacked slot buffers ``A: [max_loras, max_rank, in]`` and ``B: [max_loras, out,
 max_rank]`` (ranks below ``max_rank`` are zero-padded; the slot's own rank is sliced off so
 padding costs nothing). Tokens are grouped by slot once per step, so the work is one shrink and
-one expand per distinct adapter and projection, never a Python loop per token. The Triton
-shrink/expand (a later issue) drops in behind :func:`add_lora`.
+one expand per distinct adapter and projection, never a Python loop per token. With the triton
+attention backend (``LoRAStepContext.use_triton``, set by the model runner) :func:`add_lora`
+runs the Triton shrink/expand of :mod:`kernels.lora_ops` instead: one launch each per
+projection, whatever the number of adapters.
 
 Source: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), SGMV semantics
 ``y[s[i]:s[i+1]] += x @ A.T @ B.T``; Sheng et al., "S-LoRA" (MLSys 2024).
@@ -18,9 +20,13 @@ Source: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), SGMV sema
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from kernels.lora_ops import LoRABatch
 
 
 @dataclass
@@ -54,6 +60,9 @@ class LoRAStepContext:
         padded_index: ``[S, n_max]`` int64 token indices per slot, padded with 0.
         valid: ``[S * n_max]`` bool, which padded entries are real tokens.
         flat_index: ``[sum n]`` int64 token index of each valid entry, in ``valid`` order.
+        use_triton: Run the Triton kernels (set once by the model runner with the triton
+            attention backend); then ``kernel_batch`` replaces the torch paths' indices.
+        kernel_batch: The step's ``kernels.lora_ops.LoRABatch`` (Triton path).
     """
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -63,6 +72,9 @@ class LoRAStepContext:
     padded_index: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     flat_index: torch.Tensor | None = None
+    use_triton: bool = False
+    kernel_batch: LoRABatch | None = None
+    _rank_tensors: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
     def set_token_slots(
         self, token_slots: list[int], device: torch.device, batched: bool | None = None
@@ -78,6 +90,11 @@ class LoRAStepContext:
                 (with Zipf popularity one adapter dominates and the loop is faster: measured
                 in ``bench.multi_lora``).
         """
+        if self.use_triton:
+            from kernels.lora_ops import make_lora_batch
+
+            self.kernel_batch = make_lora_batch(token_slots, device)
+            batched = False
         by_slot: dict[int, list[int]] = {}
         for i, s in enumerate(token_slots):
             if s >= 0:
@@ -111,6 +128,18 @@ class LoRAStepContext:
         self.perm = None
         self.segments = []
         self.slot_ids = self.padded_index = self.valid = self.flat_index = None
+        self.kernel_batch = None
+
+    def device_ranks(self, ranks: list[int], device: torch.device) -> torch.Tensor:
+        """``ranks`` as an int32 device tensor, cached by value (the kernels' per-slot ranks)."""
+        key = tuple(ranks)
+        found = self._rank_tensors.get(key)
+        if found is None or found.device != device:
+            if len(self._rank_tensors) >= 64:  # adapters come and go: keep the cache small
+                self._rank_tensors.clear()
+            found = torch.tensor(key, dtype=torch.int32, device=device)
+            self._rank_tensors[key] = found
+        return found
 
 
 BATCHED_MIN_SLOTS = 2  # above this many adapters in a step, one padded bmm beats a slot loop
@@ -139,6 +168,15 @@ def add_lora(
     Returns:
         ``y``, with ``y[i] += scale[s] * (x[i] @ A[s, :r].T) @ B[s, :, :r].T`` for each token.
     """
+    batch = context.kernel_batch
+    if batch is not None:  # Triton: one shrink and one expand launch for every adapter
+        if not any(buffers.ranks[s] for s in batch.slots):
+            return y  # no adapter of the step targets this projection
+        from kernels.lora_ops import lora_expand, lora_shrink
+
+        ranks = context.device_ranks(buffers.ranks, x.device)
+        h = lora_shrink(x, buffers.lora_a, batch, ranks)
+        return lora_expand(y, h, buffers.lora_b, buffers.scales, batch, ranks)
     if context.slot_ids is not None:
         slots = context.slot_ids
         xg = x[context.padded_index]  # [S, n, in]

@@ -1,4 +1,8 @@
-"""Attention backends over the paged KV cache (``torch`` reference now, ``triton`` later)."""
+"""Attention backends over the paged KV cache: ``torch`` (reference) and ``triton``.
+
+``TritonAttentionBackend`` lives in :mod:`engine.attention.triton_backend`, imported on demand by
+:func:`get_attention_backend` so that importing the engine never imports the Triton kernels.
+"""
 
 from engine.attention.backend import AttentionBackend, TorchAttentionBackend, get_attention_backend
 from engine.attention.metadata import AttentionMetadata

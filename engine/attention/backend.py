@@ -16,7 +16,7 @@ from kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_r
 
 
 class AttentionBackend(Protocol):
-    """One attention implementation over block tables (``torch`` now; ``triton`` drops in)."""
+    """One attention implementation over block tables (``torch`` or ``triton``)."""
 
     name: str
 
@@ -84,11 +84,16 @@ class TorchAttentionBackend:
 def get_attention_backend(name: str) -> AttentionBackend:
     """The backend called ``name``.
 
+    ``"triton"`` imports the kernels on first use (on CPU, ``TRITON_INTERPRET=1`` must be set
+    before that import: the interpreter).
+
     Raises:
-        ValueError: an unknown name, or ``"triton"`` before the kernels issue lands.
+        ValueError: an unknown name.
     """
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        raise ValueError("the triton attention backend is not available yet; use 'torch'")
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")
