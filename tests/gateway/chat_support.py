@@ -18,7 +18,7 @@ from sqlalchemy import select
 
 from engine.request import EngineRequest
 from engine.sampling.params import SamplingParams
-from gateway.db.models import UsageEvent
+from gateway.db.models import Adapter, UsageEvent
 from tests.gateway.conftest import with_db
 
 BLOCK_SIZE = 16
@@ -145,3 +145,48 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+ADAPTER_TARGETS = ["gate_proj", "up_proj", "down_proj"]  # the language model's MLP only
+
+
+def make_tiny_adapter(hf_llava, directory):
+    """A real PEFT LoRA (random A and B) for the tiny LLaVA, saved under ``directory``."""
+    from tests.adapters.conftest import make_adapter
+
+    path, _, _ = make_adapter(
+        hf_llava, directory / "lora", seed=3, r=4, lora_alpha=8, target_modules=ADAPTER_TARGETS
+    )
+    return path
+
+
+def register_adapter(live, tenant_id: str, name: str, path) -> str:
+    """What an upload leaves behind: the files in the store and the tenant's row; the digest."""
+    limits = live.state.engine.adapter_limits
+    stored = live.state.store.put_dir(
+        path,
+        target_shapes=limits.target_shapes,
+        num_layers=limits.num_layers,
+        max_rank=limits.max_rank,
+    )
+    add_adapter_row(live, tenant_id, name, stored.digest)
+    return stored.digest
+
+
+def add_adapter_row(live, tenant_id: str, name: str, digest: str) -> None:
+    """An adapter row for ``tenant_id`` (the store is not touched)."""
+
+    async def body(sessions):
+        async with sessions() as s, s.begin():
+            s.add(
+                Adapter(
+                    tenant_id=tenant_id,
+                    name=name,
+                    digest=digest,
+                    rank=4,
+                    lora_alpha=8.0,
+                    target_modules=ADAPTER_TARGETS,
+                )
+            )
+
+    with_db(live.state.config.db_url, body)

@@ -5,18 +5,18 @@ import uuid
 
 import pytest
 
-from gateway.db.models import Adapter
 from tests.gateway.chat_support import (
     data_url,
     engine_direct,
     image_part,
     long_text,
+    make_tiny_adapter,
     photo,
+    register_adapter,
     usage_events,
     user,
     wait_for,
 )
-from tests.gateway.conftest import with_db
 
 MODEL = "tiny-llava"
 
@@ -225,46 +225,7 @@ def test_retried_request_id_is_counted_once(live):
 
 @pytest.fixture(scope="module")
 def tiny_adapter(hf_llava, tmp_path_factory):
-    """A real PEFT LoRA for the tiny LLaVA, stored in the session engine's adapter store."""
-    from tests.adapters.conftest import make_adapter
-
-    out = tmp_path_factory.mktemp("peft") / "lora"
-    path, _, _ = make_adapter(
-        hf_llava,
-        out,
-        seed=3,
-        r=4,
-        lora_alpha=8,
-        target_modules=["gate_proj", "up_proj", "down_proj"],
-    )
-    return path
-
-
-def register_adapter(live, tenant_id, name, path):
-    """What an upload leaves behind: the files in the store and a row for the tenant."""
-    limits = live.state.engine.adapter_limits
-    stored = live.state.store.put_dir(
-        path,
-        target_shapes=limits.target_shapes,
-        num_layers=limits.num_layers,
-        max_rank=limits.max_rank,
-    )
-
-    async def body(sessions):
-        async with sessions() as s, s.begin():
-            s.add(
-                Adapter(
-                    tenant_id=tenant_id,
-                    name=name,
-                    digest=stored.digest,
-                    rank=4,
-                    lora_alpha=8.0,
-                    target_modules=["gate_proj", "up_proj", "down_proj"],
-                )
-            )
-
-    with_db(live.state.config.db_url, body)
-    return stored.digest
+    return make_tiny_adapter(hf_llava, tmp_path_factory.mktemp("peft"))
 
 
 def test_chat_with_the_tenants_adapter_by_name(live, engine_client, tiny_adapter):
