@@ -146,6 +146,13 @@ def test_sampling_parameters_and_logprobs(live):
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     assert len({c.message.content for c in a.choices}) > 1  # seed + i per choice
     assert 3 <= a.usage.completion_tokens <= 24
+    # the same n=3 seeded request streamed: one text and one finish_reason per choice
+    texts, finish, usage, _ = stream_chat(
+        client, n=3, seed=7, stream_options={"include_usage": True}, **kw
+    )
+    assert texts == {c.index: c.message.content for c in a.choices}
+    assert finish == {c.index: c.finish_reason for c in a.choices}
+    assert usage.completion_tokens == a.usage.completion_tokens
     k1 = client.chat.completions.create(extra_body={"top_k": 1}, seed=1, **kw)
     k2 = client.chat.completions.create(extra_body={"top_k": 1}, seed=2, **kw)
     assert k1.choices[0].message.content == k2.choices[0].message.content  # top_k 1 is greedy

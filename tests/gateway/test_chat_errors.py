@@ -321,6 +321,28 @@ def test_client_disconnect_mid_stream_aborts_the_request(live, engine_client):
     assert not live.state.in_flight
 
 
+def test_engine_abort_mid_stream_is_an_error_event_then_done(live, engine_client):
+    tenant = live.create_tenant("cut")
+    key = tenant["api_key"]
+    client = live.openai(key)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=3000, temperature=0, stream=True
+    )
+    with pytest.raises(openai.APIError) as info:
+        for i, chunk in enumerate(stream):
+            if i == 3:
+                engine_client.llm.abort(chunk.id)  # the engine drops it (as on its shutdown)
+    assert "aborted" in info.value.message
+    row = _aborted_row(live, key)
+    assert (row.status, row.error_type) == ("error", "engine_abort")
+    assert 1 <= row.completion_tokens < 3000
+    with live.client() as c:
+        metrics = c.get("/metrics").text
+    assert (
+        f'loraplex_tenant_requests_total{{status="error",tenant="{tenant["id"]}"}} 1.0' in metrics
+    )
+
+
 def test_client_that_gives_up_before_the_answer_aborts_the_request(live, engine_client):
     tenant = live.create_tenant("impatient")
     key = tenant["api_key"]
