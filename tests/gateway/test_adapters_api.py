@@ -12,6 +12,7 @@ import json
 import re
 import struct
 import tarfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -188,6 +189,29 @@ def test_conflict_and_replace(live, good_dir, other_dir):
         # replace=true for a new name is a plain upload
         assert upload_dir(c, "y", good_dir, replace="true").status_code == 201
         assert_openai_error(upload_dir(c, "z", good_dir, replace="maybe"), 400)
+
+
+def test_concurrent_uploads_of_one_name(live, good_dir, other_dir):
+    """Racing uploads of one name: exactly one wins, the rest are 409, the store holds only the
+    winner's weights (the loser's, if stored, are collected)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t = live.create_tenant("acme")
+    before = set(live.state.store.digests())
+
+    def one(adapter_dir):
+        with live.client(t["api_key"]) as c:
+            return upload_dir(c, "race", adapter_dir)
+
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(one, [good_dir, other_dir] * 3))
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [201, 409, 409, 409, 409, 409], [r.text for r in responses]
+    winner = next(r.json() for r in responses if r.status_code == 201)
+    with live.client(t["api_key"]) as c:
+        assert c.get("/v1/adapters").json()["data"] == [winner]
+    after = set(live.state.store.digests())
+    assert winner["digest"] in after and after - before <= {winner["digest"]}
 
 
 def test_tenants_never_see_each_others_adapters(live, good_dir):
@@ -521,7 +545,9 @@ def peft_reference(llava_dir, good_dir):
     engine_outs = llm.generate(requests)
     processor = AutoProcessor.from_pretrained(llava_dir)
     base = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(good_dir)).eval()
+    with warnings.catch_warnings():  # transformers' deprecation notes inside peft
+        warnings.simplefilter("ignore")
+        model = PeftModel.from_pretrained(base, str(good_dir)).eval()
     oracle = [hf_greedy(model, processor, m, k, True) for m, k in conversations]
     return conversations, engine_outs, oracle
 

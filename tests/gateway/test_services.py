@@ -265,3 +265,47 @@ def test_adapter_names_unique_among_live_rows(database_url):
             assert rows[0].target_modules == ["q_proj", "v_proj"]
 
     with_db(database_url, body)
+
+
+def test_adapter_service_create_replace_delete(database_url):
+    from gateway.services.adapters import (
+        AdapterFacts,
+        create_adapter,
+        delete_adapter,
+        digest_in_use,
+        get_adapter,
+        list_adapters,
+    )
+
+    def facts(digest):
+        return AdapterFacts(digest, 4, 8, ("q_proj", "v_proj"), "tiny")
+
+    async def body(sessions):
+        a, _, b, _ = await _two_tenants(sessions)
+        async with sessions.begin() as s:
+            first, replaced = await create_adapter(s, a, "style", facts("d1"))
+            await create_adapter(s, b, "style", facts("d1"))  # per-tenant names, shared digest
+        assert replaced is None and first.lora_alpha == 8.0
+        with pytest.raises(ConflictError, match="replace=true"):
+            async with sessions.begin() as s:
+                await create_adapter(s, a, "style", facts("d2"))
+        async with sessions.begin() as s:  # one transaction: retire and insert
+            second, replaced = await create_adapter(s, a, "style", facts("d2"), replace=True)
+        assert replaced.id == first.id and replaced.deleted_at is not None
+        async with sessions() as s:
+            assert (await get_adapter(s, a, "style")).digest == "d2"
+            assert [r.digest for r in await list_adapters(s, a)] == ["d2"]
+            assert await digest_in_use(s, "d1")  # b's row still holds it
+        async with sessions.begin() as s:
+            await delete_adapter(s, b, "style")
+        async with sessions() as s:
+            assert not await digest_in_use(s, "d1")
+            with pytest.raises(NotFoundError):
+                await get_adapter(s, b, "style")
+        with pytest.raises(NotFoundError):
+            async with sessions.begin() as s:
+                await delete_adapter(s, b, "style")
+        async with sessions.begin() as s:  # the name is free again after a delete
+            await create_adapter(s, b, "style", facts("d3"))
+
+    with_db(database_url, body)
