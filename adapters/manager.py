@@ -32,6 +32,8 @@ class SlotBuffers:
         lora_a: ``[max_loras, max_rank, in_features]``.
         lora_b: ``[max_loras, out_features, max_rank]``.
         scales: ``[max_loras]`` float32.
+        host_scales: Host list, the same scales (the per-slot path passes them as ``alpha``
+            without a device read).
         ranks: Host list: each slot's rank for this projection (0: not targeted / empty).
     """
 
@@ -47,6 +49,7 @@ class SlotBuffers:
         self.lora_a = torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
         self.lora_b = torch.zeros(max_loras, out_features, max_rank, device=device, dtype=dtype)
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.host_scales = [0.0] * max_loras
         self.ranks = [0] * max_loras
 
 
@@ -187,6 +190,7 @@ class LoRAManager:
         for buf in self.buffers.values():
             buf.ranks[slot] = 0
             buf.scales[slot] = 0.0
+            buf.host_scales[slot] = 0.0
 
     def _load(self, slot: int, adapter: Any) -> None:
         """Copy an adapter's weights into a slot (zero-padded to ``max_rank``)."""
@@ -203,6 +207,7 @@ class LoRAManager:
             buf.lora_a[slot, :r].copy_(a)
             buf.lora_b[slot, :, :r].copy_(b)
             buf.scales[slot] = float(scale)
+            buf.host_scales[slot] = float(scale)
             buf.ranks[slot] = r
         self.num_loads += 1
 

@@ -39,12 +39,18 @@ class LoRASlotBuffers:
         scales: ``[max_loras]`` float32: ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA),
             0 where the slot's adapter does not target this projection.
         ranks: Host list, the rank of each slot's adapter for this projection (0: none).
+        host_scales: Host list, ``scales`` again (no device read on the per-slot path).
     """
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scales: torch.Tensor
     ranks: list[int]
+    host_scales: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.host_scales:
+            self.host_scales = [float(s) for s in self.scales.tolist()]
 
 
 @dataclass
@@ -54,8 +60,13 @@ class LoRAStepContext:
     Attributes:
         groups: ``(slot, token indices [n] int64)`` for every adapter slot in the step; empty
             when no token uses an adapter (then the LoRA layers cost nothing).
-        perm: ``[N]`` int64, the step's adapter tokens sorted by slot (segment path).
-        segments: ``(slot, start, end)`` ranges of ``perm`` per slot.
+        contiguous: Every slot's tokens form one run of the step's tokens (the scheduler
+            groups sequences by adapter, so this is the usual case): ``segments`` are then
+            token ranges and the deltas are added in place, with no gather or scatter.
+        perm: ``[N]`` int64, the step's adapter tokens sorted by slot (segment path when the
+            slots are not contiguous).
+        segments: ``(slot, start, end)`` token ranges per slot when ``contiguous``, else
+            ranges of ``perm``.
         slot_ids: ``[S]`` int64, the step's slots (batched path; see :func:`add_lora`).
         padded_index: ``[S, n_max]`` int64 token indices per slot, padded with 0.
         valid: ``[S * n_max]`` bool, which padded entries are real tokens.
@@ -66,6 +77,7 @@ class LoRAStepContext:
     """
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    contiguous: bool = False
     perm: torch.Tensor | None = None
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     slot_ids: torch.Tensor | None = None
@@ -96,9 +108,25 @@ class LoRAStepContext:
             self.kernel_batch = make_lora_batch(token_slots, device)
             batched = False
         by_slot: dict[int, list[int]] = {}
+        runs: list[tuple[int, int, int]] = []  # (slot, start, end) of each run of one slot
+        prev = -1
         for i, s in enumerate(token_slots):
             if s >= 0:
                 by_slot.setdefault(s, []).append(i)
+                if s == prev:
+                    runs[-1] = (s, runs[-1][1], i + 1)
+                else:
+                    runs.append((s, i, i + 1))
+            prev = s
+        self.contiguous = len(runs) == len(by_slot) and not self.use_triton
+        if self.contiguous:
+            self.groups = [
+                (s, torch.arange(a, b, dtype=torch.long, device=device)) for s, a, b in runs
+            ]
+            self.segments = runs
+            self.perm = None
+            self.slot_ids = self.padded_index = self.valid = self.flat_index = None
+            return
         self.groups = [
             (s, torch.tensor(idx, dtype=torch.long, device=device)) for s, idx in by_slot.items()
         ]
@@ -125,6 +153,7 @@ class LoRAStepContext:
     def clear(self) -> None:
         """No adapter in the step."""
         self.groups = []
+        self.contiguous = False
         self.perm = None
         self.segments = []
         self.slot_ids = self.padded_index = self.valid = self.flat_index = None
@@ -177,6 +206,16 @@ def add_lora(
         ranks = context.device_ranks(buffers.ranks, x.device)
         h = lora_shrink(x, buffers.lora_a, batch, ranks)
         return lora_expand(y, h, buffers.lora_b, buffers.scales, batch, ranks)
+    if context.contiguous:  # SGMV layout: each slot's tokens are rows [start, end) already
+        for slot, start, end in context.segments:
+            rank = buffers.ranks[slot]
+            if rank == 0:
+                continue
+            h = x[start:end] @ buffers.lora_a[slot, :rank].T  # shrink: [n, r]
+            y[start:end].addmm_(
+                h, buffers.lora_b[slot, :, :rank].T, alpha=buffers.host_scales[slot]
+            )
+        return y
     if context.slot_ids is not None:
         slots = context.slot_ids
         xg = x[context.padded_index]  # [S, n, in]

@@ -6,9 +6,10 @@ import torch
 from engine.lora import LoRASlotBuffers, LoRAStepContext, add_lora
 
 
+@pytest.mark.parametrize("layout", ["scattered", "grouped"])
 @pytest.mark.parametrize("popularity", ["distinct", "uniform", "zipf", "identical"])
 @pytest.mark.parametrize("num_slots", [1, 2, 5])
-def test_add_lora_matches_a_per_token_loop(popularity, num_slots):
+def test_add_lora_matches_a_per_token_loop(popularity, num_slots, layout):
     gen = torch.Generator().manual_seed(num_slots)
     tokens, fan_in, fan_out, max_rank, max_loras = 23, 12, 10, 8, 6
     ranks = [8, 4, 2, 6, 8, 1][:max_loras]
@@ -30,6 +31,8 @@ def test_add_lora_matches_a_per_token_loop(popularity, num_slots):
     else:
         slots = [0] * tokens
     slots = [s if i % 5 else -1 for i, s in enumerate(slots)]  # base-model tokens mixed in
+    if layout == "grouped":  # as the scheduler orders a step: one run per slot, base first
+        slots = sorted(slots)
     x = torch.randn(tokens, fan_in, generator=gen)
     y0 = torch.randn(tokens, fan_out, generator=gen)
     expected = y0.clone()
@@ -40,7 +43,11 @@ def test_add_lora_matches_a_per_token_loop(popularity, num_slots):
     for batched in (False, True, None):
         ctx = LoRAStepContext()
         ctx.set_token_slots(slots, torch.device("cpu"), batched=batched)
-        if batched is not None:
+        runs = [s for i, s in enumerate(slots) if s >= 0 and (i == 0 or slots[i - 1] != s)]
+        assert ctx.contiguous == (len(runs) == len(set(runs)))
+        if layout == "grouped":
+            assert ctx.contiguous and ctx.perm is None
+        if batched is not None and not ctx.contiguous:
             assert (ctx.slot_ids is not None) == batched
         out = add_lora(y0.clone(), x, buffers, ctx)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
