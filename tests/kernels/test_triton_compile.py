@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import sys
-import kernels.lora_ops as lo
+import kernels.triton_lora as lo
 import kernels.triton_attention as ta
 import kernels.triton_cache as tc
 import kernels.triton_split_kv as sk
@@ -71,10 +71,10 @@ lower(tc._reshape_and_cache_kernel,
 for dtype, multi, ranks, split_k in [("bf16", True, True, 4), ("fp32", False, False, 1)]:
     table = "*i64" if multi else "*" + dtype
     flags = dict(MULTI=multi, HAS_RANKS=ranks, DOT_F32=dtype == "fp32")
-    lower(lo._lora_shrink_kernel,
+    lower(lo.lora_shrink_kernel,
           dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, SPLIT_K=split_k, **flags), dtype,
           a_table_ptr=table, h_ptr="*fp32")
-    lower(lo._lora_expand_kernel, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=16, **flags), dtype,
+    lower(lo.lora_expand_kernel, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=16, **flags), dtype,
           b_table_ptr=table, h_ptr="*fp32", scales_ptr="*fp32")
 print("OK")
 """
