@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.auth.redact import RedactingFilter
     from gateway.auth.secrets_store import load_or_create_admin_key
     from gateway.server.build import build_gateway, served_name, start_engine
+    from gateway.server.graceful import GracefulServer
     from gateway.settings import data_dir, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -101,13 +102,17 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
-        app,
-        host=gateway_config.host,
-        port=gateway_config.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=int(gateway_config.shutdown_grace_seconds) + 1,
+    server = GracefulServer(
+        uvicorn.Config(
+            app,
+            host=gateway_config.host,
+            port=gateway_config.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=max(1, round(gateway_config.shutdown_grace_seconds)),
+        ),
+        state,
     )
+    server.run()
     return 0
 
 

@@ -86,6 +86,7 @@ class LiveGateway:
         return self
 
     def stop(self) -> None:
+        self.state.draining = True  # as GracefulServer does on SIGINT / SIGTERM
         self._server.should_exit = True
         self._thread.join(30)
 
