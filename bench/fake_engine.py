@@ -1,0 +1,168 @@
+"""An instant engine behind the real gateway: what ``bench.gateway`` and gateway tests put there.
+
+:class:`InstantEngine` implements :class:`gateway.server.engine_client.EngineClient` with no
+model: ``process`` turns the messages' text into one prompt token per 4 characters (at least
+one), and ``generate`` yields one :class:`RequestOutput` per completion token at once (the
+streaming shape a real engine produces step by step), so whatever time a request takes through
+the gateway is the gateway's own. Tests that need a request to stay in flight pass a ``gate``:
+generation then pauses after the first token until the gate is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.inputs import ProcessedPrompt
+from engine.request import CompletionOutput, EngineRequest, RequestOutput
+from gateway.server.engine_client import AdapterLimits
+
+CHARS_PER_TOKEN = 4
+TOKEN_ID = 42
+TOKEN_TEXT = "ok "
+
+
+def message_text_length(messages: Any) -> int:
+    """Characters of text in OpenAI-style chat messages (string content and text parts).
+
+    Raises:
+        ValueError: ``messages`` is not a list of objects with string or list ``content``.
+    """
+    if not isinstance(messages, list):
+        raise ValueError("messages must be a list")
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(
+                len(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
+            )
+        else:
+            raise ValueError("each message needs string or list content")
+    return total
+
+
+class InstantEngine:
+    """An :class:`EngineClient` that answers at once.
+
+    Args:
+        model_name: The served base model's name.
+        completion_tokens: Tokens each choice generates (fewer when ``max_tokens`` is smaller).
+        max_model_len: Reported model length (the gateway checks prompt + max_tokens by it).
+        gate: When given, each request pauses after its first output until the gate is set
+            (a ``threading.Event``: tests set it from another thread than the server's).
+
+    Attributes:
+        requests: Requests ``generate`` was called for.
+        finished: Requests whose last output was yielded.
+        in_flight: Requests started and not finished or abandoned.
+    """
+
+    def __init__(
+        self,
+        model_name: str = "instant",
+        completion_tokens: int = 16,
+        max_model_len: int = 8192,
+        gate: threading.Event | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.completion_tokens = completion_tokens
+        self.adapter_limits = AdapterLimits(
+            target_shapes={"q_proj": (64, 64), "v_proj": (64, 64)}, num_layers=2, max_rank=16
+        )
+        self.gate = gate
+        self.requests = 0
+        self.finished = 0
+        self.in_flight = 0
+        self._running = True
+
+    @property
+    def is_running(self) -> bool:
+        """True until :meth:`shutdown`."""
+        return self._running
+
+    async def process(self, messages: Any) -> ProcessedPrompt:
+        """One prompt token per 4 characters of message text, no images.
+
+        Raises:
+            ValueError: malformed messages (see :func:`message_text_length`).
+        """
+        length = max(1, message_text_length(messages) // CHARS_PER_TOKEN)
+        return ProcessedPrompt(prompt_token_ids=[TOKEN_ID] * length, images=[])
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """One output per token, all at once; ``finish_reason`` ``"length"`` on the last.
+
+        Yields:
+            Cumulative :class:`RequestOutput` objects; the last has ``finished`` set.
+        """
+        self.requests += 1
+        self.in_flight += 1
+        try:
+            async for out in self._outputs(request):
+                yield out
+        finally:
+            self.in_flight -= 1
+
+    async def _outputs(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        n = request.sampling.n
+        steps = max(1, min(self.completion_tokens, request.sampling.max_tokens))
+        prompt = request.prompt_token_ids
+        for step in range(1, steps + 1):
+            if step == 2 and self.gate is not None:
+                while not self.gate.is_set():
+                    await asyncio.sleep(0.005)
+            last = step == steps
+            outputs = [
+                CompletionOutput(
+                    index=i,
+                    text=TOKEN_TEXT * step,
+                    token_ids=[TOKEN_ID] * step,
+                    finish_reason="length" if last else None,
+                    text_delta=TOKEN_TEXT,
+                    token_ids_delta=[TOKEN_ID],
+                )
+                for i in range(n)
+            ]
+            if last:
+                self.finished += 1
+            yield RequestOutput(
+                request_id=request.request_id,
+                prompt_token_ids=prompt,
+                outputs=outputs,
+                finished=last,
+                num_cached_tokens=0,
+                ttft=0.0,
+            )
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Every token is :data:`TOKEN_TEXT`."""
+        return [TOKEN_TEXT for _ in token_ids]
+
+    async def add_lora(self, adapter: Any) -> None:
+        """Accepted and forgotten (the fake runs no adapters)."""
+
+    async def remove_lora(self, digest: str) -> bool:
+        """Always removable."""
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """The ``AsyncLLM.stats`` keys, all idle."""
+        return {
+            "kv_blocks_total": 0,
+            "kv_blocks_in_use": 0,
+            "requests_running": 0,
+            "requests_waiting": 0,
+            "prefix_cache_queried_tokens": 0,
+            "prefix_cache_hit_tokens": 0,
+            "lora_slots_in_use": 0,
+        }
+
+    def shutdown(self) -> None:
+        """Stop: :attr:`is_running` turns False."""
+        self._running = False
