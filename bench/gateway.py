@@ -4,8 +4,8 @@ The real app (``build_gateway``: key auth, body parsing and validation, rate lim
 in SQLite, metrics, OpenAI JSON and SSE) runs under uvicorn as ``loraplex serve`` runs it (same
 defaults: uvloop and httptools when installed, access log on), in its own process on loopback,
 with :class:`bench.fake_engine.InstantEngine` in place of the engine and no rate limits. The
-clients run in this process: C workers at once (C = 1, 32, 256), each with its own
-``httpx.AsyncClient`` (one keep-alive connection). A streamed request counts until
+clients run in this process (on uvloop when installed): C workers at once (C = 1, 32, 256), each
+with its own ``httpx.AsyncClient`` (one keep-alive connection). A streamed request counts until
 ``data: [DONE]`` is read.
 
 Two loads per level, same run:
@@ -80,7 +80,12 @@ def serve_fake(port: int, data_dir: str) -> None:
     )
     app, state = build_gateway(config, InstantEngine(MODEL), admin_key=os.environ[ADMIN_ENV])
     uvicorn_config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="info", timeout_graceful_shutdown=2
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=120,  # paced clients at 256 may idle past uvicorn's default 5 s
     )
     GracefulServer(uvicorn_config, state).run()
 
@@ -282,6 +287,7 @@ async def measure(server: Server, api_key: str, variants: tuple[str, ...], secon
             await asyncio.gather(*(call() for call in health))  # connect every client
             results["health", c, "closed"] = await run_load(health, seconds / 2, None, pid)
             for variant in variants:
+                print(f"{variant}, {c} clients ...", file=sys.stderr, flush=True)
                 calls = [gateway_call(client, variant == "stream") for client in clients]
                 await asyncio.gather(*(call() for call in calls))  # warm up
                 closed = await run_load(calls, seconds, None, pid)
@@ -291,6 +297,15 @@ async def measure(server: Server, api_key: str, variants: tuple[str, ...], secon
         finally:
             await asyncio.gather(*(client.aclose() for client in clients))
     return results
+
+
+def run_async(coro):
+    """Run the clients on uvloop when it is installed (as the server does), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def main() -> None:
@@ -305,9 +320,13 @@ def main() -> None:
         try:
             server.wait_ready()
             api_key = server.create_tenant()
-            results = asyncio.run(measure(server, api_key, variants, seconds))
-        finally:
+            results = run_async(measure(server, api_key, variants, seconds))
+        except BaseException:
             server.stop()
+            log = (Path(tmp) / "server.log").read_text().splitlines()
+            print("\n".join(["gateway log (tail):", *log[-20:]]), file=sys.stderr)
+            raise
+        server.stop()
 
     print(
         f"gateway vs direct engine (instant fake engine, {MAX_TOKENS} completion tokens), "
