@@ -37,8 +37,12 @@ class RateLimitExceeded(Exception):
 class _Bucket:
     level: float
     stamp: float
+    capacity: float | None = None  # the limit the level was computed under; None: unlimited
 
     def refill(self, capacity: float, per_second: float, now: float) -> None:
+        if self.capacity != capacity:  # a new or changed limit: an unlimited key counts as full
+            self.level = capacity if self.capacity is None else min(self.level, capacity)
+            self.capacity = capacity
         self.level = min(capacity, self.level + (now - self.stamp) * per_second)
         self.stamp = now
 
@@ -93,8 +97,12 @@ class RateLimiter:
         )
         if rpm is not None:
             state.requests.refill(rpm, rpm / 60.0, now)
+        else:
+            state.requests.capacity = None
         if tpm is not None:
             state.tokens.refill(tpm, tpm / 60.0, now)
+        else:
+            state.tokens.capacity = None
         if conc is not None and state.in_flight >= conc:
             raise RateLimitExceeded("max_concurrent_requests", 1.0)
         if rpm is not None and state.requests.level < 1.0:
@@ -116,10 +124,7 @@ class RateLimiter:
     def _state(self, key_id: str, limits: TenantLimits, now: float) -> _KeyState:
         state = self._keys.get(key_id)
         if state is None:
-            state = _KeyState(
-                requests=_Bucket(float(limits.requests_per_minute or 0), now),
-                tokens=_Bucket(float(limits.tokens_per_minute or 0), now),
-            )
+            state = _KeyState(requests=_Bucket(0.0, now), tokens=_Bucket(0.0, now))
             self._keys[key_id] = state
         return state
 

@@ -202,14 +202,6 @@ def test_limits_are_per_key_with_the_refill_time_as_retry_after(gw, gate):
     assert usage_requests(gw, first) == 2  # refused requests leave no usage row
 
 
-LIMIT_AFTER_UNLIMITED = pytest.mark.xfail(
-    strict=True,
-    reason="RateLimiter starts an unlimited (None) bucket at level 0, so a limit set later "
-    "refuses the key until a full refill; an unlimited bucket should count as full",
-)
-
-
-@LIMIT_AFTER_UNLIMITED
 def test_a_limit_set_on_a_key_that_was_unlimited_starts_full(limiter, clock):
     limiter.admit("k", TenantLimits()).release(0)
     clock.advance(1.0)
@@ -224,7 +216,6 @@ def test_a_lowered_limit_caps_the_bucket(limiter):
     refused(limiter, "k", TenantLimits(requests_per_minute=1))
 
 
-@LIMIT_AFTER_UNLIMITED
 def test_new_limits_apply_at_once_to_a_key_already_in_use(gw, gate):
     gate.set()
     tenant = gw.create_tenant("changing")
