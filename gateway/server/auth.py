@@ -134,7 +134,7 @@ class KeyAuthMiddleware(AbstractAuthenticationMiddleware):
         return AuthenticationResult(user=principal, auth=None)
 
 
-def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+async def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """Only the admin key.
 
     Raises:
@@ -144,7 +144,7 @@ def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         raise APIError(403, "this route needs the admin key", code="admin_only")
 
 
-def tenant_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+async def tenant_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """Only tenant keys (the admin key serves ``/admin/*`` only).
 
     Raises:

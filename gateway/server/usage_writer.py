@@ -15,7 +15,7 @@ import logging
 
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from gateway.services.usage import UsageRecord, record_usage
+from gateway.services.usage import UsageRecord, record_usage_batch
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class UsageWriter:
         self._idle.set()
         self._task: asyncio.Task | None = None
         self._closing = False
+        self._urgent = asyncio.Event()
         self.written = 0
 
     def start(self) -> None:
@@ -69,12 +70,14 @@ class UsageWriter:
         if self._task is None or self._task.done():
             await self._write_all()
             return
+        self._urgent.set()
         self._wake.set()
         await self._idle.wait()
 
     async def close(self) -> None:
         """Write what is queued, then stop the task."""
         self._closing = True
+        self._urgent.set()
         self._wake.set()
         if self._task is not None:
             try:
@@ -89,8 +92,12 @@ class UsageWriter:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not self._closing and delay == 0.0 and self._flush_seconds > 0:
-                await asyncio.sleep(self._flush_seconds)
+            if not self._urgent.is_set() and delay == 0.0 and self._flush_seconds > 0:
+                try:  # gather a batch, unless a flush() or close() is waiting
+                    await asyncio.wait_for(self._urgent.wait(), self._flush_seconds)
+                except TimeoutError:
+                    pass
+            self._urgent.clear()
             try:
                 await self._write_all()
                 delay = 0.0
@@ -109,8 +116,7 @@ class UsageWriter:
         while self._pending:
             batch = self._pending[: self._max_batch]
             async with self._sessions() as session, session.begin():
-                for record in batch:
-                    await record_usage(session, record)
+                await record_usage_batch(session, batch)
             del self._pending[: len(batch)]
             self.written += len(batch)
         self._idle.set()

@@ -96,6 +96,50 @@ async def record_usage(
     return inserted
 
 
+async def record_usage_batch(session: AsyncSession, records: list[UsageRecord]) -> int:
+    """Append many usage events in one statement; request ids already recorded are skipped.
+
+    One multi-row ``INSERT ... ON CONFLICT (request_id) DO NOTHING`` (SQLite, PostgreSQL), then
+    one ``touch_key`` per distinct key, in the caller's transaction: the usage writer's path,
+    so a flush costs a few statements however many requests it carries. Other backends fall
+    back to :func:`record_usage` per event.
+
+    Returns:
+        How many events the statement was given (duplicates included; they are no-ops).
+
+    Raises:
+        InvalidInputError: a record is malformed (nothing is written).
+    """
+    if not records:
+        return 0
+    for record in records:
+        record.validate()
+    dialect = session.get_bind().dialect.name
+    make_insert = _ON_CONFLICT_INSERTS.get(dialect)
+    if make_insert is None:
+        for record in records:
+            await record_usage(session, record)
+        return len(records)
+    now = utcnow()
+    rows = []
+    last_use: dict[str, datetime] = {}
+    for record in records:
+        values = dataclasses.asdict(record)
+        values["created_at"] = as_utc(record.created_at or now)
+        rows.append(values)
+        if record.key_id is not None:
+            seen = last_use.get(record.key_id)
+            last_use[record.key_id] = (
+                max(seen, values["created_at"]) if seen else values["created_at"]
+            )
+    table: Table = UsageEvent.__table__
+    stmt = make_insert(table).on_conflict_do_nothing(index_elements=["request_id"])
+    await session.execute(stmt, rows)
+    for key_id, when in last_use.items():
+        await touch_key(session, key_id, now=when)
+    return len(rows)
+
+
 async def _insert_with_savepoint(session: AsyncSession, table: Table, values: dict) -> bool:
     exists = await session.scalar(
         select(func.count()).select_from(table).where(table.c.request_id == values["request_id"])
