@@ -13,6 +13,7 @@ from gateway.db.migrate import upgrade
 from gateway.db.session import make_engine, session_factory
 
 SECRET = b"s" * 32
+PG_TABLES = "usage_events, adapters, api_keys, tenants, alembic_version"
 
 
 def run(coro):
@@ -30,6 +31,21 @@ def with_db(url, body):
             await engine.dispose()
 
     return run(main())
+
+
+def wipe_pg(url):
+    """Drop every loraplex table of the PostgreSQL database at ``url``."""
+    from sqlalchemy import text
+
+    async def main():
+        engine = make_engine(url)
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(text(f"DROP TABLE IF EXISTS {PG_TABLES} CASCADE"))
+        finally:
+            await engine.dispose()
+
+    run(main())
 
 
 @pytest.fixture

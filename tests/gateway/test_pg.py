@@ -7,10 +7,9 @@ loraplex_test``) to a database these tests may wipe; skipped otherwise.
 import os
 
 import pytest
-from sqlalchemy import text
 
-from gateway.db.session import db_url, make_engine
-from tests.gateway.conftest import run
+from gateway.db.session import db_url
+from tests.gateway.conftest import wipe_pg
 from tests.gateway.test_migrations import *  # noqa: F403
 from tests.gateway.test_services import *  # noqa: F403
 
@@ -18,21 +17,10 @@ PG_URL = os.environ.get("LORAPLEX_TEST_PG_URL")
 
 pytestmark = pytest.mark.skipif(not PG_URL, reason="LORAPLEX_TEST_PG_URL is not set")
 
-_TABLES = "usage_events, adapters, api_keys, tenants, alembic_version"
-
-
-async def _wipe(url):
-    engine = make_engine(url)
-    try:
-        async with engine.begin() as conn:
-            await conn.execute(text(f"DROP TABLE IF EXISTS {_TABLES} CASCADE"))
-    finally:
-        await engine.dispose()
-
 
 @pytest.fixture
 def fresh_url():
     """The PostgreSQL test database, emptied."""
     url = db_url(".", PG_URL)
-    run(_wipe(url))
+    wipe_pg(url)
     return url

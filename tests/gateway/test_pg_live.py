@@ -12,11 +12,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from sqlalchemy import text
 
-from gateway.db.session import db_url, make_engine
+from gateway.db.session import db_url
 from tests.gateway.chat_support import data_url, image_part, photo, user
-from tests.gateway.conftest import adapter_store_dir, run
+from tests.gateway.conftest import adapter_store_dir, wipe_pg
 from tests.gateway.live import LiveGateway
 from tests.gateway.test_app_basics import assert_openai_error
 
@@ -26,22 +25,12 @@ pytestmark = pytest.mark.skipif(not PG_URL, reason="LORAPLEX_TEST_PG_URL is not 
 
 MODEL = "tiny-llava"
 HI = [{"role": "user", "content": "Say hello."}]
-_TABLES = "usage_events, adapters, api_keys, tenants, alembic_version"
-
-
-async def _wipe(url):
-    engine = make_engine(url)
-    try:
-        async with engine.begin() as conn:
-            await conn.execute(text(f"DROP TABLE IF EXISTS {_TABLES} CASCADE"))
-    finally:
-        await engine.dispose()
 
 
 @pytest.fixture
 def pg_url():
     url = db_url(".", PG_URL)
-    run(_wipe(url))
+    wipe_pg(url)
     return url
 
 
