@@ -82,6 +82,7 @@ class GatewayMetrics:
             ["tenant", "limit"],
             registry=self.registry,
         )
+        self._tenant_tokens: dict[str, tuple[Any, Any, Any]] = {}
         self.ttft = Histogram(
             "loraplex_time_to_first_token_seconds",
             "Time from arrival to the first token",
@@ -100,11 +101,22 @@ class GatewayMetrics:
     ) -> None:
         """Count one finished request (any status)."""
         self.requests.labels(tenant_id, status).inc()
-        self.tokens.labels(tenant_id, "prompt").inc(prompt_tokens)
-        self.tokens.labels(tenant_id, "completion").inc(completion_tokens)
-        self.tokens.labels(tenant_id, "cached").inc(cached_tokens)
+        prompt, completion, cached = self._token_counters(tenant_id)
+        prompt.inc(prompt_tokens)
+        completion.inc(completion_tokens)
+        cached.inc(cached_tokens)
         if ttft_seconds is not None:
             self.ttft.observe(ttft_seconds)
+
+    def _token_counters(self, tenant_id: str) -> tuple[Any, Any, Any]:
+        """The tenant's prompt / completion / cached token counters (label lookups cached)."""
+        found = self._tenant_tokens.get(tenant_id)
+        if found is None:
+            found = tuple(
+                self.tokens.labels(tenant_id, k) for k in ("prompt", "completion", "cached")
+            )
+            self._tenant_tokens[tenant_id] = found
+        return found
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""
