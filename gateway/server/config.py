@@ -54,7 +54,7 @@ class GatewayConfig:
     default_tokens_per_minute: int | None = 1_000_000
     default_max_concurrent_requests: int | None = 64
     auth_cache_seconds: float = 2.0
-    usage_flush_seconds: float = 0.25
+    usage_flush_seconds: float = 0.05
     shutdown_grace_seconds: float = 10.0
     adapter_store_dir: Path | None = None
 
