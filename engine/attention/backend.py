@@ -7,7 +7,8 @@ table. There is no contiguous per-request KV anywhere.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -49,10 +50,21 @@ class AttentionBackend(Protocol):
         ...
 
 
-class TorchAttentionBackend:
-    """Plain-torch reference backend (the CPU default): ``kernels.paged_attention_ref``."""
+class PagedKernelBackend:
+    """A backend made of two kernels: write K/V through the slot mapping, then attend.
 
-    name = "torch"
+    Args:
+        name: The backend's name (``--attention-backend``).
+        write_kv: ``(key, value, key_cache, value_cache, slot_mapping) -> None``, in place.
+        attend: ``paged_attention_ref``'s signature: ``(query, key_cache, value_cache,
+            block_tables, seq_lens, query_start_loc, scale, *, max_query_len, max_seq_len,
+            sliding_window) -> [T, num_heads, head_dim]``.
+    """
+
+    def __init__(self, name: str, write_kv: Callable[..., None], attend: Callable[..., Any]):
+        self.name = name
+        self._write_kv = write_kv
+        self._attend = attend
 
     def forward(
         self,
@@ -66,8 +78,8 @@ class TorchAttentionBackend:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`."""
-        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
-        return paged_attention_ref(
+        self._write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        return self._attend(
             query,
             key_cache,
             value_cache,
@@ -79,6 +91,13 @@ class TorchAttentionBackend:
             max_seq_len=meta.max_seq_len,
             sliding_window=sliding_window,
         )
+
+
+class TorchAttentionBackend(PagedKernelBackend):
+    """Plain-torch reference backend (the CPU default): ``kernels.paged_attention_ref``."""
+
+    def __init__(self) -> None:
+        super().__init__("torch", reshape_and_cache_ref, paged_attention_ref)
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
