@@ -58,8 +58,8 @@ class LoRAStepContext:
     """The step's token-to-slot mapping, set by the model runner before each forward pass.
 
     Attributes:
-        groups: ``(slot, token indices [n] int64)`` for every adapter slot in the step; empty
-            when no token uses an adapter (then the LoRA layers cost nothing).
+        groups: ``(slot, token indices [n] int64)`` for every adapter slot in the step when the
+            slots are not ``contiguous`` (else empty: ``segments`` say it all).
         contiguous: Every slot's tokens form one run of the step's tokens (the scheduler
             groups sequences by adapter, so this is the usual case): ``segments`` are then
             token ranges and the deltas are added in place, with no gather or scatter.
@@ -120,9 +120,7 @@ class LoRAStepContext:
             prev = s
         self.contiguous = len(runs) == len(by_slot) and not self.use_triton
         if self.contiguous:
-            self.groups = [
-                (s, torch.arange(a, b, dtype=torch.long, device=device)) for s, a, b in runs
-            ]
+            self.groups = []  # not needed: the segments are the token ranges
             self.segments = runs
             self.perm = None
             self.slot_ids = self.padded_index = self.valid = self.flat_index = None
@@ -149,6 +147,11 @@ class LoRAStepContext:
             self.flat_index = self.padded_index.reshape(-1)[self.valid]
         else:
             self.slot_ids = self.padded_index = self.valid = self.flat_index = None
+
+    @property
+    def active(self) -> bool:
+        """Whether any token of the step uses an adapter (else the LoRA layers cost nothing)."""
+        return bool(self.segments) or bool(self.groups)
 
     def clear(self) -> None:
         """No adapter in the step."""
@@ -276,7 +279,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, in] -> [T, out]``: base projection plus LoRA deltas."""
         y = self.base(x)
-        if self.context.groups:
+        if self.context.active:
             add_lora(y, x, self.buffers, self.context)
         return y
 
