@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from adapters.errors import AdapterError
+from engine.lora import slot_view
 
 AdapterLoader = Callable[[str], Any]
 """``digest -> LoraAdapter`` (reads the store; raises AdapterError or KeyError)."""
@@ -35,6 +36,7 @@ class SlotBuffers:
         host_scales: Host list, the same scales (the per-slot path passes them as ``alpha``
             without a device read).
         ranks: Host list: each slot's rank for this projection (0: not targeted / empty).
+        views: Host list: each slot's ``engine.lora.slot_view`` (None: rank 0).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class SlotBuffers:
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.host_scales = [0.0] * max_loras
         self.ranks = [0] * max_loras
+        self.views: list[tuple[torch.Tensor, torch.Tensor, float] | None] = [None] * max_loras
 
 
 class LoRAManager:
@@ -191,6 +194,7 @@ class LoRAManager:
             buf.ranks[slot] = 0
             buf.scales[slot] = 0.0
             buf.host_scales[slot] = 0.0
+            buf.views[slot] = None
 
     def _load(self, slot: int, adapter: Any) -> None:
         """Copy an adapter's weights into a slot (zero-padded to ``max_rank``)."""
@@ -209,6 +213,7 @@ class LoRAManager:
             buf.scales[slot] = float(scale)
             buf.host_scales[slot] = float(scale)
             buf.ranks[slot] = r
+            buf.views[slot] = slot_view(buf.lora_a, buf.lora_b, slot, r, float(scale))
         self.num_loads += 1
 
 

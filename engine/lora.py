@@ -40,6 +40,9 @@ class LoRASlotBuffers:
             0 where the slot's adapter does not target this projection.
         ranks: Host list, the rank of each slot's adapter for this projection (0: none).
         host_scales: Host list, ``scales`` again (no device read on the per-slot path).
+        views: Host list, per slot ``(A[s, :r].T, B[s, :, :r].T, scale)`` views of the
+            buffers (None: rank 0), made once when a slot is loaded so the per-slot path
+            does no indexing per step (see :func:`slot_view`).
     """
 
     lora_a: torch.Tensor
@@ -47,10 +50,37 @@ class LoRASlotBuffers:
     scales: torch.Tensor
     ranks: list[int]
     host_scales: list[float] = field(default_factory=list)
+    views: list[tuple[torch.Tensor, torch.Tensor, float] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.host_scales:
             self.host_scales = [float(s) for s in self.scales.tolist()]
+        if not self.views:
+            self.views = [
+                slot_view(self.lora_a, self.lora_b, s, r, self.host_scales[s])
+                for s, r in enumerate(self.ranks)
+            ]
+
+
+def slot_view(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int, rank: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """The shrink and expand operands of one slot as views of the stacked buffers.
+
+    Args:
+        lora_a: ``[max_loras, max_rank, in]``.
+        lora_b: ``[max_loras, out, max_rank]``.
+        slot: The slot.
+        rank: Its adapter's rank for this projection (0: not targeted).
+        scale: Its scaling.
+
+    Returns:
+        ``(A[slot, :rank].T [in, rank], B[slot, :, :rank].T [rank, out], scale)``, views that
+        follow later in-place writes to the buffers; None for rank 0.
+    """
+    if rank == 0:
+        return None
+    return lora_a[slot, :rank].T, lora_b[slot, :, :rank].T, scale
 
 
 @dataclass
@@ -210,14 +240,12 @@ def add_lora(
         h = lora_shrink(x, buffers.lora_a, batch, ranks)
         return lora_expand(y, h, buffers.lora_b, buffers.scales, batch, ranks)
     if context.contiguous:  # SGMV layout: each slot's tokens are rows [start, end) already
+        views = buffers.views
         for slot, start, end in context.segments:
-            rank = buffers.ranks[slot]
-            if rank == 0:
-                continue
-            h = x[start:end] @ buffers.lora_a[slot, :rank].T  # shrink: [n, r]
-            y[start:end].addmm_(
-                h, buffers.lora_b[slot, :, :rank].T, alpha=buffers.host_scales[slot]
-            )
+            view = views[slot]
+            if view is not None:
+                a_t, b_t, scale = view
+                y[start:end].addmm_(x[start:end] @ a_t, b_t, alpha=scale)  # shrink, expand
         return y
     if context.slot_ids is not None:
         slots = context.slot_ids

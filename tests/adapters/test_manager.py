@@ -62,6 +62,23 @@ def test_slots_hold_padded_weights_and_scales(disk):
     untouched = m.buffers[(0, "down_proj")]
     assert untouched.ranks[slot] == 0 and untouched.scales[slot] == 0
     assert loads == ["d1"]
+    a_t, b_t, scale = buf.views[slot]  # the per-slot path's operands: views of the buffers
+    assert a_t.shape == (8, 3) and b_t.shape == (3, 8) and scale == pytest.approx(2.0 / 3)
+    assert a_t.data_ptr() == buf.lora_a[slot].data_ptr() and untouched.views[slot] is None
+
+
+def test_a_reused_slot_gets_the_new_adapters_views(disk):
+    m = manager(disk, [], max_loras=1)
+    slot = m.acquire("d1")  # rank 3
+    m.release("d1")
+    assert m.acquire("d3") == slot  # rank 5, evicts d1 from the one slot
+    buf = m.buffers[(0, "q_proj")]
+    a_t, b_t, scale = buf.views[slot]
+    assert a_t.shape == (8, 5) and b_t.shape == (5, 8) and scale == pytest.approx(2.0 / 5)
+    assert torch.all(a_t == 4.0) and torch.all(b_t == 4.0)
+    assert m.remove("d3") is False  # in use
+    m.release("d3")
+    assert m.remove("d3") and buf.views[slot] is None
 
 
 def test_lru_eviction_never_takes_a_slot_in_use(disk):
