@@ -11,7 +11,9 @@ the admin API drops it from the cache at once. Keys never reach a log: only the 
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from litestar.connection import ASGIConnection
@@ -50,7 +52,11 @@ class AdminPrincipal:
 
 
 class KeyCache:
-    """Verified tenant keys by HMAC, for a short time.
+    """Verified tenant keys by HMAC, for a short time, with one database read per key at once.
+
+    When an entry expires under load, every request of that key would otherwise read the
+    database at the same moment (a thundering herd that also churns the connection pool):
+    :meth:`resolve` lets the first miss read and the others await its answer (single flight).
 
     Args:
         ttl: Seconds an entry lives.
@@ -59,6 +65,44 @@ class KeyCache:
     def __init__(self, ttl: float) -> None:
         self.ttl = ttl
         self._entries: dict[str, tuple[float, TenantPrincipal]] = {}
+        self._pending: dict[str, asyncio.Task[TenantPrincipal | None]] = {}
+        self._generation = 0  # bumped by every forget: a read begun before must not cache
+
+    async def resolve(
+        self, key_hash: str, load: Callable[[], Awaitable[TenantPrincipal | None]]
+    ) -> TenantPrincipal | None:
+        """The cached principal, else ``load()``'s, shared by concurrent misses of one key.
+
+        Args:
+            key_hash: The key's HMAC.
+            load: Reads the key from the database (None: unknown or revoked).
+
+        Returns:
+            The principal, or None for an unknown or revoked key (never cached).
+
+        Raises:
+            Whatever ``load`` raises, to every request waiting on it.
+        """
+        hit = self.get(key_hash)
+        if hit is not None:
+            return hit
+        task = self._pending.get(key_hash)
+        if task is None:
+            generation = self._generation
+
+            async def read() -> TenantPrincipal | None:
+                try:
+                    principal = await load()
+                finally:
+                    self._pending.pop(key_hash, None)
+                if principal is not None and generation == self._generation:
+                    self.put(key_hash, principal)
+                return principal
+
+            task = asyncio.ensure_future(read())
+            self._pending[key_hash] = task
+        # A waiter's cancellation (its client went away) must not cancel the others' read.
+        return await asyncio.shield(task)
 
     def get(self, key_hash: str) -> TenantPrincipal | None:
         """The cached principal, or None when absent or expired."""
@@ -79,11 +123,13 @@ class KeyCache:
 
     def forget_key(self, key_id: str) -> None:
         """Drop a key (revoked)."""
+        self._generation += 1
         for h in [h for h, (_, p) in self._entries.items() if p.key_id == key_id]:
             self._entries.pop(h, None)
 
     def forget_tenant(self, tenant_id: str) -> None:
         """Drop every key of a tenant (its limits changed)."""
+        self._generation += 1
         for h in [h for h, (_, p) in self._entries.items() if p.tenant_id == tenant_id]:
             self._entries.pop(h, None)
 
@@ -118,19 +164,22 @@ class KeyAuthMiddleware(AbstractAuthenticationMiddleware):
         if verify_admin_key(token, state.admin_key):
             return AuthenticationResult(user=AdminPrincipal(), auth=None)
         key_hash = hash_key(token, state.secret)
-        principal = state.key_cache.get(key_hash)
-        if principal is None:
+
+        async def load() -> TenantPrincipal | None:
             async with state.sessions() as session:
                 found = await authenticate(session, token, state.secret)
             if found is None:
-                raise APIError(401, "invalid API key (unknown or revoked)")
-            principal = TenantPrincipal(
+                return None
+            return TenantPrincipal(
                 tenant_id=found.tenant.id,
                 tenant_name=found.tenant.name,
                 key_id=found.key.id,
                 limits=limits_of(found.tenant),
             )
-            state.key_cache.put(key_hash, principal)
+
+        principal = await state.key_cache.resolve(key_hash, load)
+        if principal is None:
+            raise APIError(401, "invalid API key (unknown or revoked)")
         return AuthenticationResult(user=principal, auth=None)
 
 

@@ -1,0 +1,111 @@
+"""The verified-key cache: one database read per key at once, revocation never undone by a read."""
+
+import asyncio
+
+import pytest
+
+from gateway.server.auth import KeyCache, TenantPrincipal
+from gateway.services.tenants import TenantLimits
+
+PRINCIPAL = TenantPrincipal("t1", "acme", "k1", TenantLimits(None, None, None))
+
+
+def loader(reads: list, gate: asyncio.Event, result=PRINCIPAL):
+    async def load():
+        reads.append(1)
+        await gate.wait()
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    return load
+
+
+@pytest.mark.parametrize("ttl", [2.0, 0.0])
+def test_concurrent_misses_share_one_read(ttl):
+    async def main():
+        cache, reads, gate = KeyCache(ttl), [], asyncio.Event()
+        waiters = [
+            asyncio.ensure_future(cache.resolve("h", loader(reads, gate))) for _ in range(32)
+        ]
+        await asyncio.sleep(0)
+        gate.set()
+        got = await asyncio.gather(*waiters)
+        assert got == [PRINCIPAL] * 32 and len(reads) == 1
+        return cache.get("h")
+
+    assert asyncio.run(main()) == (PRINCIPAL if ttl else None)  # ttl 0: nothing is cached
+
+
+def test_ttl_zero_reads_every_time():
+    async def main():
+        cache, reads, gate = KeyCache(0), [], asyncio.Event()
+        gate.set()
+        for _ in range(3):
+            assert await cache.resolve("h", loader(reads, gate)) == PRINCIPAL
+        return reads
+
+    assert len(asyncio.run(main())) == 3
+
+
+def test_unknown_key_is_shared_but_never_cached():
+    async def main():
+        cache, reads, gate = KeyCache(2.0), [], asyncio.Event()
+        gate.set()
+        first = await asyncio.gather(
+            *(cache.resolve("h", loader(reads, gate, None)) for _ in range(4))
+        )
+        second = await cache.resolve("h", loader(reads, gate, None))
+        return first, second, reads
+
+    first, second, reads = asyncio.run(main())
+    assert first == [None] * 4 and second is None and len(reads) == 2
+
+
+@pytest.mark.parametrize("forget", ["key", "tenant"])
+def test_a_revocation_during_the_read_is_not_undone(forget):
+    async def main():
+        cache, reads, gate = KeyCache(2.0), [], asyncio.Event()
+        waiter = asyncio.ensure_future(cache.resolve("h", loader(reads, gate)))
+        await asyncio.sleep(0)
+        cache.forget_key("k1") if forget == "key" else cache.forget_tenant("t1")
+        gate.set()
+        assert await waiter == PRINCIPAL  # the read began before the revocation
+        return cache.get("h")
+
+    assert asyncio.run(main()) is None  # ... but its answer was not cached
+
+
+def test_a_failed_read_reaches_every_waiter_and_is_retried():
+    async def main():
+        cache, reads, gate = KeyCache(2.0), [], asyncio.Event()
+        boom = RuntimeError("database down")
+        waiters = [
+            asyncio.ensure_future(cache.resolve("h", loader(reads, gate, boom))) for _ in range(3)
+        ]
+        await asyncio.sleep(0)
+        gate.set()
+        got = await asyncio.gather(*waiters, return_exceptions=True)
+        assert all(g is boom for g in got) and len(reads) == 1
+        ok = asyncio.Event()
+        ok.set()
+        return await cache.resolve("h", loader(reads, ok)), reads
+
+    principal, reads = asyncio.run(main())
+    assert principal == PRINCIPAL and len(reads) == 2
+
+
+def test_a_cancelled_waiter_does_not_cancel_the_others():
+    async def main():
+        cache, reads, gate = KeyCache(2.0), [], asyncio.Event()
+        first = asyncio.ensure_future(cache.resolve("h", loader(reads, gate)))
+        second = asyncio.ensure_future(cache.resolve("h", loader(reads, gate)))
+        await asyncio.sleep(0)
+        first.cancel()  # the first client went away while its read was in flight
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return await second, reads, cache.get("h")
+
+    got, reads, cached = asyncio.run(main())
+    assert got == PRINCIPAL and cached == PRINCIPAL and len(reads) == 1
