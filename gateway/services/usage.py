@@ -96,6 +96,9 @@ async def record_usage(
     return inserted
 
 
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))
+
+
 async def record_usage_batch(session: AsyncSession, records: list[UsageRecord]) -> int:
     """Append many usage events in one statement; request ids already recorded are skipped.
 
@@ -124,7 +127,7 @@ async def record_usage_batch(session: AsyncSession, records: list[UsageRecord]) 
     rows = []
     last_use: dict[str, datetime] = {}
     for record in records:
-        values = dataclasses.asdict(record)
+        values = {name: getattr(record, name) for name in _RECORD_FIELDS}  # flat: no deep copy
         values["created_at"] = as_utc(record.created_at or now)
         rows.append(values)
         if record.key_id is not None:

@@ -166,22 +166,28 @@ async def _stream(
 async def _unless_client_leaves(request: Request, run: ChatRun, waiting: Any) -> RequestOutput:
     """Await ``waiting`` (an output of ``run``) while watching for the client's disconnect.
 
+    One watcher task per wait: when the client leaves it cancels the run, which ends
+    ``waiting`` (cheaper than racing two tasks with ``asyncio.wait``).
+
     Raises:
         APIError: what ``waiting`` raises, or 503 ``client_disconnected`` once the run was
             cancelled because the client left (nobody reads that answer).
     """
-    result = asyncio.ensure_future(waiting)
-    gone = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, run))
     try:
-        await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+        return await waiting
+    except APIError:
+        if watcher.done() and not watcher.cancelled():
+            raise APIError(503, "the client disconnected", code="client_disconnected") from None
+        raise
     finally:
-        gone.cancel()
-        if not result.done():
-            result.cancel()
-    if result.done() and not result.cancelled():
-        return result.result()
+        watcher.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, run: ChatRun) -> None:
+    """Cancel ``run`` (usage: aborted, ``client_disconnected``) when the client disconnects."""
+    await _disconnected(request)
     run.cancel("client_disconnected")
-    raise APIError(503, "the client disconnected", code="client_disconnected")
 
 
 async def _disconnected(request: Request) -> None:

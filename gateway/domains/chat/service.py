@@ -171,7 +171,20 @@ class ChatRun:
             APIError: the engine refused the request (400), is not running or aborted it
                 (503), or the run was cancelled (503).
         """
-        item = await self._queue.get()
+        return self._check(await self._queue.get())
+
+    def next_nowait(self) -> RequestOutput | None:
+        """The next output if the engine already produced it, else None (see :meth:`next`).
+
+        Raises:
+            APIError: as :meth:`next`.
+        """
+        if self._queue.empty():
+            return None
+        return self._check(self._queue.get_nowait())
+
+    @staticmethod
+    def _check(item: Any) -> RequestOutput:
         if isinstance(item, _Cancelled):
             raise APIError(503, "the request was aborted", code="request_aborted")
         if isinstance(item, BaseException):

@@ -78,15 +78,20 @@ async def chunk_stream(
 ) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request whose first output is ``first``.
 
+    Events the engine has already produced when one is encoded (a client slower than the
+    engine, or a burst of outputs) go out in one write instead of one each; the client sees
+    the same events.
+
     Yields:
-        Encoded ``data:`` events, ending with ``data: [DONE]``.
+        Encoded ``data:`` events (one or more per chunk), ending with ``data: [DONE]``.
     """
     logprobs_sent: dict[int, int] = {}
     finished: set[int] = set()
+    pending: list[bytes] = []  # encoded events not yet written
     try:
         for i in range(meta.n):
             delta = {"role": "assistant", "content": ""}
-            yield sse(_chunk(meta, [_choice(i, delta, None, None)]))
+            pending.append(sse(_chunk(meta, [_choice(i, delta, None, None)])))
         out = first
         while True:
             choices = []
@@ -107,19 +112,25 @@ async def chunk_stream(
                     delta = {"content": c.text_delta} if c.text_delta else {}
                     choices.append(_choice(c.index, delta, logprobs, c.finish_reason))
             if choices:
-                yield sse(_chunk(meta, choices))
+                pending.append(sse(_chunk(meta, choices)))
             if out.finished:
                 break
-            out = await run.next()
+            ready = run.next_nowait()
+            if ready is None:  # nothing more yet: write what we have, then wait
+                yield b"".join(pending)
+                pending.clear()
+                ready = await run.next()
+            out = ready
         if meta.include_usage:
             body = _chunk(meta, [])
             body["usage"] = usage_body(out)
-            yield sse(body)
+            pending.append(sse(body))
     except APIError as exc:
-        yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
+        pending.append(sse(error_body(exc.status, exc.message, exc.param, exc.code)))
     finally:
         run.cancel("client_disconnected")  # a no-op once the run has finished
-    yield DONE
+    pending.append(DONE)
+    yield b"".join(pending)
 
 
 def _choice(

@@ -1,0 +1,120 @@
+"""SSE chunks: outputs the engine already produced go out in one write, the events unchanged."""
+
+import asyncio
+import json
+
+from engine.request import CompletionOutput, RequestOutput
+from gateway.domains.chat.streaming import StreamMeta, chunk_stream
+from gateway.server.errors import APIError
+
+TOKENS = 4
+
+
+def outputs() -> list[RequestOutput]:
+    outs = []
+    for step in range(1, TOKENS + 1):
+        last = step == TOKENS
+        choice = CompletionOutput(
+            index=0,
+            text="ab" * step,
+            token_ids=[7] * step,
+            finish_reason="length" if last else None,
+            text_delta="ab",
+            token_ids_delta=[7],
+        )
+        outs.append(RequestOutput("r", [1, 2, 3], [choice], finished=last, num_cached_tokens=0))
+    return outs
+
+
+class QueueRun:
+    """What chunk_stream reads of a ChatRun: next, next_nowait, cancel."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled: list[str] = []
+
+    async def next(self):
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def next_nowait(self):
+        if self.queue.empty():
+            return None
+        item = self.queue.get_nowait()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self, reason: str) -> None:
+        self.cancelled.append(reason)
+
+
+META = StreamMeta("chatcmpl-1", 0, "m", 1, True, False, lambda ids: ["x"] * len(ids))
+
+
+def events(body: bytes) -> list:
+    assert body.endswith(b"\n\n")
+    found = []
+    for event in body.decode().split("\n\n")[:-1]:
+        assert event.startswith("data: ")
+        data = event[len("data: ") :]
+        found.append(data if data == "[DONE]" else json.loads(data))
+    return found
+
+
+async def collect(run: QueueRun, first: RequestOutput, feed=None) -> list[bytes]:
+    chunks = []
+    feeder = asyncio.ensure_future(feed()) if feed else None
+    async for chunk in chunk_stream(run, first, META):
+        chunks.append(chunk)
+    if feeder:
+        await feeder
+    return chunks
+
+
+def test_ready_outputs_go_in_one_write_and_slow_ones_one_each():
+    async def main():
+        outs = outputs()
+        burst = QueueRun()
+        for out in outs[1:]:
+            burst.queue.put_nowait(out)
+        together = await collect(burst, outs[0])
+
+        slow = QueueRun()
+
+        async def feed():
+            for out in outs[1:]:
+                await asyncio.sleep(0.01)
+                slow.queue.put_nowait(out)
+
+        apart = await collect(slow, outs[0], feed)
+        return together, apart, burst, slow
+
+    together, apart, burst, slow = asyncio.run(main())
+    assert len(together) == 1
+    assert len(apart) == TOKENS  # one write per output as it arrives; the last carries DONE
+    assert b"".join(together) == b"".join(apart)
+    got = events(together[0])
+    assert got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [e["choices"][0]["delta"]["content"] for e in got[1 : 1 + TOKENS]] == ["ab"] * TOKENS
+    assert got[TOKENS]["choices"][0]["finish_reason"] == "length"
+    assert got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] == TOKENS
+    assert got[-1] == "[DONE]"
+    assert burst.cancelled == slow.cancelled == ["client_disconnected"]  # no-op on a done run
+
+
+def test_an_error_after_ready_outputs_follows_them():
+    async def main():
+        outs = outputs()
+        run = QueueRun()
+        run.queue.put_nowait(outs[1])
+        run.queue.put_nowait(APIError(503, "the engine is not running", code="engine_unavailable"))
+        return await collect(run, outs[0])
+
+    chunks = asyncio.run(main())
+    assert len(chunks) == 1
+    got = events(chunks[0])
+    assert [e["choices"][0]["delta"].get("content") for e in got[1:3]] == ["ab", "ab"]
+    assert got[3]["error"]["code"] == "engine_unavailable" and got[4] == "[DONE]"
