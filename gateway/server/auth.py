@@ -5,13 +5,15 @@ Every route needs ``Authorization: Bearer <key>`` except those marked ``exclude_
 (a tenant key, ``lpx-...``, looked up by its HMAC in the database) or :class:`AdminPrincipal`
 (the admin key, compared in constant time) and puts it on ``request.user``; the guards then
 keep the admin key on ``/admin/*`` and tenant keys off it (403 either way). Verified tenant keys
-are cached for ``auth_cache_seconds`` (a database read saved per request); revoking a key through
-the admin API drops it from the cache at once. Keys never reach a log: only the key id does.
+are cached for ``auth_cache_seconds`` (a database read saved per request; see :class:`KeyCache`);
+revoking a key through the admin API drops it from the cache at once. Keys never reach a log:
+only the key id does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from gateway.services.keys import authenticate
 from gateway.services.tenants import TenantLimits, limits_of
 
 AUTH_HEADER = "authorization"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,17 @@ class AdminPrincipal:
 class KeyCache:
     """Verified tenant keys by HMAC, for a short time, with one database read per key at once.
 
-    When an entry expires under load, every request of that key would otherwise read the
-    database at the same moment (a thundering herd that also churns the connection pool):
-    :meth:`resolve` lets the first miss read and the others await its answer (single flight).
+    An entry is fresh for ``ttl`` seconds. When it expires under load, every request of that
+    key would otherwise wait on a database read at the same moment (all of them stalled for
+    that read; a thundering herd that also churns the connection pool). So, for one more
+    ``ttl``, a stale entry still answers at once while a single background read refreshes it
+    (stale-while-revalidate); past that, the first miss reads and the others await its answer
+    (single flight). A key revoked in the database (``loraplex keys revoke`` from another
+    process) therefore stops working within ``ttl`` plus one read while it is in use; revoking
+    through the admin API drops it from the cache at once.
 
     Args:
-        ttl: Seconds an entry lives.
+        ttl: Seconds an entry is fresh (and then served stale, for as long again, while read).
     """
 
     def __init__(self, ttl: float) -> None:
@@ -81,36 +89,51 @@ class KeyCache:
             The principal, or None for an unknown or revoked key (never cached).
 
         Raises:
-            Whatever ``load`` raises, to every request waiting on it.
+            Whatever ``load`` raises, to every request waiting on it (a failed background
+            refresh is logged; the stale entry serves until its window ends).
         """
-        hit = self.get(key_hash)
-        if hit is not None:
-            return hit
-        task = self._pending.get(key_hash)
-        if task is None:
-            generation = self._generation
-
-            async def read() -> TenantPrincipal | None:
-                try:
-                    principal = await load()
-                finally:
-                    self._pending.pop(key_hash, None)
-                if principal is not None and generation == self._generation:
-                    self.put(key_hash, principal)
+        entry = self._entries.get(key_hash)
+        if entry is not None:
+            fresh_until, principal = entry
+            now = time.monotonic()
+            if now < fresh_until:
                 return principal
-
-            task = asyncio.ensure_future(read())
-            self._pending[key_hash] = task
+            if now < fresh_until + self.ttl:  # stale: answer now, refresh in the background
+                self._read(key_hash, load)
+                return principal
+            self._entries.pop(key_hash, None)
         # A waiter's cancellation (its client went away) must not cancel the others' read.
-        return await asyncio.shield(task)
+        return await asyncio.shield(self._read(key_hash, load))
+
+    def _read(
+        self, key_hash: str, load: Callable[[], Awaitable[TenantPrincipal | None]]
+    ) -> asyncio.Task[TenantPrincipal | None]:
+        """The key's read in flight, started if there is none."""
+        task = self._pending.get(key_hash)
+        if task is not None:
+            return task
+        generation = self._generation
+
+        async def read() -> TenantPrincipal | None:
+            try:
+                principal = await load()
+            finally:
+                self._pending.pop(key_hash, None)
+            if principal is None:
+                self._entries.pop(key_hash, None)  # revoked meanwhile: no more stale answers
+            elif generation == self._generation:
+                self.put(key_hash, principal)
+            return principal
+
+        task = asyncio.ensure_future(read())
+        task.add_done_callback(_log_failed_read)
+        self._pending[key_hash] = task
+        return task
 
     def get(self, key_hash: str) -> TenantPrincipal | None:
-        """The cached principal, or None when absent or expired."""
+        """The cached principal while fresh, else None (a stale entry is :meth:`resolve`'s)."""
         hit = self._entries.get(key_hash)
-        if hit is None:
-            return None
-        if hit[0] < time.monotonic():
-            self._entries.pop(key_hash, None)
+        if hit is None or hit[0] <= time.monotonic():
             return None
         return hit[1]
 
@@ -132,6 +155,12 @@ class KeyCache:
         self._generation += 1
         for h in [h for h, (_, p) in self._entries.items() if p.tenant_id == tenant_id]:
             self._entries.pop(h, None)
+
+
+def _log_failed_read(task: asyncio.Task) -> None:
+    """Retrieve a key read's failure (waiters get it too; a background refresh has none)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("reading an API key failed: %s", task.exception())
 
 
 def bearer_token(connection: ASGIConnection) -> str:

@@ -109,3 +109,66 @@ def test_a_cancelled_waiter_does_not_cancel_the_others():
 
     got, reads, cached = asyncio.run(main())
     assert got == PRINCIPAL and cached == PRINCIPAL and len(reads) == 1
+
+
+def test_a_stale_entry_answers_at_once_while_one_read_refreshes_it():
+    async def main():
+        cache, reads, gate = KeyCache(0.05), [], asyncio.Event()
+        cache.put("h", PRINCIPAL)
+        await asyncio.sleep(0.06)  # stale now, within the second ttl
+        assert cache.get("h") is None
+        # The read is held closed: the stale answers still come at once, one read in flight.
+        got = [await cache.resolve("h", loader(reads, gate)) for _ in range(5)]
+        await asyncio.sleep(0)  # let the background read begin
+        assert got == [PRINCIPAL] * 5 and len(reads) == 1
+        gate.set()
+        await asyncio.sleep(0.01)
+        return cache.get("h"), reads
+
+    fresh, reads = asyncio.run(main())
+    assert fresh == PRINCIPAL and len(reads) == 1  # refreshed: fresh again
+
+
+def test_a_key_revoked_in_the_database_stops_after_the_background_read():
+    async def main():
+        cache, reads, gate = KeyCache(0.05), [], asyncio.Event()
+        gate.set()
+        cache.put("h", PRINCIPAL)
+        await asyncio.sleep(0.06)
+        stale = await cache.resolve("h", loader(reads, gate, None))  # revoked elsewhere
+        await asyncio.sleep(0.01)  # the background read found it gone
+        after = await cache.resolve("h", loader(reads, gate, None))
+        return stale, after, reads
+
+    stale, after, reads = asyncio.run(main())
+    assert stale == PRINCIPAL and after is None and len(reads) == 2
+
+
+def test_past_the_stale_window_a_read_is_awaited():
+    async def main():
+        cache, reads, gate = KeyCache(0.02), [], asyncio.Event()
+        cache.put("h", PRINCIPAL)
+        await asyncio.sleep(0.05)  # beyond twice the ttl
+        waiter = asyncio.ensure_future(cache.resolve("h", loader(reads, gate, None)))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # no stale answer any more
+        gate.set()
+        return await waiter
+
+    assert asyncio.run(main()) is None
+
+
+def test_a_failed_background_refresh_keeps_the_stale_entry(caplog):
+    async def main():
+        cache, reads, gate = KeyCache(0.05), [], asyncio.Event()
+        gate.set()
+        cache.put("h", PRINCIPAL)
+        await asyncio.sleep(0.06)
+        first = await cache.resolve("h", loader(reads, gate, RuntimeError("database down")))
+        await asyncio.sleep(0.01)
+        second = await cache.resolve("h", loader(reads, gate))  # stale still, read again
+        return first, second, reads
+
+    first, second, reads = asyncio.run(main())
+    assert first == second == PRINCIPAL and len(reads) == 2
+    assert "database down" in caplog.text
