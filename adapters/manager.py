@@ -20,10 +20,30 @@ from typing import Any
 import torch
 
 from adapters.errors import AdapterError
-from engine.lora import slot_view
 
 AdapterLoader = Callable[[str], Any]
 """``digest -> LoraAdapter`` (reads the store; raises AdapterError or KeyError)."""
+
+
+def slot_view(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int, rank: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """The shrink and expand operands of one slot as views of the stacked buffers.
+
+    Args:
+        lora_a: ``[max_loras, max_rank, in]``.
+        lora_b: ``[max_loras, out, max_rank]``.
+        slot: The slot.
+        rank: Its adapter's rank for this projection (0: not targeted).
+        scale: Its scaling.
+
+    Returns:
+        ``(A[slot, :rank].T [in, rank], B[slot, :, :rank].T [rank, out], scale)``, views that
+        follow later in-place writes to the buffers; None for rank 0.
+    """
+    if rank == 0:
+        return None
+    return lora_a[slot, :rank].T, lora_b[slot, :, :rank].T, scale
 
 
 class SlotBuffers:
@@ -36,7 +56,7 @@ class SlotBuffers:
         host_scales: Host list, the same scales (the per-slot path passes them as ``alpha``
             without a device read).
         ranks: Host list: each slot's rank for this projection (0: not targeted / empty).
-        views: Host list: each slot's ``engine.lora.slot_view`` (None: rank 0).
+        views: Host list: each slot's :func:`slot_view` (None: rank 0).
     """
 
     def __init__(

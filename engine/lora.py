@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from adapters.manager import slot_view
+
 if TYPE_CHECKING:
     from kernels.lora_ops import LoRABatch
 
@@ -60,27 +62,6 @@ class LoRASlotBuffers:
                 slot_view(self.lora_a, self.lora_b, s, r, self.host_scales[s])
                 for s, r in enumerate(self.ranks)
             ]
-
-
-def slot_view(
-    lora_a: torch.Tensor, lora_b: torch.Tensor, slot: int, rank: int, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """The shrink and expand operands of one slot as views of the stacked buffers.
-
-    Args:
-        lora_a: ``[max_loras, max_rank, in]``.
-        lora_b: ``[max_loras, out, max_rank]``.
-        slot: The slot.
-        rank: Its adapter's rank for this projection (0: not targeted).
-        scale: Its scaling.
-
-    Returns:
-        ``(A[slot, :rank].T [in, rank], B[slot, :, :rank].T [rank, out], scale)``, views that
-        follow later in-place writes to the buffers; None for rank 0.
-    """
-    if rank == 0:
-        return None
-    return lora_a[slot, :rank].T, lora_b[slot, :, :rank].T, scale
 
 
 @dataclass
