@@ -43,8 +43,9 @@ class GracefulServer(uvicorn.Server):
 def freeze_startup_heap() -> int:
     """Collect once, then move every object alive now out of the garbage collector's sight.
 
-    A serving process holds millions of long-lived objects from start-up (torch, transformers,
-    SQLAlchemy, Litestar, the model); each full (generation 2) collection walks them all. Under
+    A serving process holds hundreds of thousands of long-lived objects from start-up (torch,
+    transformers, SQLAlchemy, Litestar, the model); each full (generation 2) collection walks
+    them all. Under
     load that was a 150-500 ms pause of the event loop (and of the engine thread, which needs
     the GIL) every couple of seconds in ``bench.gateway``: every in-flight request stalled at once.
     ``gc.freeze()`` (CPython 3.7+, the technique Instagram described for pre-fork servers and
