@@ -118,7 +118,8 @@ class KeyCache:
             try:
                 principal = await load()
             finally:
-                self._pending.pop(key_hash, None)
+                if self._pending.get(key_hash) is task:  # not a read begun after a forget
+                    del self._pending[key_hash]
             if principal is None:
                 self._entries.pop(key_hash, None)  # revoked meanwhile: no more stale answers
             elif generation == self._generation:
@@ -145,14 +146,16 @@ class KeyCache:
             self._entries[key_hash] = (time.monotonic() + self.ttl, principal)
 
     def forget_key(self, key_id: str) -> None:
-        """Drop a key (revoked)."""
+        """Drop a key (revoked); a request after this never joins a read begun before it."""
         self._generation += 1
+        self._pending.clear()
         for h in [h for h, (_, p) in self._entries.items() if p.key_id == key_id]:
             self._entries.pop(h, None)
 
     def forget_tenant(self, tenant_id: str) -> None:
-        """Drop every key of a tenant (its limits changed)."""
+        """Drop every key of a tenant (its limits changed); later requests read afresh."""
         self._generation += 1
+        self._pending.clear()
         for h in [h for h, (_, p) in self._entries.items() if p.tenant_id == tenant_id]:
             self._entries.pop(h, None)
 

@@ -172,3 +172,20 @@ def test_a_failed_background_refresh_keeps_the_stale_entry(caplog):
     first, second, reads = asyncio.run(main())
     assert first == second == PRINCIPAL and len(reads) == 2
     assert "database down" in caplog.text
+
+
+def test_a_request_after_a_revocation_does_not_join_a_read_begun_before_it():
+    async def main():
+        cache, reads = KeyCache(2.0), []
+        before_gate, after_gate = asyncio.Event(), asyncio.Event()
+        before = asyncio.ensure_future(cache.resolve("h", loader(reads, before_gate)))
+        await asyncio.sleep(0)
+        cache.forget_key("k1")  # DELETE /admin/keys/{id}: 401 from then on
+        after = asyncio.ensure_future(cache.resolve("h", loader(reads, after_gate, None)))
+        await asyncio.sleep(0)
+        after_gate.set()
+        before_gate.set()  # the old read ends last: it must not unregister the new one
+        return await before, await after, reads, cache.get("h")
+
+    before, after, reads, cached = asyncio.run(main())
+    assert before == PRINCIPAL and after is None and len(reads) == 2 and cached is None
