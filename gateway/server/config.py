@@ -32,7 +32,9 @@ class GatewayConfig:
         default_max_concurrent_requests: Per-key requests in flight (None: unlimited).
         auth_cache_seconds: How long a verified key stays cached (revocations through the admin
             API take effect at once; ``loraplex keys revoke`` from another process within this).
-        usage_flush_seconds: Longest a usage event waits in memory before it is written.
+        usage_flush_seconds: How long the usage writer gathers events into one transaction (the
+            longest an event waits in memory while the database keeps up; ``GET /v1/usage`` and
+            shutdown write what is queued first).
         shutdown_grace_seconds: On shutdown, how long in-flight requests may run before they
             are aborted.
         adapter_store_dir: The content-addressed adapter store (default ``DATA/adapters``); the
@@ -54,7 +56,7 @@ class GatewayConfig:
     default_tokens_per_minute: int | None = 1_000_000
     default_max_concurrent_requests: int | None = 64
     auth_cache_seconds: float = 2.0
-    usage_flush_seconds: float = 0.05
+    usage_flush_seconds: float = 0.2
     shutdown_grace_seconds: float = 10.0
     adapter_store_dir: Path | None = None
 
