@@ -1,10 +1,13 @@
-"""Authentication (Litestar's authentication middleware) and the guards on top of it.
+"""Authentication (Litestar's authentication middleware) and which keys each route takes.
 
 Every route needs ``Authorization: Bearer <key>`` except those marked ``exclude_from_auth``
 (``/health``, ``/metrics``). The middleware resolves the key to a :class:`TenantPrincipal`
 (a tenant key, ``lpx-...``, looked up by its HMAC in the database) or :class:`AdminPrincipal`
-(the admin key, compared in constant time) and puts it on ``request.user``; the guards then
-keep the admin key on ``/admin/*`` and tenant keys off it (403 either way). Verified tenant keys
+(the admin key, compared in constant time) and puts it on ``request.user``. It then keeps the
+admin key on routes marked ``opt=ADMIN_ONLY`` (``/admin/*``) and tenant keys off them (403
+either way); every other route takes tenant keys only. The check is the route handler's ``opt``
+read in the middleware rather than a Litestar guard, which would copy the handler on every
+request (``BaseRouteHandler.authorize_connection``). Verified tenant keys
 are cached for ``auth_cache_seconds`` (a database read saved per request; see :class:`KeyCache`);
 revoking a key through the admin API drops it from the cache at once. Keys never reach a log:
 only the key id does.
@@ -19,7 +22,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from litestar.connection import ASGIConnection
-from litestar.handlers.base import BaseRouteHandler
 from litestar.middleware import AbstractAuthenticationMiddleware, AuthenticationResult
 
 from gateway.auth.keys import hash_key
@@ -29,6 +31,8 @@ from gateway.services.keys import authenticate
 from gateway.services.tenants import TenantLimits, limits_of
 
 AUTH_HEADER = "authorization"
+KEY_AREA = "key_area"  # route handler ``opt`` key: which keys the route takes
+ADMIN_ONLY = {KEY_AREA: "admin"}  # ``opt`` of the admin routes; any other route: tenant keys
 logger = logging.getLogger(__name__)
 
 
@@ -189,11 +193,18 @@ class KeyAuthMiddleware(AbstractAuthenticationMiddleware):
         """See the module docstring.
 
         Raises:
-            APIError: 401 for a missing, malformed, unknown or revoked key.
+            APIError: 401 for a missing, malformed, unknown or revoked key; 403 for the admin key
+                on a tenant route (``tenant_only``) or a tenant key on an admin route
+                (``admin_only``).
         """
         state = connection.app.state.gateway
         token = bearer_token(connection)
+        admin_route = connection.route_handler.opt.get(KEY_AREA) == "admin"
         if verify_admin_key(token, state.admin_key):
+            if not admin_route:
+                raise APIError(
+                    403, "the admin key serves /admin/* only; use a tenant key", code="tenant_only"
+                )
             return AuthenticationResult(user=AdminPrincipal(), auth=None)
         key_hash = hash_key(token, state.secret)
 
@@ -212,26 +223,6 @@ class KeyAuthMiddleware(AbstractAuthenticationMiddleware):
         principal = await state.key_cache.resolve(key_hash, load)
         if principal is None:
             raise APIError(401, "invalid API key (unknown or revoked)")
+        if admin_route:
+            raise APIError(403, "this route needs the admin key", code="admin_only")
         return AuthenticationResult(user=principal, auth=None)
-
-
-async def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    """Only the admin key.
-
-    Raises:
-        APIError: 403 for a tenant key.
-    """
-    if not isinstance(connection.user, AdminPrincipal):
-        raise APIError(403, "this route needs the admin key", code="admin_only")
-
-
-async def tenant_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    """Only tenant keys (the admin key serves ``/admin/*`` only).
-
-    Raises:
-        APIError: 403 for the admin key.
-    """
-    if not isinstance(connection.user, TenantPrincipal):
-        raise APIError(
-            403, "the admin key serves /admin/* only; use a tenant key", code="tenant_only"
-        )

@@ -88,3 +88,28 @@ def test_admin_routes(live):
         with live.admin() as a:
             assert a.delete(f"/admin/keys/{key.json()['id']}").status_code == 200
         assert_openai_error(c.get("/admin/tenants"), 401)
+
+
+def test_every_route_takes_one_kind_of_key(live):
+    """Admin key on /admin/* only, tenant keys everywhere else: each route, the wrong key is 403.
+
+    Walks the app's own route table, so a route added later is checked too.
+    """
+    import re
+
+    tenant = live.create_tenant("key-areas")
+    checked = 0
+    for route in live.app.routes:
+        for handler in route.route_handlers:
+            if handler.opt.get("exclude_from_auth"):
+                continue
+            path = re.sub(r"\{[^}]+\}", "x", route.path)
+            admin_route = path.startswith("/admin")
+            wrong_key = tenant["api_key"] if admin_route else ADMIN_KEY
+            for method in sorted(handler.http_methods - {"HEAD", "OPTIONS"}):
+                with live.client(wrong_key) as c:
+                    response = c.request(method, path)
+                code = "admin_only" if admin_route else "tenant_only"
+                assert_openai_error(response, 403, code)
+                checked += 1
+    assert checked >= 12

@@ -1,6 +1,6 @@
 """``/v1/adapters``: a tenant's LoRA adapters (upload, list, get, delete; CONTRACT.md).
 
-Every route takes a tenant key (``tenant_guard``) and sees only that tenant's adapters: another
+Every route takes a tenant key (``gateway.server.auth``) and sees only that tenant's adapters: another
 tenant's name is a 404, exactly like a name that does not exist. The upload route's body limit
 is ``GatewayConfig.upload_max_body_bytes`` (the app's default is the smaller chat limit), set on
 this controller when the app registers it; 413 beyond.
@@ -18,7 +18,6 @@ from adapters.errors import AdapterError
 from gateway.domains.adapters.service import ensure_name_free, register, registry_of, unregister
 from gateway.domains.adapters.upload import adapter_bytes, check_name, read_form
 from gateway.domains.adapters.views import adapter_view, list_body
-from gateway.server.auth import tenant_guard
 from gateway.server.errors import APIError
 from gateway.services.adapters import get_adapter, list_adapters
 
@@ -27,7 +26,6 @@ class AdapterController(Controller):
     """Upload, list, get and delete the calling tenant's adapters."""
 
     path = "/v1/adapters"
-    guards = [tenant_guard]
 
     def __init__(self, owner: Router) -> None:
         super().__init__(owner)

@@ -8,7 +8,7 @@ from litestar import Controller, Request, delete, get, post, put
 from litestar.params import FromPath, JSONBody
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from gateway.server.auth import admin_guard
+from gateway.server.auth import ADMIN_ONLY
 from gateway.server.errors import bad_request
 from gateway.services.keys import create_key, list_keys, revoke_key
 from gateway.services.tenants import (
@@ -49,7 +49,7 @@ class AdminController(Controller):
     """Tenant administration. Every route needs the admin key (403 for tenant keys)."""
 
     path = "/admin"
-    guards = [admin_guard]
+    opt = ADMIN_ONLY
 
     @post("/tenants", status_code=HTTP_201_CREATED)
     async def create_tenant(self, request: Request, data: JSONBody[Any]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Order of checks, and what each failure leaves behind::
 
-    auth (401/403, middleware + guard)   no usage row
+    auth (401/403, middleware)           no usage row
     draining or engine down (503)        no usage row
     rate limits (429 + Retry-After)      no usage row; counted in loraplex_rate_limited_requests
     body: size (413), JSON and fields (400), model (404), messages and images (400),
@@ -35,7 +35,7 @@ from gateway.domains.chat.responses import completion_body
 from gateway.domains.chat.schemas import ChatRequest, parse_chat_request
 from gateway.domains.chat.service import ChatRun, UsageLedger, resolve_model
 from gateway.domains.chat.streaming import HEADERS, StreamMeta, chunk_stream
-from gateway.server.auth import TenantPrincipal, tenant_guard
+from gateway.server.auth import TenantPrincipal
 from gateway.server.errors import ERROR_TYPES, APIError, bad_request, rate_limited
 from gateway.server.ratelimit import RateLimitExceeded
 
@@ -46,7 +46,7 @@ REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,64}$")  # printable ASCII, no spaces
 
 
-@post("/v1/chat/completions", guards=[tenant_guard], status_code=200)
+@post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response:
     """Answer one chat request, as JSON or as server-sent events (``stream: true``).
 

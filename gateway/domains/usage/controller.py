@@ -7,13 +7,13 @@ from typing import Any
 from litestar import Request, get
 from litestar.params import FromQuery
 
-from gateway.server.auth import TenantPrincipal, tenant_guard
+from gateway.server.auth import TenantPrincipal
 from gateway.server.errors import bad_request
 from gateway.services.errors import InvalidInputError
 from gateway.services.usage import parse_time, usage_summary
 
 
-@get("/v1/usage", guards=[tenant_guard])
+@get("/v1/usage")
 async def get_usage(
     request: Request,
     since: FromQuery[str | None] = None,
