@@ -27,6 +27,12 @@ def redact(text: str) -> str:
     return _BEARER_RE.sub(lambda m: m.group(1) + MASK, text)
 
 
+def _redact_arg(value: object) -> object:
+    text = value if isinstance(value, str) else str(value)
+    clean = redact(text)
+    return value if clean == text else clean
+
+
 class RedactingFilter(logging.Filter):
     """A logging filter that redacts each record's formatted message (and its traceback text).
 
@@ -34,11 +40,27 @@ class RedactingFilter(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """Rewrite the record in place; never drops it."""
+        """Rewrite the record in place; never drops it.
+
+        The template and each argument are redacted separately, so the record keeps its
+        ``args`` (formatters such as uvicorn's access formatter read them); an argument that is
+        not a string is replaced by its redacted text only when that text held a key. A message
+        that still shows a key once formatted (a key split across arguments) is replaced whole.
+        """
         message = record.getMessage()
         clean = redact(message)
         if clean != message:
-            record.msg, record.args = clean, None
+            record.msg = redact(str(record.msg))
+            if isinstance(record.args, tuple):
+                record.args = tuple(_redact_arg(a) for a in record.args)
+            elif isinstance(record.args, dict):
+                record.args = {k: _redact_arg(v) for k, v in record.args.items()}
+            try:
+                still = record.getMessage() != clean
+            except (TypeError, ValueError):
+                still = True
+            if still:
+                record.msg, record.args = clean, None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:

@@ -116,3 +116,26 @@ def test_redacting_filter(caplog):
             logger.exception("failed")
     assert key not in caplog.text
     assert key[:8] + "***" in caplog.text
+
+
+def test_redacting_filter_keeps_args_for_formatters_that_read_them():
+    """uvicorn's access formatter unpacks ``record.args``: a redacted record keeps them."""
+    from uvicorn.logging import AccessFormatter
+
+    key = generate_key()
+    record = logging.LogRecord(
+        "uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:5", "GET", f"/v1/models?key={key}", "1.1", 200), None,
+    )  # fmt: skip
+    assert RedactingFilter().filter(record)
+    assert isinstance(record.args, tuple) and record.args[4] == 200
+    line = AccessFormatter(fmt="%(client_addr)s %(request_line)s %(status_code)s").format(record)
+    assert key not in line and key[:8] + "***" in line and "200" in line
+
+
+def test_redacting_filter_replaces_a_message_whose_secret_spans_arguments():
+    record = logging.LogRecord(
+        "x", logging.INFO, __file__, 1, "Authorization: %s %s", ("Bearer", "s3cr3t-admin"), None
+    )
+    RedactingFilter().filter(record)
+    assert "s3cr3t-admin" not in record.getMessage() and "Bearer ***" in record.getMessage()
