@@ -36,3 +36,43 @@ def test_objects_made_after_the_freeze_are_still_collected():
         assert gc.get_freeze_count() > 0  # still frozen (frozen objects freed by refcount leave)
     finally:
         gc.unfreeze()
+
+
+def test_access_log_is_written_from_a_thread_with_the_same_text(monkeypatch):
+    """uvicorn's access lines keep their format (and redaction) when moved off the loop."""
+    import io
+    import logging
+    import threading
+
+    from gateway.auth.redact import RedactingFilter
+    from gateway.server.graceful import log_from_a_thread
+
+    uvicorn.Config(_app, log_level="info")  # uvicorn's own logging setup
+    logger = logging.getLogger("uvicorn.access")
+    before = list(logger.handlers)
+    sink = io.StringIO()
+    writers = []
+
+    class Sink(logging.StreamHandler):
+        def emit(self, record):
+            writers.append(threading.current_thread().name)
+            super().emit(record)
+
+    handler = Sink(sink)
+    handler.setFormatter(logger.handlers[0].formatter)  # uvicorn's AccessFormatter
+    logger.handlers = [handler]
+    logger.addFilter(RedactingFilter())
+    try:
+        listener = log_from_a_thread("uvicorn.access")
+        assert listener is not None and log_from_a_thread("uvicorn.access") is None
+        logger.info(
+            '%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", "/v1/x?k=lpx-secretsecret", "1.1", 200
+        )
+        listener.stop()
+    finally:
+        logger.handlers = before
+        logger.filters = [f for f in logger.filters if not isinstance(f, RedactingFilter)]
+    line = sink.getvalue()
+    assert '127.0.0.1:5 - "GET /v1/x?k=lpx-' in line and "200" in line, line
+    assert "secretsecret" not in line  # redacted before it was queued
+    assert writers and threading.main_thread().name not in writers
