@@ -118,3 +118,23 @@ def test_an_error_after_ready_outputs_follows_them():
     got = events(chunks[0])
     assert [e["choices"][0]["delta"].get("content") for e in got[1:3]] == ["ab", "ab"]
     assert got[3]["error"]["code"] == "engine_unavailable" and got[4] == "[DONE]"
+
+
+def test_chunk_encoder_gives_the_bytes_of_the_plain_encoding():
+    from gateway.domains.chat.streaming import ChunkEncoder, chunk_body, sse
+
+    choices = [
+        {
+            "index": 0,
+            "delta": {"content": 'a "quoted" \\ line\n\x00'},
+            "logprobs": None,
+            "finish_reason": None,
+        },
+        {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop"},
+    ]
+    for model in ("m", 'we"ird\n', "\x00choices\x00", "ünï"):
+        for include_usage in (True, False):
+            meta = StreamMeta("chatcmpl-9", 17, model, 2, include_usage, False, lambda i: [])
+            encoder = ChunkEncoder(meta)
+            for c in ([], choices[:1], choices):
+                assert encoder.encode(c) == sse(chunk_body(meta, c))

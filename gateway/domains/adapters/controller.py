@@ -1,9 +1,9 @@
 """``/v1/adapters``: a tenant's LoRA adapters (upload, list, get, delete; CONTRACT.md).
 
-Every route takes a tenant key (``gateway.server.auth``) and sees only that tenant's adapters: another
-tenant's name is a 404, exactly like a name that does not exist. The upload route's body limit
-is ``GatewayConfig.upload_max_body_bytes`` (the app's default is the smaller chat limit), set on
-this controller when the app registers it; 413 beyond.
+Every route takes a tenant key (``gateway.server.auth``) and sees only that tenant's adapters:
+another tenant's name is a 404, exactly like a name that does not exist. The upload route's body
+limit is ``GatewayConfig.upload_max_body_bytes`` (the app's default is the smaller chat limit),
+set on this controller when the app registers it; 413 beyond.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ Every request past the rate limiter writes exactly one usage row, keyed by
 once) and by the response id otherwise. The engine request's cache salt is always the tenant's
 id: no client field reaches it.
 
-The client is watched while the engine works: one that disconnects (before the answer, or
-mid-stream) gets its engine request aborted and its usage recorded as ``aborted``.
+The client is watched while the engine works (``ChatRun.watch_client``, one task per request):
+one that disconnects (before the answer, or mid-stream) gets its engine request aborted and its
+usage recorded as ``aborted``.
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, post
 from litestar.exceptions import HTTPException
-from litestar.response import Stream
 
 from engine.request import EngineRequest, RequestOutput
 from gateway.domains.chat.responses import completion_body
 from gateway.domains.chat.schemas import ChatRequest, parse_chat_request
 from gateway.domains.chat.service import ChatRun, UsageLedger, resolve_model
-from gateway.domains.chat.streaming import HEADERS, StreamMeta, chunk_stream
+from gateway.domains.chat.streaming import HEADERS, EventStream, StreamMeta, chunk_stream
 from gateway.server.auth import TenantPrincipal
 from gateway.server.errors import ERROR_TYPES, APIError, bad_request, rate_limited
 from gateway.server.ratelimit import RateLimitExceeded
@@ -89,6 +89,7 @@ async def chat_completions(request: Request) -> Response:
         )
         ledger.model = chat.model
         run = await _start(state, principal, chat, ledger, response_id)
+        run.watch_client(request.receive)
         if chat.stream:
             return await _stream(request, state, run, chat, response_id)
         return await _complete(request, state, run, chat, response_id)
@@ -134,7 +135,7 @@ async def _complete(
     request: Request, state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
 ) -> Response:
     """Wait for the whole answer (or the client leaving) and return ``chat.completion``."""
-    out = await _unless_client_leaves(request, run, run.final())
+    out = await _unless_client_left(run, run.final())
     body = completion_body(
         out,
         response_id=response_id,
@@ -150,7 +151,7 @@ async def _stream(
     request: Request, state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
 ) -> Response:
     """Wait for the first output (so refusals are still plain HTTP errors), then stream."""
-    first = await _unless_client_leaves(request, run, run.next())
+    first = await _unless_client_left(run, run.next())
     meta = StreamMeta(
         response_id=response_id,
         created=int(time.time()),
@@ -160,42 +161,22 @@ async def _stream(
         want_logprobs=chat.logprobs,
         token_texts=state.engine.token_texts,
     )
-    return Stream(chunk_stream(run, first, meta), media_type="text/event-stream", headers=HEADERS)
+    return EventStream(chunk_stream(run, first, meta), headers=HEADERS)
 
 
-async def _unless_client_leaves(request: Request, run: ChatRun, waiting: Any) -> RequestOutput:
-    """Await ``waiting`` (an output of ``run``) while watching for the client's disconnect.
-
-    One watcher task per wait: when the client leaves it cancels the run, which ends
-    ``waiting`` (cheaper than racing two tasks with ``asyncio.wait``).
+async def _unless_client_left(run: ChatRun, waiting: Any) -> RequestOutput:
+    """Await ``waiting`` (an output of ``run``, which watches the client: ``watch_client``).
 
     Raises:
         APIError: what ``waiting`` raises, or 503 ``client_disconnected`` once the run was
             cancelled because the client left (nobody reads that answer).
     """
-    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, run))
     try:
         return await waiting
     except APIError:
-        if watcher.done() and not watcher.cancelled():
+        if run.client_left:
             raise APIError(503, "the client disconnected", code="client_disconnected") from None
         raise
-    finally:
-        watcher.cancel()
-
-
-async def _cancel_on_disconnect(request: Request, run: ChatRun) -> None:
-    """Cancel ``run`` (usage: aborted, ``client_disconnected``) when the client disconnects."""
-    await _disconnected(request)
-    run.cancel("client_disconnected")
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client disconnects (the body has been read: only that can arrive)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _error_type(exc: BaseException) -> str:

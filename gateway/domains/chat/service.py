@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.async_llm import EngineDeadError
@@ -159,10 +160,27 @@ class ChatRun:
         self.request = request
         self.ledger = ledger
         self.cancel_reason = "shutdown"  # what a cancel from outside (app shutdown) means
+        self.client_left = False
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._watcher: asyncio.Future[None] | None = None
         self.task = asyncio.create_task(self._pump(), name=f"loraplex-{request.request_id}")
         state.in_flight.add(self.task)
         self.task.add_done_callback(self._done)
+
+    def watch_client(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        """Cancel the run (usage: aborted, ``client_disconnected``) if the client disconnects.
+
+        One watcher task for the whole run, ended with it: ``receive`` is the request's ASGI
+        receive, whose body has been read, so only ``http.disconnect`` can still arrive.
+        """
+        if self._watcher is None and not self.task.done():
+            self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.client_left = True
+        self.cancel("client_disconnected")
 
     async def next(self) -> RequestOutput:
         """The next engine output; the last one has ``finished`` set.
@@ -238,6 +256,8 @@ class ChatRun:
     def _done(self, task: asyncio.Task) -> None:
         """Leave ``in_flight``; a task cancelled before it ever ran still closes its ledger."""
         self.state.in_flight.discard(task)
+        if self._watcher is not None:
+            self._watcher.cancel()
         if not self.ledger.closed:
             self._queue.put_nowait(_Cancelled())
             self.ledger.close("aborted", self.cancel_reason)

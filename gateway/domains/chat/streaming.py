@@ -11,8 +11,10 @@
 
 A failure after the headers went out (engine death, shutdown) is sent as
 ``data: {"error": {...}}`` before ``[DONE]``, which the ``openai`` SDK raises as an APIError.
-When the client goes away, Litestar cancels this generator: its ``finally`` cancels the run,
-which aborts the engine request and records the usage as ``aborted``.
+When the client goes away, the run's client watcher (``ChatRun.watch_client``) cancels the run,
+which aborts the engine request and records the usage as ``aborted``; the generator then ends
+with the error event, which nobody reads. If the generator is closed early (the server shutting
+down), its ``finally`` cancels the run the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from litestar.response import Stream
+from litestar.response.base import ASGIResponse
+from litestar.response.streaming import ASGIStreamingResponse
+from litestar.types import Receive, Send
 
 from engine.request import RequestOutput
 from gateway.domains.chat.responses import TokenTexts, logprobs_body, usage_body
@@ -30,6 +36,51 @@ from gateway.server.errors import APIError, error_body
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class FinalChunk(bytes):
+    """The last bytes of a stream: sent with ``more_body: False`` (no empty closing write)."""
+
+
+class _EventStreamResponse(ASGIStreamingResponse):
+    """Litestar's streaming response, sending the body in the handler's own task.
+
+    Litestar's ``send_body`` runs the iterator in an anyio task group beside a listener for
+    ``http.disconnect``; here the chat run watches the client itself (``ChatRun.watch_client``),
+    so that machinery (a task group, a task and a cancel scope per response) is not needed.
+    A :class:`FinalChunk` ends the body in the same write.
+    """
+
+    __slots__ = ()
+
+    async def send_body(self, send: Send, receive: Receive) -> None:
+        """Send each chunk as an ``http.response.body`` event (see the class docstring)."""
+        ended = False
+        async for chunk in self.iterator:  # to its end, so the generator finishes here
+            if ended:
+                raise RuntimeError("an event stream yielded after its FinalChunk")
+            ended = type(chunk) is FinalChunk
+            await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class EventStream(Stream):
+    """A ``text/event-stream`` response over an async iterator of encoded events.
+
+    The iterator must not need a disconnect listener (see :class:`_EventStreamResponse`).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> ASGIResponse:
+        """Litestar's streaming response, with :class:`_EventStreamResponse`'s ``send_body``."""
+        response = super().to_asgi_response(*args, **kwargs)
+        response.__class__ = _EventStreamResponse  # same slots: only the methods change
+        return response
 
 
 @dataclass(frozen=True)
@@ -60,7 +111,8 @@ def sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-def _chunk(meta: StreamMeta, choices: list[dict[str, Any]]) -> dict[str, Any]:
+def chunk_body(meta: StreamMeta, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` object (``usage: null`` when the stream includes usage)."""
     body: dict[str, Any] = {
         "id": meta.response_id,
         "object": "chat.completion.chunk",
@@ -71,6 +123,29 @@ def _chunk(meta: StreamMeta, choices: list[dict[str, Any]]) -> dict[str, Any]:
     if meta.include_usage:
         body["usage"] = None
     return body
+
+
+class ChunkEncoder:
+    """Encodes a stream's chunks: the fields every chunk repeats are encoded once.
+
+    ``encode(choices)`` gives the same bytes as ``sse(chunk_body(meta, choices))``: the
+    ``"choices"`` value is spliced between a prefix and a suffix made from ``chunk_body``
+    itself, so the two cannot drift apart.
+    """
+
+    _MARK = "\x00choices\x00"
+
+    def __init__(self, meta: StreamMeta) -> None:
+        self._meta = meta
+        template = sse(chunk_body(meta, self._MARK))  # type: ignore[arg-type]
+        parts = template.split(msgspec.json.encode(self._MARK))
+        self._parts = parts if len(parts) == 2 else None  # the mark in the id or model: no
+
+    def encode(self, choices: list[dict[str, Any]]) -> bytes:
+        """The ``data:`` event of a chunk with these choices."""
+        if self._parts is None:
+            return sse(chunk_body(self._meta, choices))
+        return self._parts[0] + msgspec.json.encode(choices) + self._parts[1]
 
 
 async def chunk_stream(
@@ -88,14 +163,16 @@ async def chunk_stream(
     logprobs_sent: dict[int, int] = {}
     finished: set[int] = set()
     pending: list[bytes] = []  # encoded events not yet written
+    encoder = ChunkEncoder(meta)
     try:
         for i in range(meta.n):
             delta = {"role": "assistant", "content": ""}
-            pending.append(sse(_chunk(meta, [_choice(i, delta, None, None)])))
+            pending.append(encoder.encode([_choice(i, delta, None, None)]))
         out = first
         while True:
             choices = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
+            ordered = out.outputs if len(out.outputs) == 1 else sorted(out.outputs, key=_index)
+            for c in ordered:
                 if c.index in finished:
                     continue
                 logprobs = None
@@ -112,7 +189,7 @@ async def chunk_stream(
                     delta = {"content": c.text_delta} if c.text_delta else {}
                     choices.append(_choice(c.index, delta, logprobs, c.finish_reason))
             if choices:
-                pending.append(sse(_chunk(meta, choices)))
+                pending.append(encoder.encode(choices))
             if out.finished:
                 break
             ready = run.next_nowait()
@@ -122,7 +199,7 @@ async def chunk_stream(
                 ready = await run.next()
             out = ready
         if meta.include_usage:
-            body = _chunk(meta, [])
+            body = chunk_body(meta, [])
             body["usage"] = usage_body(out)
             pending.append(sse(body))
     except APIError as exc:
@@ -130,7 +207,11 @@ async def chunk_stream(
     finally:
         run.cancel("client_disconnected")  # a no-op once the run has finished
     pending.append(DONE)
-    yield b"".join(pending)
+    yield FinalChunk(b"".join(pending))
+
+
+def _index(choice: Any) -> int:
+    return choice.index
 
 
 def _choice(
