@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -91,10 +92,20 @@ class UsageLedger:
         self.cached_tokens = 0
         self.images = 0
         self.ttft: float | None = None
+        self.last: RequestOutput | None = None
         self.closed = False
 
     def observe(self, out: RequestOutput) -> None:
-        """Take the counts of an engine output (each one supersedes the previous)."""
+        """Keep the engine's latest output (cumulative: it supersedes the previous ones).
+
+        Its counts are taken when the ledger closes, not per token.
+        """
+        self.last = out
+
+    def _take_counts(self) -> None:
+        out = self.last
+        if out is None:
+            return
         self.prompt_tokens = len(out.prompt_token_ids)
         self.completion_tokens = sum(len(o.token_ids) for o in out.outputs)
         self.cached_tokens = out.num_cached_tokens
@@ -109,6 +120,7 @@ class UsageLedger:
         if self.closed:
             return
         self.closed = True
+        self._take_counts()
         tenant = self.principal.tenant_id
         try:
             self.state.usage.submit(
@@ -149,6 +161,8 @@ class _Cancelled(Exception):
 class ChatRun:
     """An engine request running in its own task, its outputs readable with :meth:`next`.
 
+    One reader at a time (the HTTP side of the request) calls :meth:`next` / :meth:`next_nowait`.
+
     Args:
         state: The gateway (the task joins ``state.in_flight``).
         request: The engine request.
@@ -161,7 +175,8 @@ class ChatRun:
         self.ledger = ledger
         self.cancel_reason = "shutdown"  # what a cancel from outside (app shutdown) means
         self.client_left = False
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._outputs: deque[Any] = deque()  # outputs (or a failure) not read yet
+        self._reader: asyncio.Future[None] | None = None  # set while next() waits
         self._watcher: asyncio.Future[None] | None = None
         self.task = asyncio.create_task(self._pump(), name=f"loraplex-{request.request_id}")
         state.in_flight.add(self.task)
@@ -189,7 +204,13 @@ class ChatRun:
             APIError: the engine refused the request (400), is not running or aborted it
                 (503), or the run was cancelled (503).
         """
-        return self._check(await self._queue.get())
+        while not self._outputs:
+            self._reader = asyncio.get_running_loop().create_future()
+            try:
+                await self._reader
+            finally:
+                self._reader = None
+        return self._check(self._outputs.popleft())
 
     def next_nowait(self) -> RequestOutput | None:
         """The next output if the engine already produced it, else None (see :meth:`next`).
@@ -197,9 +218,16 @@ class ChatRun:
         Raises:
             APIError: as :meth:`next`.
         """
-        if self._queue.empty():
+        if not self._outputs:
             return None
-        return self._check(self._queue.get_nowait())
+        return self._check(self._outputs.popleft())
+
+    def _put(self, item: Any) -> None:
+        """Hand an output (or a failure) to the reader; wakes a waiting :meth:`next`."""
+        self._outputs.append(item)
+        reader = self._reader
+        if reader is not None and not reader.done():
+            reader.set_result(None)
 
     @staticmethod
     def _check(item: Any) -> RequestOutput:
@@ -233,23 +261,24 @@ class ChatRun:
                 if out.finished:  # recorded before anyone can see it: a late cancel is moot
                     status, error_type = _final_status(out)
                     ledger.close(status, error_type)
-                self._queue.put_nowait(out)
+                self._put(out)
         except asyncio.CancelledError:
             status, error_type = "aborted", self.cancel_reason
-            self._queue.put_nowait(_Cancelled())
+            self._put(_Cancelled())
             raise
         except EngineDeadError:
             error_type = "engine_unavailable"
-            self._queue.put_nowait(
+            self._put(
                 APIError(503, "the engine is not running", code="engine_unavailable")
             )
         except ValueError as exc:  # refused at admission: nothing ran, nothing to count
+            ledger.last = None
             ledger.prompt_tokens = ledger.completion_tokens = ledger.cached_tokens = 0
             error_type = "invalid_request_error"
-            self._queue.put_nowait(APIError(400, str(exc)))
+            self._put(APIError(400, str(exc)))
         except Exception:
             logger.exception("chat request %s failed", self.request.request_id)
-            self._queue.put_nowait(APIError(500, "internal server error"))
+            self._put(APIError(500, "internal server error"))
         finally:
             ledger.close(status, error_type)
 
@@ -259,7 +288,7 @@ class ChatRun:
         if self._watcher is not None:
             self._watcher.cancel()
         if not self.ledger.closed:
-            self._queue.put_nowait(_Cancelled())
+            self._put(_Cancelled())
             self.ledger.close("aborted", self.cancel_reason)
 
 
