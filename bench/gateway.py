@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -63,18 +64,16 @@ MESSAGES = [
 ]
 
 
-def serve_fake(port: int, data_dir: str) -> None:
-    """The child process: ``loraplex serve``'s app and uvicorn settings, the instant engine."""
-    import uvicorn
+def build_fake(data_dir: str, admin_key: str, port: int = 8000) -> tuple[Any, Any, InstantEngine]:
+    """The real gateway app over the instant engine: SQLite in ``data_dir``, no rate limits.
 
-    from gateway.auth.redact import RedactingFilter
+    Returns:
+        ``(app, state, engine)`` from ``build_gateway`` (the database migrated).
+    """
     from gateway.db.session import db_url
     from gateway.server.build import build_gateway
     from gateway.server.config import GatewayConfig
-    from gateway.server.graceful import GracefulServer
 
-    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger().addFilter(RedactingFilter())
     config = GatewayConfig(
         data_dir=Path(data_dir),
         db_url=db_url(data_dir),
@@ -84,7 +83,21 @@ def serve_fake(port: int, data_dir: str) -> None:
         default_tokens_per_minute=None,
         default_max_concurrent_requests=None,
     )
-    app, state = build_gateway(config, InstantEngine(MODEL), admin_key=os.environ[ADMIN_ENV])
+    engine = InstantEngine(MODEL)
+    app, state = build_gateway(config, engine, admin_key=admin_key)
+    return app, state, engine
+
+
+def serve_fake(port: int, data_dir: str) -> None:
+    """The child process: ``loraplex serve``'s app and uvicorn settings, the instant engine."""
+    import uvicorn
+
+    from gateway.auth.redact import RedactingFilter
+    from gateway.server.graceful import GracefulServer
+
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().addFilter(RedactingFilter())
+    app, state, _ = build_fake(data_dir, os.environ[ADMIN_ENV], port)
     uvicorn_config = uvicorn.Config(
         app,
         host="127.0.0.1",

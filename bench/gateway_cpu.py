@@ -25,14 +25,10 @@ import json
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from bench.fake_engine import InstantEngine
-from bench.gateway import MAX_TOKENS, MESSAGES, MODEL, direct_call
-from gateway.db.session import db_url
-from gateway.server.build import build_gateway
-from gateway.server.config import GatewayConfig
+from bench.gateway import MAX_TOKENS, MESSAGES, MODEL, build_fake, direct_call
 
 ADMIN_KEY = "lpx-admin-bench-" + "0" * 32
 
@@ -148,16 +144,7 @@ async def cpu_per_call(call, n: int, rounds: int) -> dict[str, float]:
 
 def build(data_dir: str) -> tuple[Any, InstantEngine]:
     """The gateway app over a migrated SQLite database in ``data_dir``, and its fake engine."""
-    config = GatewayConfig(
-        data_dir=Path(data_dir),
-        db_url=db_url(data_dir),
-        served_model_name=MODEL,
-        default_requests_per_minute=None,
-        default_tokens_per_minute=None,
-        default_max_concurrent_requests=None,
-    )
-    engine = InstantEngine(MODEL)
-    app, _ = build_gateway(config, engine, admin_key=ADMIN_KEY)
+    app, _, engine = build_fake(data_dir, ADMIN_KEY)
     return app, engine
 
 
