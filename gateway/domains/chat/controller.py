@@ -91,8 +91,8 @@ async def chat_completions(request: Request) -> Response:
         run = await _start(state, principal, chat, ledger, response_id)
         run.watch_client(request.receive)
         if chat.stream:
-            return await _stream(request, state, run, chat, response_id)
-        return await _complete(request, state, run, chat, response_id)
+            return await _stream(state, run, chat, response_id)
+        return await _complete(state, run, chat, response_id)
     except BaseException as exc:
         if run is None:
             ledger.close("error", _error_type(exc))
@@ -132,7 +132,7 @@ async def _start(
 
 
 async def _complete(
-    request: Request, state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
+    state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
 ) -> Response:
     """Wait for the whole answer (or the client leaving) and return ``chat.completion``."""
     out = await _unless_client_left(run, run.final())
@@ -148,7 +148,7 @@ async def _complete(
 
 
 async def _stream(
-    request: Request, state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
+    state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
 ) -> Response:
     """Wait for the first output (so refusals are still plain HTTP errors), then stream."""
     first = await _unless_client_left(run, run.next())

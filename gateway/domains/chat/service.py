@@ -268,9 +268,7 @@ class ChatRun:
             raise
         except EngineDeadError:
             error_type = "engine_unavailable"
-            self._put(
-                APIError(503, "the engine is not running", code="engine_unavailable")
-            )
+            self._put(APIError(503, "the engine is not running", code="engine_unavailable"))
         except ValueError as exc:  # refused at admission: nothing ran, nothing to count
             ledger.last = None
             ledger.prompt_tokens = ledger.completion_tokens = ledger.cached_tokens = 0
