@@ -192,8 +192,12 @@ class ChatRun:
             self._watcher = asyncio.ensure_future(self._watch(receive))
 
     async def _watch(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # the server cannot tell us any more: nothing left to watch
+            logger.debug("watching the client of %s failed", self.request.request_id, exc_info=True)
+            return
         self.client_left = True
         self.cancel("client_disconnected")
 

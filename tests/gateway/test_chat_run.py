@@ -1,0 +1,111 @@
+"""ChatRun: the engine run's own task, its client watcher, and the usage it records."""
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from bench.fake_engine import InstantEngine
+from engine.request import EngineRequest
+from engine.sampling.params import SamplingParams
+from gateway.domains.chat.service import ChatRun, UsageLedger
+from gateway.server.auth import TenantPrincipal
+from gateway.server.errors import APIError
+from gateway.server.ratelimit import RateLimiter
+from gateway.services.tenants import TenantLimits
+
+LIMITS = TenantLimits(None, None, None)
+
+
+class Recorder:
+    def __init__(self):
+        self.records, self.requests = [], []
+
+    def submit(self, record):
+        self.records.append(record)
+
+    def record_request(self, *args):
+        self.requests.append(args)
+
+
+def make_run(gate=None, tokens=4):
+    recorder = Recorder()
+    engine = InstantEngine(completion_tokens=tokens, gate=gate)
+    state = SimpleNamespace(engine=engine, in_flight=set(), usage=recorder, metrics=recorder)
+    principal = TenantPrincipal("t1", "acme", "k1", LIMITS)
+    ticket = RateLimiter().admit("k1", LIMITS)
+    ledger = UsageLedger(state, principal, ticket, "usage-1")
+    request = EngineRequest(
+        request_id="chatcmpl-1",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=tokens, temperature=0.0),
+        cache_salt="t1",
+    )
+    return ChatRun(state, request, ledger), state, recorder
+
+
+def test_a_disconnect_cancels_the_run_and_records_it_aborted():
+    async def main():
+        gate = threading.Event()  # the engine stops after its first token
+        run, state, recorder = make_run(gate)
+        left = asyncio.Event()
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        run.watch_client(receive)
+        first = await run.next()
+        left.set()
+        with pytest.raises(APIError) as info:
+            await run.final()
+        await asyncio.sleep(0)
+        return first, info.value, run, state, recorder
+
+    first, error, run, state, recorder = asyncio.run(main())
+    assert first.outputs[0].token_ids == [42]
+    assert error.status == 503 and error.code == "request_aborted" and run.client_left
+    (record,) = recorder.records
+    assert (record.status, record.error_type) == ("aborted", "client_disconnected")
+    assert record.completion_tokens == 1 and record.prompt_tokens == 3
+    assert not state.in_flight and state.engine.in_flight == 0
+
+
+def test_a_finished_run_ends_its_watcher_and_counts_its_last_output_once():
+    async def main():
+        run, state, recorder = make_run(tokens=5)
+        never = asyncio.Event()
+
+        async def receive():
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        run.watch_client(receive)
+        out = await run.final()
+        for _ in range(3):  # the run's done callback cancels the watcher; let that land
+            await asyncio.sleep(0)
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return out, run, recorder, pending
+
+    out, run, recorder, pending = asyncio.run(main())
+    assert out.finished and not run.client_left
+    assert pending == []  # the watcher went with the run
+    (record,) = recorder.records
+    assert (record.status, record.completion_tokens, record.prompt_tokens) == ("ok", 5, 3)
+
+
+def test_a_watcher_whose_receive_fails_leaves_the_run_alone():
+    async def main():
+        run, _, recorder = make_run(tokens=3)
+
+        async def receive():
+            raise RuntimeError("the server went away")
+
+        run.watch_client(receive)
+        await asyncio.sleep(0)
+        return await run.final(), run, recorder
+
+    out, run, recorder = asyncio.run(main())
+    assert out.finished and not run.client_left
+    assert recorder.records[0].status == "ok"
