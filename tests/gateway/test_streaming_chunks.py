@@ -138,3 +138,27 @@ def test_chunk_encoder_gives_the_bytes_of_the_plain_encoding():
             encoder = ChunkEncoder(meta)
             for c in ([], choices[:1], choices):
                 assert encoder.encode(c) == sse(chunk_body(meta, c))
+            for text in ("ok ", "", 'a "q" \\ \n \x00 ü'):
+                plain = [{"index": 0, "delta": {"content": text}, "logprobs": None,
+                          "finish_reason": None}]  # fmt: skip
+                assert encoder.content0(text) == sse(chunk_body(meta, plain))
+
+
+def test_the_per_token_fast_path_sends_the_events_of_the_general_path():
+    """n=1 without logprobs encodes only each token's text; logprobs asked for (but none come)
+    takes the general per-choice path: the bytes must be the same."""
+    from dataclasses import replace
+
+    async def body(meta):
+        outs = outputs()
+        run = QueueRun()
+        for out in outs[1:]:
+            run.queue.put_nowait(out)
+        chunks = []
+        async for chunk in chunk_stream(run, outs[0], meta):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    fast = asyncio.run(body(META))
+    general = asyncio.run(body(replace(META, want_logprobs=True)))
+    assert fast == general and fast.count(b"data: ") == TOKENS + 3

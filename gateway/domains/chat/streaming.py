@@ -137,15 +137,30 @@ class ChunkEncoder:
 
     def __init__(self, meta: StreamMeta) -> None:
         self._meta = meta
+        mark = msgspec.json.encode(self._MARK)
         template = sse(chunk_body(meta, self._MARK))  # type: ignore[arg-type]
-        parts = template.split(msgspec.json.encode(self._MARK))
+        parts = template.split(mark)
         self._parts = parts if len(parts) == 2 else None  # the mark in the id or model: no
+        if self._parts is not None:  # one content delta of choice 0: the per-token event
+            choice = msgspec.json.encode([_choice(0, {"content": self._MARK}, None, None)])
+            before, after = choice.split(mark)
+            self._content0 = (self._parts[0] + before, after + self._parts[1])
 
     def encode(self, choices: list[dict[str, Any]]) -> bytes:
         """The ``data:`` event of a chunk with these choices."""
         if self._parts is None:
             return sse(chunk_body(self._meta, choices))
         return self._parts[0] + msgspec.json.encode(choices) + self._parts[1]
+
+    def content0(self, text: str) -> bytes:
+        """The event of one content delta of choice 0, with only ``text`` encoded per call.
+
+        The same bytes as ``encode([{"index": 0, "delta": {"content": text}, "logprobs": None,
+        "finish_reason": None}])``: the event of almost every token of a stream.
+        """
+        if self._parts is None:
+            return self.encode([_choice(0, {"content": text}, None, None)])
+        return self._content0[0] + msgspec.json.encode(text) + self._content0[1]
 
 
 async def chunk_stream(
@@ -169,27 +184,16 @@ async def chunk_stream(
             delta = {"role": "assistant", "content": ""}
             pending.append(encoder.encode([_choice(i, delta, None, None)]))
         out = first
+        plain = meta.n == 1 and not meta.want_logprobs
         while True:
-            choices = []
-            ordered = out.outputs if len(out.outputs) == 1 else sorted(out.outputs, key=_index)
-            for c in ordered:
-                if c.index in finished:
-                    continue
-                logprobs = None
-                if meta.want_logprobs and c.logprobs:
-                    start = logprobs_sent.get(c.index, 0)
-                    if len(c.logprobs) > start:
-                        logprobs = logprobs_body(
-                            c.token_ids[start:], c.logprobs[start:], meta.token_texts
-                        )
-                        logprobs_sent[c.index] = len(c.logprobs)
-                if c.finish_reason is not None:
-                    finished.add(c.index)
-                if c.text_delta or logprobs is not None or c.finish_reason is not None:
-                    delta = {"content": c.text_delta} if c.text_delta else {}
-                    choices.append(_choice(c.index, delta, logprobs, c.finish_reason))
-            if choices:
-                pending.append(encoder.encode(choices))
+            only = out.outputs[0] if len(out.outputs) == 1 else None
+            if plain and only is not None and only.index == 0 and only.finish_reason is None:
+                if only.text_delta:  # the per-token event: only the text is encoded
+                    pending.append(encoder.content0(only.text_delta))
+            else:
+                choices = _choices(out, meta, finished, logprobs_sent)
+                if choices:
+                    pending.append(encoder.encode(choices))
             if out.finished:
                 break
             ready = run.next_nowait()
@@ -208,6 +212,33 @@ async def chunk_stream(
         run.cancel("client_disconnected")  # a no-op once the run has finished
     pending.append(DONE)
     yield FinalChunk(b"".join(pending))
+
+
+def _choices(
+    out: RequestOutput, meta: StreamMeta, finished: set[int], logprobs_sent: dict[int, int]
+) -> list[dict[str, Any]]:
+    """The chunk's choices for ``out``: each unfinished choice's delta, new logprobs, finish.
+
+    Updates ``finished`` (choices whose finish reason was sent) and ``logprobs_sent`` (per
+    choice, how many tokens' logprobs were sent).
+    """
+    choices = []
+    ordered = out.outputs if len(out.outputs) == 1 else sorted(out.outputs, key=_index)
+    for c in ordered:
+        if c.index in finished:
+            continue
+        logprobs = None
+        if meta.want_logprobs and c.logprobs:
+            start = logprobs_sent.get(c.index, 0)
+            if len(c.logprobs) > start:
+                logprobs = logprobs_body(c.token_ids[start:], c.logprobs[start:], meta.token_texts)
+                logprobs_sent[c.index] = len(c.logprobs)
+        if c.finish_reason is not None:
+            finished.add(c.index)
+        if c.text_delta or logprobs is not None or c.finish_reason is not None:
+            delta = {"content": c.text_delta} if c.text_delta else {}
+            choices.append(_choice(c.index, delta, logprobs, c.finish_reason))
+    return choices
 
 
 def _index(choice: Any) -> int:
