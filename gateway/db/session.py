@@ -8,6 +8,7 @@ SQLite (the default, ``DATA_DIR/loraplex.db``) runs through ``aiosqlite``; Postg
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ def make_engine(url: str, *, for_migrations: bool = False, **kwargs: Any) -> Asy
         cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
         cursor.execute(f"PRAGMA foreign_keys = {'OFF' if for_migrations else 'ON'}")
         if make_url(url).database not in (None, "", ":memory:"):
-            cursor.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(cursor)
             # WAL + NORMAL: a commit is durable across process crashes (not power loss) and
             # costs no fsync per transaction; the usage writer commits often.
             cursor.execute("PRAGMA synchronous = NORMAL")
@@ -88,6 +89,31 @@ def make_engine(url: str, *, for_migrations: bool = False, **kwargs: Any) -> Asy
             connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _enable_wal(cursor: Any) -> None:
+    """Put the database in WAL mode (persistent: a no-op once any connection did it).
+
+    Switching needs the database to itself, and SQLite can answer "database is locked" at once,
+    without the busy timeout, while another connection holds a transaction (several processes
+    migrating a fresh database together: ``serve`` and a CLI command). Retried until the busy
+    timeout; a database already in WAL mode is only read.
+
+    Raises:
+        sqlite3.OperationalError: still locked after ``SQLITE_BUSY_TIMEOUT_MS``, or another
+            failure.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode")
+            if str(cursor.fetchone()[0]).lower() != "wal":
+                cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except Exception as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker:
