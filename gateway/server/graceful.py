@@ -46,6 +46,7 @@ class GracefulServer(uvicorn.Server):
         finally:
             if listener is not None:
                 listener.stop()  # writes what is queued
+                logging.getLogger(ACCESS_LOGGER).handlers = list(listener.handlers)  # as before
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start draining, then uvicorn's own shutdown (a second SIGINT forces it)."""

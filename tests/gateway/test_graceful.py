@@ -1,6 +1,7 @@
 """GracefulServer freezes the start-up heap before serving (no full-collection pauses)."""
 
 import gc
+import logging
 
 import uvicorn
 
@@ -17,8 +18,12 @@ def test_run_freezes_the_heap_before_serving(monkeypatch):
     gc.unfreeze()
     try:
         assert gc.get_freeze_count() == 0
-        GracefulServer(uvicorn.Config(_app), state=object()).run()
+        config = uvicorn.Config(_app)  # configures uvicorn's loggers
+        access = logging.getLogger("uvicorn.access")
+        before = list(access.handlers)
+        GracefulServer(config, state=object()).run()
         assert seen == [None]
+        assert access.handlers == before  # the access log's thread is gone, its handlers back
         assert gc.get_freeze_count() > 1000  # everything this test process had loaded
     finally:
         gc.unfreeze()
