@@ -5,7 +5,7 @@ in SQLite, metrics, OpenAI JSON and SSE) runs under uvicorn as ``loraplex serve`
 defaults: uvloop and httptools when installed, access log on), in its own process on loopback,
 with :class:`bench.fake_engine.InstantEngine` in place of the engine and no rate limits. The
 clients run in this process (on uvloop when installed): C workers at once (C = 1, 32, 256), each
-with its own ``httpx.AsyncClient`` (one keep-alive connection). A streamed request counts until
+with its own ``aiohttp.ClientSession`` (one keep-alive connection). A streamed request counts until
 ``data: [DONE]`` is read.
 
 Two loads per level, same run:
