@@ -287,8 +287,9 @@ class ChatRun:
     def _done(self, task: asyncio.Task) -> None:
         """Leave ``in_flight``; a task cancelled before it ever ran still closes its ledger."""
         self.state.in_flight.discard(task)
-        if self._watcher is not None:
-            self._watcher.cancel()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:  # dropped: its CancelledError's traceback holds our frame
+            watcher.cancel()
         if not self.ledger.closed:
             self._put(_Cancelled())
             self.ledger.close("aborted", self.cancel_reason)
