@@ -2,7 +2,7 @@
 
 The real app (``build_gateway``: key auth, body parsing and validation, rate limiter, usage rows
 in SQLite, metrics, OpenAI JSON and SSE) runs under uvicorn as ``loraplex serve`` runs it (same
-defaults: uvloop and httptools, access log on), in its own process on loopback, with
+defaults: uvloop and httptools, the access log on), in its own process on loopback, with
 :class:`bench.fake_engine.InstantEngine` in place of the engine and no rate limits. The clients
 run in this process (on uvloop): C workers at once (C = 1, 32, 256), each with its own keep-alive
 connection through :class:`bench.http_client.LeanHTTPClient`, a minimal HTTP/1.1 client in the
@@ -95,20 +95,26 @@ def serve_fake(port: int, data_dir: str) -> None:
     import uvicorn
 
     from gateway.auth.redact import RedactingFilter
+    from gateway.server.access_log import AccessLog
     from gateway.server.graceful import GracefulServer
 
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().addFilter(RedactingFilter())
     app, state, _ = build_fake(data_dir, os.environ[ADMIN_ENV], port)
+    access = AccessLog(app)  # as serve at its default --log-level info
     uvicorn_config = uvicorn.Config(
-        app,
+        access,
         host="127.0.0.1",
         port=port,
         log_level="info",
+        access_log=False,
         timeout_graceful_shutdown=2,
         timeout_keep_alive=120,  # paced clients at 256 may idle past uvicorn's default 5 s
     )
-    GracefulServer(uvicorn_config, state).run()
+    try:
+        GracefulServer(uvicorn_config, state).run()
+    finally:
+        access.flush()
 
 
 class Server:

@@ -35,6 +35,11 @@ def register(subparsers) -> None:
     g.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit)
     g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_seconds)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="no line per request on stdout (written at --log-level info and debug)",
+    )
     p.set_defaults(func=run)
 
 
@@ -72,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
     from gateway.auth.redact import RedactingFilter
     from gateway.auth.secrets_store import load_or_create_admin_key
+    from gateway.server.access_log import AccessLog
     from gateway.server.build import build_gateway, served_name, start_engine
     from gateway.server.graceful import GracefulServer
     from gateway.settings import data_dir, resolve_model
@@ -102,17 +108,25 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    access = None
+    if not args.no_access_log and args.log_level in ("debug", "info"):
+        access = AccessLog(app)  # instead of uvicorn's: a tenth of the server's CPU per request
     server = GracefulServer(
         uvicorn.Config(
-            app,
+            access or app,
             host=gateway_config.host,
             port=gateway_config.port,
             log_level=args.log_level,
+            access_log=False,
             timeout_graceful_shutdown=max(1, round(gateway_config.shutdown_grace_seconds)),
         ),
         state,
     )
-    server.run()
+    try:
+        server.run()
+    finally:
+        if access is not None:
+            access.flush()
     return 0
 
 

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import gc
-import logging
-import queue
 import socket
-from logging.handlers import QueueHandler, QueueListener
 from types import FrameType
 from typing import Any
 
 import uvicorn
-
-ACCESS_LOGGER = "uvicorn.access"
 
 
 class GracefulServer(uvicorn.Server):
@@ -34,19 +29,9 @@ class GracefulServer(uvicorn.Server):
         self.gateway_state = state
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serve until the exit.
-
-        The start-up heap is frozen first (:func:`freeze_startup_heap`) and the access log is
-        written from its own thread (:func:`log_from_a_thread`).
-        """
-        listener = log_from_a_thread(ACCESS_LOGGER)
+        """Serve until the exit; the start-up heap is frozen first (:func:`freeze_startup_heap`)."""
         freeze_startup_heap()
-        try:
-            super().run(sockets)
-        finally:
-            if listener is not None:
-                listener.stop()  # writes what is queued
-                logging.getLogger(ACCESS_LOGGER).handlers = list(listener.handlers)  # as before
+        super().run(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start draining, then uvicorn's own shutdown (a second SIGINT forces it)."""
@@ -73,39 +58,3 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
-
-
-class _RecordQueueHandler(QueueHandler):
-    """Queues the record as it is, for the listener's own handlers to format.
-
-    In-process, so the record need not be made picklable; uvicorn's access formatter needs its
-    ``args``, which ``QueueHandler.prepare`` would drop.
-    """
-
-    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        """The record itself."""
-        return record
-
-
-def log_from_a_thread(name: str) -> QueueListener | None:
-    """Move a logger's handlers to a :class:`~logging.handlers.QueueListener` thread.
-
-    The logger's filters (the key redaction) still run in the caller; formatting and the write
-    (a system call per record) happen in the listener's thread, mostly while the event loop
-    waits for I/O, instead of on the loop between requests. The stdlib's recommended shape for
-    logging from async code (``logging.handlers.QueueHandler``). Call again after uvicorn
-    configured logging (``uvicorn.Config`` does, on creation): a no-op if already moved.
-
-    Returns:
-        The started listener (``stop()`` it to flush and end the thread), or None when the
-        logger has no handlers of its own or was moved already.
-    """
-    logger = logging.getLogger(name)
-    handlers = logger.handlers
-    if not handlers or any(isinstance(h, QueueHandler) for h in handlers):
-        return None
-    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    listener = QueueListener(records, *handlers, respect_handler_level=True)
-    logger.handlers = [_RecordQueueHandler(records)]
-    listener.start()
-    return listener

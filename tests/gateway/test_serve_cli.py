@@ -28,7 +28,7 @@ EXIT_TIMEOUT = 10
 class Serve:
     """``loraplex serve --model DIR --data-dir DATA --port P`` with its stderr in a file."""
 
-    def __init__(self, model, data, log_path):
+    def __init__(self, model, data, log_path, log_level="warning"):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         exe = shutil.which("loraplex")
@@ -39,7 +39,7 @@ class Serve:
         self.proc = subprocess.Popen(
             cmd
             + ["serve", "--model", str(model), "--data-dir", str(data)]
-            + ["--port", str(self.port), "--num-kv-blocks", "64", "--log-level", "warning"]
+            + ["--port", str(self.port), "--num-kv-blocks", "64", "--log-level", log_level]
             + ["--shutdown-grace", "20"],
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -69,8 +69,8 @@ class Serve:
 def serve_factory(llava_dir, tmp_path):
     started = []
 
-    def start(data, name="serve"):
-        s = Serve(llava_dir, data, tmp_path / f"{name}.log")
+    def start(data, name="serve", log_level="warning"):
+        s = Serve(llava_dir, data, tmp_path / f"{name}.log", log_level)
         started.append(s)
         return s
 
@@ -82,6 +82,13 @@ def serve_factory(llava_dir, tmp_path):
         s._log.close()
 
 
+async def _tenant_ids(sessions):
+    from gateway.db.models import Tenant
+
+    async with sessions() as session:
+        return list(await session.scalars(select(Tenant.id)))
+
+
 async def _usage_rows(sessions):
     async with sessions() as session:
         return list(await session.scalars(select(UsageEvent).order_by(UsageEvent.id)))
@@ -89,7 +96,7 @@ async def _usage_rows(sessions):
 
 def test_serve_prints_the_admin_key_location_and_drains_on_sigint(serve_factory, tmp_path):
     data = tmp_path / "data"
-    serve = serve_factory(data)
+    serve = serve_factory(data, log_level="info")  # the default: with the access log
     assert serve.wait_healthy().json() == {"status": "ok"}
     key_path = data / "admin.key"
     assert f"admin key written to {key_path}" in serve.log()
@@ -113,6 +120,8 @@ def test_serve_prints_the_admin_key_location_and_drains_on_sigint(serve_factory,
         )
         assert r.status_code == 200, r.text
         seen = [r.json()["usage"]["completion_tokens"]]
+        r = c.get(f"/v1/models?api_key={key}", headers=auth)  # a key where it does not belong
+        assert r.status_code == 200, r.text
 
         # A long stream in flight when SIGINT arrives: it is allowed to finish (grace period).
         body = {
@@ -139,7 +148,17 @@ def test_serve_prints_the_admin_key_location_and_drains_on_sigint(serve_factory,
     assert serve.proc.returncode == 0, serve.log()
     assert time.monotonic() - start < EXIT_TIMEOUT + 5
     assert "Traceback" not in serve.log(), serve.log()
-    assert admin_key not in serve.log() and key not in serve.log()  # locations, never keys
+    log = serve.log()
+    assert admin_key not in log and key not in log  # locations, never keys
+
+    # The access log: a line per request, the last one written at shutdown; keys masked.
+    tenant = with_db(db_url(data), _tenant_ids)[0]
+    access = [line for line in log.splitlines() if line.startswith("INFO:     127.0.0.1:")]
+    targets = [(line.split('"')[1], line.split('" ')[1].split()[0]) for line in access]
+    assert ("POST /admin/tenants HTTP/1.1", "201") in targets
+    assert targets.count(("POST /v1/chat/completions HTTP/1.1", "200")) == 2, access
+    (models,) = [line for line in access if "/v1/models" in line]
+    assert "api_key=lpx-" in models and "***" in models and f"tenant={tenant}" in models
 
     # Usage was flushed by the shutdown: both requests, as the client saw them.
     rows = with_db(db_url(data), _usage_rows)
