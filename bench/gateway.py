@@ -58,7 +58,7 @@ CONCURRENCY = (1, 32, 256)
 MODEL = "instant"
 MAX_TOKENS = 16
 PACED_LOAD = 0.5  # latency is measured at this fraction of the closed-loop rate
-PACED_ROUNDS = 3  # paced rounds per level; percentiles: the median round's
+PACED_ROUNDS = 5  # paced rounds per level (each half a phase long); percentiles: the median round's
 ADMIN_ENV = "LORAPLEX_ADMIN_KEY"
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
@@ -346,8 +346,7 @@ async def measure(server: Server, api_key: str, variants: tuple[str, ...], secon
                 results[variant, c, "closed"] = closed
                 rate = PACED_LOAD * closed["rps"]
                 rounds = [
-                    await run_load(calls, 1.5 * seconds / PACED_ROUNDS, rate, pid)
-                    for _ in range(PACED_ROUNDS)
+                    await run_load(calls, seconds / 2, rate, pid) for _ in range(PACED_ROUNDS)
                 ]
                 results[variant, c, "paced"] = median_of_rounds(rounds)
         finally:
