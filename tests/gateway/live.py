@@ -8,9 +8,11 @@ graceful shutdown (the same path as SIGINT for ``loraplex serve``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -118,3 +120,24 @@ class LiveGateway:
 
     def kv_blocks_in_use(self) -> int:
         return int(self.state.engine.stats()["kv_blocks_in_use"])
+
+
+NO_LIMITS = {
+    "default_requests_per_minute": None,
+    "default_tokens_per_minute": None,
+    "default_max_concurrent_requests": None,
+}
+
+
+@contextlib.contextmanager
+def instant_gateway(data_dir: Path, **engine_args) -> Iterator[LiveGateway]:
+    """A live gateway over :class:`bench.fake_engine.InstantEngine`, no rate limits.
+
+    After the block: no engine request is left in flight.
+    """
+    from bench.fake_engine import InstantEngine
+
+    engine = InstantEngine("instant", **engine_args)
+    with LiveGateway(engine, data_dir, **NO_LIMITS) as live:
+        yield live
+    assert engine.in_flight == 0

@@ -6,24 +6,15 @@ import json
 import httpx
 import pytest
 
-from bench.fake_engine import InstantEngine
 from bench.gateway import MAX_TOKENS, gateway_call, health_call, open_client
 from bench.http_client import LeanHTTPClient
-from tests.gateway.live import LiveGateway
+from tests.gateway.live import instant_gateway
 
 
 @pytest.fixture
 def gw(tmp_path):
-    engine = InstantEngine("instant", completion_tokens=MAX_TOKENS)
-    with LiveGateway(
-        engine,
-        tmp_path / "data",
-        default_requests_per_minute=None,
-        default_tokens_per_minute=None,
-        default_max_concurrent_requests=None,
-    ) as live:
+    with instant_gateway(tmp_path / "data", completion_tokens=MAX_TOKENS) as live:
         yield live
-    assert engine.in_flight == 0
 
 
 def test_bench_calls_get_whole_answers_over_one_connection(gw):

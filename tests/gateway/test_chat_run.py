@@ -45,6 +45,12 @@ def make_run(gate=None, tokens=4):
     return ChatRun(state, request, ledger), state, recorder
 
 
+async def never_disconnects():
+    """An ASGI receive whose client never leaves (blocks until cancelled)."""
+    await asyncio.Event().wait()
+    return {"type": "http.disconnect"}
+
+
 def test_a_disconnect_cancels_the_run_and_records_it_aborted():
     async def main():
         gate = threading.Event()  # the engine stops after its first token
@@ -75,13 +81,7 @@ def test_a_disconnect_cancels_the_run_and_records_it_aborted():
 def test_a_finished_run_ends_its_watcher_and_counts_its_last_output_once():
     async def main():
         run, state, recorder = make_run(tokens=5)
-        never = asyncio.Event()
-
-        async def receive():
-            await never.wait()
-            return {"type": "http.disconnect"}
-
-        run.watch_client(receive)
+        run.watch_client(never_disconnects)
         out = await run.final()
         for _ in range(3):  # the run's done callback cancels the watcher; let that land
             await asyncio.sleep(0)
@@ -119,13 +119,7 @@ def test_a_finished_run_leaves_no_reference_cycles():
 
     async def main():
         run, _, _ = make_run(tokens=3)
-        never = asyncio.Event()
-
-        async def receive():
-            await never.wait()
-            return {"type": "http.disconnect"}
-
-        run.watch_client(receive)
+        run.watch_client(never_disconnects)
         await run.final()
         for _ in range(3):
             await asyncio.sleep(0)

@@ -5,11 +5,10 @@ import threading
 import openai
 import pytest
 
-from bench.fake_engine import InstantEngine
 from gateway.server.errors import rate_limited
 from gateway.server.ratelimit import RateLimiter, RateLimitExceeded
 from gateway.services.tenants import TenantLimits
-from tests.gateway.live import LiveGateway
+from tests.gateway.live import instant_gateway
 from tests.gateway.test_app_basics import assert_openai_error
 
 
@@ -154,16 +153,8 @@ def gate():
 
 @pytest.fixture
 def gw(gate, tmp_path):
-    engine = InstantEngine("instant", completion_tokens=8, gate=gate)
-    with LiveGateway(
-        engine,
-        tmp_path / "data",
-        default_requests_per_minute=None,
-        default_tokens_per_minute=None,
-        default_max_concurrent_requests=None,
-    ) as live:
+    with instant_gateway(tmp_path / "data", completion_tokens=8, gate=gate) as live:
         yield live
-    assert engine.in_flight == 0
 
 
 def chat(gw, key, **extra):
