@@ -101,9 +101,8 @@ def serve_fake(port: int, data_dir: str) -> None:
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().addFilter(RedactingFilter())
     app, state, _ = build_fake(data_dir, os.environ[ADMIN_ENV], port)
-    access = AccessLog(app)  # as serve at its default --log-level info
     uvicorn_config = uvicorn.Config(
-        access,
+        AccessLog(app),  # as serve at its default --log-level info
         host="127.0.0.1",
         port=port,
         log_level="info",
@@ -111,10 +110,7 @@ def serve_fake(port: int, data_dir: str) -> None:
         timeout_graceful_shutdown=2,
         timeout_keep_alive=120,  # paced clients at 256 may idle past uvicorn's default 5 s
     )
-    try:
-        GracefulServer(uvicorn_config, state).run()
-    finally:
-        access.flush()
+    GracefulServer(uvicorn_config, state).run()
 
 
 class Server:

@@ -122,11 +122,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         state,
     )
-    try:
-        server.run()
-    finally:
-        if access is not None:
-            access.flush()
+    server.run()  # writes the access log's last lines when it ends
     return 0
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import uvicorn
 
+from gateway.server.access_log import AccessLog
+
 
 class GracefulServer(uvicorn.Server):
     """Drains the gateway at the first SIGINT/SIGTERM, then exits normally.
@@ -29,9 +31,17 @@ class GracefulServer(uvicorn.Server):
         self.gateway_state = state
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serve until the exit; the start-up heap is frozen first (:func:`freeze_startup_heap`)."""
+        """Serve until the exit.
+
+        The start-up heap is frozen first (:func:`freeze_startup_heap`); when the app is an
+        :class:`~gateway.server.access_log.AccessLog`, its last lines are written at the end.
+        """
         freeze_startup_heap()
-        super().run(sockets)
+        try:
+            super().run(sockets)
+        finally:
+            if isinstance(self.config.app, AccessLog):
+                self.config.app.flush()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start draining, then uvicorn's own shutdown (a second SIGINT forces it)."""

@@ -2,6 +2,7 @@
 
 import gc
 
+import pytest
 import uvicorn
 
 from gateway.server.graceful import GracefulServer, freeze_startup_heap
@@ -36,3 +37,29 @@ def test_objects_made_after_the_freeze_are_still_collected():
         assert gc.get_freeze_count() > 0  # still frozen (frozen objects freed by refcount leave)
     finally:
         gc.unfreeze()
+
+
+def test_run_writes_the_access_logs_last_lines_when_the_server_ends(monkeypatch):
+    import asyncio
+    import io
+
+    from gateway.server.access_log import AccessLog
+
+    stream = io.StringIO()
+    access = AccessLog(_app, stream, flush_seconds=60)
+
+    async def answer_a_request():
+        access.add("INFO:     a line still in memory\n")  # its write is 60 s away
+
+    def serve(self, sockets=None):
+        asyncio.run(answer_a_request())
+        raise KeyboardInterrupt  # the server ending, however it ends
+
+    monkeypatch.setattr(uvicorn.Server, "run", serve)
+    gc.unfreeze()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            GracefulServer(uvicorn.Config(access), state=object()).run()
+    finally:
+        gc.unfreeze()
+    assert stream.getvalue() == "INFO:     a line still in memory\n"
