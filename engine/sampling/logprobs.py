@@ -49,7 +49,7 @@ def gather_logprobs(
     sampled = logp.gather(1, token_ids[idx].unsqueeze(1))  # [R, 1]
     rank = (logp > sampled).sum(dim=-1) + 1
     max_k = min(max(num_top[r] for r in rows), logp.shape[1])
-    top_v, top_i = logp.topk(max_k, dim=-1) if max_k > 0 else (logp[:, :0], idx[:0, None])
+    top_v, top_i = logp.topk(max_k, dim=-1)  # [R, max_k]; max_k = 0 gives [R, 0]
     sampled_l, rank_l, top_vl, top_il = (
         sampled.squeeze(1).tolist(),
         rank.tolist(),

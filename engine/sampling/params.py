@@ -14,7 +14,10 @@ from dataclasses import dataclass
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024  # the detokenizer holds back and searches this much text per step
 MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary keeps every token; bounded so it fits int64
+SEED_RANGE = (-(2**63), 2**64 - 1)  # reduced modulo 2**64 by ``make_generator``
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as vLLM does
 
 
@@ -45,14 +48,15 @@ class SamplingParams:
         top_p: Nucleus sampling (Holtzman et al. 2019): keep the smallest set of most likely
             tokens whose probability sums to at least ``top_p``; in ``(0, 1]``, 1 disables it.
         top_k: Keep the ``top_k`` most likely tokens (ties at the k-th value are kept); 0 or -1
-            disables it.
+            disables it; in ``[-1, 2**31 - 1]`` (a ``k`` at or above the vocabulary size keeps
+            every token).
         min_p: Drop tokens whose probability is below ``min_p`` times the top token's
             (Nguyen et al. 2024); in ``[0, 1]``, 0 disables it.
         seed: Per-request seed: the same seed gives the same tokens whatever the batch.
-            None draws from the engine's shared generator.
-        stop: Stop strings (a single str is accepted). The first one to appear in the output
-            ends it with ``finish_reason="stop"``; the text is cut before it unless
-            ``include_stop_str_in_output``.
+            None draws from the engine's shared generator. In ``[-2**63, 2**64 - 1]``.
+        stop: Stop strings (a single str is accepted; at most 16, each 1 to 1024 characters).
+            The first one to appear in the output ends it with ``finish_reason="stop"``; the
+            text is cut before it unless ``include_stop_str_in_output``.
         stop_token_ids: Token ids that end the completion like EOS does.
         ignore_eos: Keep generating after the model's EOS token.
         include_stop_str_in_output: Keep the matched stop string (or the stop token's text) in
@@ -103,12 +107,12 @@ class SamplingParams:
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, lo=-1)
+        _check_int("top_k", self.top_k, lo=-1, hi=MAX_TOP_K)
         _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
+            _check_int("seed", self.seed, lo=SEED_RANGE[0], hi=SEED_RANGE[1])
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -117,6 +121,8 @@ class SamplingParams:
             )
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(
                 f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "

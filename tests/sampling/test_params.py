@@ -50,6 +50,8 @@ def test_greedy_and_top_k_flags():
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"top_k": 2.0}, "top_k"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": 9223372036854775808}, "top_k"),
         ({"min_p": -0.1}, "min_p"),
         ({"min_p": 1.1}, "min_p"),
         ({"logprobs": -1}, "logprobs"),
@@ -60,6 +62,8 @@ def test_greedy_and_top_k_flags():
         ({"stop": ["s"] * 17}, "stop"),
         ({"stop": [1]}, "stop"),
         ({"stop": b"x"}, "stop"),
+        ({"stop": ["x" * 1025]}, "stop"),
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ],
@@ -72,6 +76,8 @@ def test_bad_params_name_the_field(kwargs, field):
 def test_edges_are_valid():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, logprobs=20, seed=-5)
     SamplingParams(temperature=100.0, top_p=1e-6, logprobs=0, stop=["s"] * 16)
+    SamplingParams(top_k=2**31 - 1, seed=2**64 - 1, stop=["x" * 1024])
+    SamplingParams(seed=-(2**63))
 
 
 def test_replace_revalidates():

@@ -259,6 +259,30 @@ def test_gather_logprobs_caps_top_at_vocab():
     assert lps[0] == pytest.approx(-math.log(3))
 
 
+@pytest.mark.parametrize("num_top", [[0], [0, None], [None, 0, 3], [0, 0], [20, 0, None]])
+def test_gather_logprobs_with_no_alternatives(num_top):
+    # top_logprobs 0 (or logprobs without top_logprobs): the sampled token's logprob, no
+    # alternatives; rows asking for some still get theirs.
+    logits = torch.randn(len(num_top), 7)
+    tokens = torch.arange(len(num_top))
+    lps, ranks, tops = gather_logprobs(logits, tokens, num_top)
+    for r, k in enumerate(num_top):
+        if k is None:
+            assert (lps[r], ranks[r], tops[r]) == (None, None, None)
+            continue
+        expected = torch.log_softmax(logits[r], -1)
+        assert lps[r] == pytest.approx(expected[r].item())
+        assert len(tops[r]) == min(k, 7)
+        assert [t for t, _ in tops[r]] == expected.topk(min(k, 7)).indices.tolist()
+
+
+def test_sampler_with_huge_top_k_keeps_every_token():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    params = [SamplingParams(top_k=2**31 - 1, seed=1)]
+    out = Sampler()(logits, params, [make_generator(1)])
+    assert out.token_ids[0] in (0, 1, 2)
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="logits"):
         Sampler()(torch.zeros(5), [SamplingParams()])
