@@ -82,6 +82,9 @@ class LLMEngine:
             model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, self.dtype
         )
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
+        max_model_len = _fit_to_pool(
+            max_model_len, num_blocks, config.block_size, explicit=config.max_model_len is not None
+        )
         num_cpu_blocks = (
             config.swap_space_bytes // block_bytes if config.preemption == "swap" else 0
         )
@@ -319,6 +322,9 @@ class LLMEngine:
         for seq in sched.failed:  # the adapter could not be loaded: finished, never ran
             seq.detokenizer.finish("abort")
             failed[seq.request.request_id] = None
+        for seq in sched.capped:  # the whole pool cannot hold its next token
+            seq.detokenizer.finish("length")
+            failed[seq.request.request_id] = None
         touched = self._sample(sched, logits)
         return list(dict.fromkeys([*failed, *touched]))
 
@@ -425,6 +431,36 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens or 0,
             ttft=ttft,
         )
+
+
+def _fit_to_pool(max_model_len: int, num_blocks: int, block_size: int, *, explicit: bool) -> int:
+    """``max_model_len`` no longer than the KV pool holds (``num_blocks * block_size`` tokens).
+
+    One sequence of ``max_model_len`` tokens must fit the pool alone, or it could outgrow it.
+    The model's own length is clamped, with a message; an explicit ``max_model_len`` that does
+    not fit is refused (as vLLM does), never silently shortened.
+
+    Raises:
+        ValueError: an explicit ``max_model_len`` longer than the pool holds.
+    """
+    capacity = num_blocks * block_size
+    if max_model_len <= capacity:
+        return max_model_len
+    if explicit:
+        raise ValueError(
+            f"max_model_len {max_model_len} does not fit the KV pool: {num_blocks} blocks of "
+            f"{block_size} tokens hold {capacity}; give more KV memory or a smaller "
+            "max_model_len"
+        )
+    logger.warning(
+        "max_model_len clamped from the model's %d to %d tokens: the KV pool (%d blocks of %d) "
+        "cannot hold one longer sequence; give it more memory (--num-kv-blocks) to serve more",
+        max_model_len,
+        capacity,
+        num_blocks,
+        block_size,
+    )
+    return capacity
 
 
 def _eos_ids(tokenizer, hf_config) -> tuple[int, ...]:

@@ -62,6 +62,9 @@ class SchedulerOutput:
         swap_in: ``(cpu block, device block)`` copies, done after the swap-outs.
         preempted: Sequences preempted this step.
         failed: Sequences finished without running (their adapter could not be loaded).
+        capped: Sequences finished with ``"length"`` because the whole pool cannot hold their
+            next token (they ran alone and still did not fit): without this they would
+            preempt themselves and be re-admitted forever.
     """
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -70,6 +73,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
+    capped: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -79,7 +83,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """True when the step has nothing to run or copy."""
         return not (
-            self.scheduled or self.swap_out or self.swap_in or self.block_copies or self.failed
+            self.scheduled
+            or self.swap_out
+            or self.swap_in
+            or self.block_copies
+            or self.failed
+            or self.capped
         )
 
 
@@ -184,7 +193,7 @@ class Scheduler:
                 i += 1
                 continue
             alloc = self._allocate_or_preempt(seq, num_new, out)
-            if alloc is None:  # the sequence itself was preempted
+            if alloc is None:  # the sequence itself was preempted, or capped (finished)
                 break
             self._record(out, seq, num_new, alloc)
             if seq.request.lora_digest is not None:
@@ -211,6 +220,8 @@ class Scheduler:
             if seq.swapped:
                 if not self._swap_in(seq, budget, out):
                     self._release_lora(seq)
+                    if self._cap_if_alone(seq, out):
+                        continue
                     break
             else:
                 match = self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
@@ -224,6 +235,8 @@ class Scheduler:
                 )
                 if alloc is None:
                     self._release_lora(seq)
+                    if self._cap_if_alone(seq, out):
+                        continue
                     break
                 seq.num_computed_tokens = match.num_cached_tokens
                 if seq.num_cached_tokens is None:
@@ -236,6 +249,23 @@ class Scheduler:
                 step_loras.add(lora)
             budget -= out.scheduled[-1].num_new_tokens
         return out
+
+    def _cap_if_alone(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Finish the waiting head with ``"length"`` if it cannot fit even in an idle pool.
+
+        With nothing running and nothing scheduled, every block is free or evictable: a head
+        that still does not fit never will, and leaving it at the head would stall every
+        request behind it while the engine spins on empty steps.
+
+        Returns:
+            True when the sequence was finished (and taken off the waiting queue).
+        """
+        if self.running or out.scheduled:
+            return False
+        self.waiting.popleft()
+        self.finish(seq, "length")
+        out.capped.append(seq)
+        return True
 
     def _acquire_lora(self, seq: Sequence) -> bool | None:
         """Take a slot for the sequence's adapter.
@@ -272,6 +302,13 @@ class Scheduler:
             )
             if alloc is not None:
                 return alloc
+            if self.running[-1] is seq and len(self.running) == 1:
+                # Alone and still no room: every other block is free or evictable, so the
+                # pool can never hold this sequence's next token. Preempting it would only
+                # re-admit it forever (a livelock at 100% CPU); it ends here instead.
+                self.finish(seq, "length")
+                out.capped.append(seq)
+                return None
             victim = self.running.pop()
             self._preempt(victim, out)
             if victim is seq:
