@@ -26,6 +26,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (shut down, or a step raised); no request can run."""
 
 
+class RequestFailedError(RuntimeError):
+    """A fault while admitting this request failed it alone (the engine runs on)."""
+
+
 class AsyncLLM:
     """Asynchronous streaming front of :class:`LLMEngine`.
 
@@ -153,6 +157,9 @@ class AsyncLLM:
                     self.engine.add_request(arg)
                 except ValueError as exc:
                     self._deliver(arg.request_id, exc)
+                except Exception as exc:  # a fault in this request's admission: its alone
+                    logger.exception("admitting request %s failed", arg.request_id)
+                    self._deliver(arg.request_id, RequestFailedError(str(type(exc).__name__)))
             elif cmd == "call":
                 fn, args, loop, future = arg
                 try:
@@ -161,7 +168,11 @@ class AsyncLLM:
                     result, error = None, exc
                 loop.call_soon_threadsafe(_settle, future, result, error)
             elif cmd == "abort":
-                out = self.engine.abort_request(arg)
+                try:
+                    out = self.engine.abort_request(arg)
+                except Exception:  # the request is gone either way; the engine goes on
+                    logger.exception("aborting request %s failed", arg)
+                    out = None
                 if out is not None:
                     self._deliver(arg, out)
             try:
@@ -183,7 +194,11 @@ class AsyncLLM:
             self._dead = exc
         finally:
             for rid in list(self.engine.requests):
-                out = self.engine.abort_request(rid)
+                try:
+                    out = self.engine.abort_request(rid)
+                except Exception:  # a broken engine: its streams still end below
+                    logger.exception("aborting request %s failed", rid)
+                    continue
                 if out is not None:
                     self._deliver(rid, out)
             if self._dead is None:

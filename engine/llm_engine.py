@@ -32,6 +32,7 @@ from engine.request import (
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling.sampler import Sampler, make_generator
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_isolation import execute_isolating, sample_rows_isolating
 from engine.swap import CpuBlockPool
 from engine.vision_cache import VisionCache
 from hashing.request_hasher import RequestBlockHasher
@@ -48,6 +49,15 @@ class _RequestState:
     forked: bool = False
     sent_text: dict[int, int] = field(default_factory=dict)  # seq index -> chars already sent
     sent_tokens: dict[int, int] = field(default_factory=dict)
+    error: str | None = None  # set when a fault in its part of a step failed the request
+
+
+MAX_FAILING_STEPS = 3
+"""Steps in a row that fail for every sequence they run before the engine gives up."""
+
+
+class EngineFaultError(RuntimeError):
+    """The engine cannot run steps any more (not one request's fault); it must be restarted."""
 
 
 class LLMEngine:
@@ -130,6 +140,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, _RequestState] = {}
+        self._failed_now: dict[str, None] = {}  # requests failed during the current step
+        self._failing_steps = 0  # steps in a row whose every sequence failed
         # (step seconds, model forward + logits seconds) of every step, for benchmarks.
         self.step_times: list[tuple[float, float]] = []
 
@@ -301,24 +313,90 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step.
 
+        A fault raised by one request's part of the step (its forward pass, its sampling, its
+        detokenization) fails that request alone (``finish_reason="error"``, ``error`` set on
+        its output); every other request of the step goes on as if it had not been there
+        (``engine.step_isolation``).
+
         Returns:
             An output for every request that produced tokens or finished this step.
+
+        Raises:
+            EngineFaultError: ``MAX_FAILING_STEPS`` steps in a row failed for every sequence
+                they ran (the engine itself is broken, not a request), or a step failed with
+                no sequence to blame.
         """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty():
             return []
-        logits = self.runner.execute(sched, self.kv)
+        logits = self._execute(sched)
         touched = self._process(sched, logits)
-        outputs = [self._output(self.requests[rid]) for rid in touched]
+        outputs = []
+        for rid in touched:
+            state = self.requests[rid]
+            try:
+                outputs.append(self._output(state))
+            except Exception as exc:
+                self._fail_request(rid, exc, "building the output")
+                outputs.append(self._output(state))
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]
         self.step_times.append((time.perf_counter() - t0, self.runner.last_forward_seconds))
         return outputs
 
+    def _execute(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """The step's logits; a sequence whose forward pass fails alone fails its request.
+
+        Blocks that a failed sequence was filling this step lose their cached hashes (their KV
+        may be half written), and a sequence of the step that reads one of them (a prefix hit
+        taken this step) is preempted to be recomputed rather than sampled.
+        """
+        step = execute_isolating(self.runner, self.kv, sched)
+        if not step.culprits:
+            self._failing_steps = 0
+            return step.logits
+        if step.kept:
+            self._failing_steps = 0
+        else:
+            self._failing_steps += 1
+            if self._failing_steps >= MAX_FAILING_STEPS:
+                raise EngineFaultError(
+                    f"{self._failing_steps} steps in a row failed for every sequence"
+                ) from step.culprits[0][1]
+        bad_blocks: set[int] = set()
+        for item, exc in step.culprits:
+            first = item.start // self.kv.block_size
+            bad_blocks.update(self.kv.uncache_from(item.seq.seq_id, first))
+            self._fail_request(item.seq.request.request_id, exc, "the forward pass")
+        kept, rows = [], []
+        for item, row in zip(step.kept, step.rows or [], strict=True):
+            if item.seq.is_finished:  # a sibling of a culprit: its request failed
+                continue
+            if bad_blocks.intersection(self.kv.get_block_ids(item.seq.seq_id)):
+                self.scheduler.requeue(item.seq)
+                continue
+            kept.append(item)
+            if row is not None:
+                rows.append(row)
+        sched.scheduled = kept
+        return torch.cat(rows) if rows else None
+
+    def _fail_request(self, rid: str, exc: BaseException, where: str) -> None:
+        """Finish every sequence of a request with ``"error"`` (its blocks freed at once)."""
+        state = self.requests.get(rid)
+        if state is None or state.error is not None:
+            return
+        logger.error(
+            "request %s failed in %s: %s: %s", rid, where, type(exc).__name__, exc, exc_info=exc
+        )
+        state.error = f"the request failed in {where}"
+        self.scheduler.abort(state.seqs, reason="error")
+        self._failed_now[rid] = None
+
     def _process(self, sched: SchedulerOutput, logits: torch.Tensor | None) -> list[str]:
-        failed: dict[str, None] = {}
+        failed, self._failed_now = self._failed_now, {}
         for seq in sched.failed:  # the adapter could not be loaded: finished, never ran
             seq.detokenizer.finish("abort")
             failed[seq.request.request_id] = None
@@ -326,6 +404,8 @@ class LLMEngine:
             seq.detokenizer.finish("length")
             failed[seq.request.request_id] = None
         touched = self._sample(sched, logits)
+        failed.update(self._failed_now)
+        self._failed_now = {}
         return list(dict.fromkeys([*failed, *touched]))
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor | None) -> list[str]:
@@ -336,9 +416,16 @@ class LLMEngine:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens
             if not item.sample:
                 continue
-            state = self.requests[item.seq.request.request_id]
+            rid = item.seq.request.request_id
+            state = self.requests[rid]
             if state.request.sampling.n > 1 and not state.forked:
-                seqs.extend(self._fork(state))
+                try:
+                    children = self._fork(state)
+                except Exception as exc:
+                    self._fail_request(rid, exc, "forking its n sequences")
+                    row += 1
+                    continue
+                seqs.extend(children)
                 rows.extend([row] * state.request.sampling.n)
             else:
                 seqs.append(item.seq)
@@ -346,33 +433,48 @@ class LLMEngine:
             row += 1
         if not seqs:
             return []
-        idx = torch.tensor(rows, device=logits.device)
-        result = self.sampler(
-            logits.index_select(0, idx),
-            [s.request.sampling for s in seqs],
-            [s.generator for s in seqs],
-            default_generator=self.generator,
-        )
+        picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
+
+        def sample(which: list[int]):
+            return self.sampler(
+                picked if len(which) == len(seqs) else picked[which],
+                [seqs[r].request.sampling for r in which],
+                [seqs[r].generator for r in which],
+                default_generator=self.generator,
+            )
+
+        results, failed_rows = sample_rows_isolating(sample, len(seqs))
+        for r, exc in failed_rows.items():
+            self._fail_request(seqs[r].request.request_id, exc, "sampling")
         now = time.monotonic()
         touched: dict[str, None] = {}
-        for i, seq in enumerate(seqs):
-            token = result.token_ids[i]
-            seq.token_ids.append(token)
-            seq.hasher.extend([token])
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if seq.request.sampling.logprobs is not None:
-                seq.logprobs.append((result.logprobs[i], result.top_logprobs[i]))
-            seq.detokenizer.append(token)
-            reason = seq.detokenizer.finish_reason
-            if reason is None and seq.num_tokens >= self.max_model_len:
-                seq.detokenizer.finish("length")  # releases text held back for stop strings
-                reason = seq.detokenizer.finish_reason
-            if reason is not None:
-                seq.stop_reason = seq.detokenizer.stop_reason
-                self.scheduler.finish(seq, reason)
+        for seq, result in zip(seqs, results, strict=True):
+            if seq.is_finished:  # its request failed in this step
+                continue
+            try:
+                self._append(seq, result, now)
+            except Exception as exc:
+                self._fail_request(seq.request.request_id, exc, "detokenization")
             touched[seq.request.request_id] = None
         return list(touched)
+
+    def _append(self, seq: Sequence, result: tuple, now: float) -> None:
+        """Add a sampled token to a sequence; finish it on EOS, a stop, or the length limit."""
+        token, logprob, _, top = result
+        seq.token_ids.append(token)
+        seq.hasher.extend([token])
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.request.sampling.logprobs is not None:
+            seq.logprobs.append((logprob, top))
+        seq.detokenizer.append(token)
+        reason = seq.detokenizer.finish_reason
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            seq.detokenizer.finish("length")  # releases text held back for stop strings
+            reason = seq.detokenizer.finish_reason
+        if reason is not None:
+            seq.stop_reason = seq.detokenizer.stop_reason
+            self.scheduler.finish(seq, reason)
 
     def _fork(self, state: _RequestState) -> list[Sequence]:
         """Fork a request's sequence into ``n`` sharing its prompt blocks."""
@@ -392,6 +494,8 @@ class LLMEngine:
         return children
 
     def _output(self, state: _RequestState) -> RequestOutput:
+        if state.error is not None:
+            return _error_output(state)
         outs = []
         for seq in state.seqs:
             text = seq.detokenizer.text
@@ -431,6 +535,27 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens or 0,
             ttft=ttft,
         )
+
+
+def _error_output(state: _RequestState) -> RequestOutput:
+    """The final output of a request that failed: ``finish_reason="error"``, no new text."""
+    outs = [
+        CompletionOutput(
+            index=seq.index,
+            text="",
+            token_ids=list(seq.output_token_ids),
+            finish_reason="error",
+        )
+        for seq in state.seqs
+    ]
+    return RequestOutput(
+        request_id=state.request.request_id,
+        prompt_token_ids=list(state.request.prompt_token_ids),
+        outputs=outs,
+        finished=True,
+        num_cached_tokens=state.seqs[0].num_cached_tokens or 0,
+        error=state.error,
+    )
 
 
 def _fit_to_pool(max_model_len: int, num_blocks: int, block_size: int, *, explicit: bool) -> int:

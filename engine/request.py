@@ -133,7 +133,8 @@ class CompletionOutput:
         index: Output index.
         text: Text generated so far (stop string removed unless asked to keep it).
         token_ids: Tokens generated so far.
-        finish_reason: None while running, then ``"stop"``, ``"length"`` or ``"abort"``.
+        finish_reason: None while running, then ``"stop"``, ``"length"``, ``"abort"`` or
+            ``"error"`` (a fault while running it; see ``RequestOutput.error``).
         logprobs: Per token ``(logprob, top alternatives)`` when asked.
         text_delta: Text added since the previous output of this sequence (streaming).
         token_ids_delta: Tokens added since the previous output (streaming).
@@ -160,6 +161,8 @@ class RequestOutput:
         finished: True when every sequence finished.
         num_cached_tokens: Prompt tokens served from the prefix cache.
         ttft: Seconds from arrival to the first token, once there is one.
+        error: Set (with ``finished``) when a fault in this request's part of a step failed
+            it; says where, never the internals (those go to the log).
     """
 
     request_id: str
@@ -168,3 +171,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     ttft: float | None = None
+    error: str | None = None

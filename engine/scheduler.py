@@ -167,11 +167,16 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def abort(self, seqs: Iterable[Sequence]) -> None:
-        """Finish sequences with reason ``"abort"`` (their blocks freed at once)."""
+    def abort(self, seqs: Iterable[Sequence], reason: str = "abort") -> None:
+        """Finish sequences with ``reason`` (their blocks freed at once)."""
         for seq in seqs:
             if not seq.is_finished:
-                self.finish(seq, "abort")
+                self.finish(seq, reason)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Preempt a running sequence to recompute it (its step's result is discarded)."""
+        self.running.remove(seq)
+        self._preempt(seq, SchedulerOutput(), allow_swap=False)
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -314,13 +319,18 @@ class Scheduler:
             if victim is seq:
                 return None
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, allow_swap: bool = True) -> None:
         """Move a running sequence back to the front of the waiting queue."""
         self.num_preemptions += 1
         out.preempted.append(seq)
         self._release_lora(seq)
         swapped = False
-        if self.preemption == "swap" and self.cpu_pool is not None and seq.num_computed_tokens:
+        if (
+            allow_swap
+            and self.preemption == "swap"
+            and self.cpu_pool is not None
+            and seq.num_computed_tokens
+        ):
             bs = self.kv.block_size
             device_blocks = self.kv.get_block_ids(seq.seq_id)[: -(-seq.num_computed_tokens // bs)]
             cpu_blocks = self.cpu_pool.allocate(len(device_blocks))

@@ -128,6 +128,26 @@ class BlockPool:
         self.cached[block_hash] = block
         return True
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> int:
+        """Drop the hash of each block that is the cached copy of one; its KV is not trusted.
+
+        For blocks registered before their KV was written (allocation caches the blocks a step
+        will fill) when that step failed: no later request may hit them.
+
+        Returns:
+            How many hashes were dropped.
+        """
+        dropped = 0
+        for block in blocks:
+            h = block.block_hash
+            if h is not None and self.cached.get(h) is block:
+                del self.cached[h]
+                block.block_hash = None
+                dropped += 1
+        if dropped:
+            self.epoch += 1
+        return dropped
+
     def free_blocks(self, ordered: Sequence[KVCacheBlock]) -> None:
         """Drop one reference on each block; those reaching 0 return to the free queue.
 

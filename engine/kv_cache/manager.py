@@ -295,6 +295,24 @@ class KVCacheManager:
         self.pool.free_blocks(state.blocks[::-1])
         return len(state.blocks)
 
+    def uncache_from(self, request_id: str, first_block: int) -> list[int]:
+        """Forget the cached hashes of the request's blocks from logical index ``first_block``.
+
+        For a step that failed while computing them: their KV may be partly written, so no
+        request may hit them again. Blocks before ``first_block`` (a prefix hit, or computed by
+        earlier steps) keep their hashes.
+
+        Returns:
+            The physical ids of the blocks from ``first_block`` on (hash dropped or not).
+        """
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        tail = state.blocks[first_block:]
+        self.pool.uncache(tail)
+        state.num_cached_blocks = min(state.num_cached_blocks, first_block)
+        return [b.block_id for b in tail]
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False, nothing changes) while blocks are in use."""
         return self.pool.reset_prefix_cache()

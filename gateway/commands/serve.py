@@ -123,7 +123,13 @@ def run(args: argparse.Namespace) -> int:
         state,
     )
     server.run()  # writes the access log's last lines when it ends
-    return 0
+    if server.exit_code:
+        print(
+            "loraplex: the engine stopped; exiting so a supervisor restarts the server",
+            file=sys.stderr,
+            flush=True,
+        )
+    return server.exit_code
 
 
 def _safe_url(url: str) -> str:

@@ -14,6 +14,7 @@ from litestar.openapi import OpenAPIConfig
 from gateway.auth.redact import RedactingFilter
 from gateway.domains import adapters, admin, chat, system, usage
 from gateway.server.auth import KeyAuthMiddleware
+from gateway.server.engine_watch import watch_engine
 from gateway.server.errors import EXCEPTION_HANDLERS
 from gateway.server.state import GatewayState
 
@@ -23,14 +24,15 @@ logger = logging.getLogger(__name__)
 def create_app(state: GatewayState) -> Litestar:
     """Build the gateway app around ready services.
 
-    On startup the usage writer starts. On shutdown: new chat requests get 503, in-flight ones
-    get ``shutdown_grace_seconds`` to finish (then the engine aborts them and their usage is
-    recorded as aborted), usage is flushed, the database engine disposed, and the engine shut
-    down if the app owns it.
+    On startup the usage writer and the engine watchdog start. On shutdown: new chat requests
+    get 503, in-flight ones get ``shutdown_grace_seconds`` to finish (then the engine aborts
+    them and their usage is recorded as aborted), usage is flushed, the database engine
+    disposed, and the engine shut down if the app owns it.
     """
 
     async def on_startup() -> None:
         state.usage.start()
+        state.background.append(asyncio.create_task(watch_engine(state), name="engine-watch"))
 
     async def on_shutdown() -> None:
         await shutdown(state)
@@ -66,6 +68,8 @@ def _quiet_keys(config: AppConfig) -> AppConfig:
 async def shutdown(state: GatewayState) -> None:
     """Drain, flush usage, release the database and (if owned) the engine."""
     state.draining = True
+    for task in state.background:
+        task.cancel()
     if state.in_flight:
         _, pending = await asyncio.wait(
             set(state.in_flight), timeout=state.config.shutdown_grace_seconds

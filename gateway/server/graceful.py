@@ -21,14 +21,29 @@ class GracefulServer(uvicorn.Server):
     recorded as aborted) and flushes usage. uvicorn would re-raise the signal afterwards, ending
     the process by it; here ``loraplex serve`` returns and exits 0 instead.
 
+    If the engine dies while serving (``gateway.server.engine_watch``), it drains the same way
+    and :attr:`exit_code` becomes 1, which ``loraplex serve`` exits with.
+
     Args:
         config: uvicorn's config (the app, host, port, grace period).
         state: The app's :class:`gateway.server.state.GatewayState`.
+
+    Attributes:
+        exit_code: 0, or 1 once the engine died.
     """
 
     def __init__(self, config: uvicorn.Config, state: Any) -> None:
         super().__init__(config)
         self.gateway_state = state
+        self.exit_code = 0
+        if hasattr(state, "on_engine_death"):
+            state.on_engine_death = self.engine_died
+
+    def engine_died(self) -> None:
+        """Drain and stop with exit code 1: a supervisor restarts a process that exits."""
+        self.exit_code = 1
+        self.gateway_state.draining = True
+        self.should_exit = True
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
         """Serve until the exit.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
@@ -36,6 +37,9 @@ class GatewayState:
         owns_engine: Shut the engine down with the app (False when tests share one).
         draining: Set on shutdown: new chat requests get 503.
         in_flight: Chat requests running now (graceful shutdown waits for them).
+        on_engine_death: Called once if the engine stops while serving
+            (``gateway.server.engine_watch``); ``loraplex serve`` exits non-zero from it.
+        background: The app's own background tasks (cancelled on shutdown).
     """
 
     config: GatewayConfig
@@ -52,6 +56,8 @@ class GatewayState:
     owns_engine: bool = True
     draining: bool = False
     in_flight: set[asyncio.Task] = field(default_factory=set)
+    on_engine_death: Callable[[], None] | None = None
+    background: list[asyncio.Task] = field(default_factory=list)
 
     @property
     def default_limits(self) -> TenantLimits:

@@ -343,7 +343,11 @@ def test_engine_abort_mid_stream_is_an_error_event_then_done(live, engine_client
     )
 
 
-def test_client_that_gives_up_before_the_answer_aborts_the_request(live, engine_client):
+def test_client_that_gives_up_before_the_answer_aborts_the_request(
+    live, engine_client, monkeypatch
+):
+    # No EOS for this test's sequences: 3000 random tokens always outlast the client's 0.5 s.
+    monkeypatch.setattr(engine_client.llm.engine, "eos_token_ids", ())
     tenant = live.create_tenant("impatient")
     key = tenant["api_key"]
     with httpx.Client(base_url=live.base_url, timeout=0.5) as c:

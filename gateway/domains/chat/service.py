@@ -8,6 +8,8 @@ Life of an admitted request (the controller drives it)::
       -> ChatRun: a task in state.in_flight pumps engine outputs into a queue
            finished "stop"/"length"       -> row "ok"
            engine refusal / death / abort -> row "error" (refusal: 0 tokens)
+           a fault in its part of a step  -> row "error" ("internal_error"); 500, or an
+                                             error event mid-stream; others run on
            cancelled (client gone, shutdown) -> engine request aborted, row "aborted",
                                                 the tokens generated so far
 
@@ -26,7 +28,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from engine.async_llm import EngineDeadError
+from engine.async_llm import EngineDeadError, RequestFailedError
 from engine.request import EngineRequest, RequestOutput
 from gateway.server.errors import APIError, not_found
 from gateway.services.adapters import find_adapter
@@ -239,6 +241,8 @@ class ChatRun:
             raise APIError(503, "the request was aborted", code="request_aborted")
         if isinstance(item, BaseException):
             raise item
+        if item.finished and item.error is not None:
+            raise APIError(500, "an internal error ended this request", code="internal_error")
         if item.finished and any(o.finish_reason == "abort" for o in item.outputs):
             raise APIError(503, "the engine aborted the request", code="request_aborted")
         return item
@@ -273,6 +277,8 @@ class ChatRun:
         except EngineDeadError:
             error_type = "engine_unavailable"
             self._put(APIError(503, "the engine is not running", code="engine_unavailable"))
+        except RequestFailedError:  # a fault admitting it; logged by the engine
+            self._put(APIError(500, "an internal error ended this request", code="internal_error"))
         except ValueError as exc:  # refused at admission: nothing ran, nothing to count
             ledger.last = None
             ledger.prompt_tokens = ledger.completion_tokens = ledger.cached_tokens = 0
@@ -297,6 +303,8 @@ class ChatRun:
 
 def _final_status(out: RequestOutput) -> tuple[str, str | None]:
     """``("ok", None)`` unless a choice was aborted by the engine (e.g. its adapter failed)."""
+    if out.error is not None:
+        return "error", "internal_error"
     if any(o.finish_reason == "abort" for o in out.outputs):
         return "error", "engine_abort"
     return "ok", None

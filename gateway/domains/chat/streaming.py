@@ -19,6 +19,7 @@ down), its ``finally`` cancels the run the same way.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from gateway.domains.chat.responses import TokenTexts, logprobs_body, usage_body
 from gateway.domains.chat.service import ChatRun
 from gateway.server.errors import APIError, error_body
 
+logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -208,6 +210,9 @@ async def chunk_stream(
             pending.append(sse(body))
     except APIError as exc:
         pending.append(sse(error_body(exc.status, exc.message, exc.param, exc.code)))
+    except Exception:  # a bug encoding this stream: it ends with an error event, alone
+        logger.exception("streaming %s failed", meta.response_id)
+        pending.append(sse(error_body(500, "internal server error", None, "internal_error")))
     finally:
         run.cancel("client_disconnected")  # a no-op once the run has finished
     pending.append(DONE)
