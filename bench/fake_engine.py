@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.inputs import ProcessedPrompt
 from engine.request import CompletionOutput, EngineRequest, RequestOutput
-from gateway.server.engine_client import AdapterLimits
+from gateway.server.engine_client import AdapterLimits, InputLimits
 
 CHARS_PER_TOKEN = 4
 TOKEN_ID = 42
@@ -75,6 +75,7 @@ class InstantEngine:
         self.adapter_limits = AdapterLimits(
             target_shapes={"q_proj": (64, 64), "v_proj": (64, 64)}, num_layers=2, max_rank=16
         )
+        self.input_limits = InputLimits()  # no pre-tokenization bound: prompts are ignored
         self.gate = gate
         self.requests = 0
         self.finished = 0

@@ -39,3 +39,26 @@ def load_processor(model_dir: str, model: Any, mm_hash: str) -> tuple[Any, Input
         mm_hash=mm_hash,
     )
     return tokenizer, inputs
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """The most UTF-8 bytes of input text that one token of ``tokenizer`` can stand for.
+
+    Each id of the vocabulary (added and special tokens included) is decoded alone; a
+    byte-level token holding part of a character decodes to U+FFFD (3 bytes), which only
+    overestimates. A tokenizer that normalizes its input (NFC, lowercasing) may turn more input
+    bytes into one token than the token decodes to, so the bound is doubled for those. The
+    gateway divides a prompt's text bytes by this to bound its token count from below.
+
+    Returns:
+        The bound in bytes (>= 1).
+    """
+    ids = [[i] for i in range(len(tokenizer))]
+    texts = tokenizer.batch_decode(
+        ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.normalizer is not None:
+        longest *= 2
+    return max(1, longest)

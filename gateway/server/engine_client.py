@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.inputs import ProcessedPrompt
+from engine.processing import max_token_bytes
 from engine.request import EngineRequest, RequestOutput
 
 
@@ -33,6 +34,23 @@ class AdapterLimits:
     max_rank: int
 
 
+@dataclass(frozen=True)
+class InputLimits:
+    """What the gateway checks before it asks the engine to process a prompt.
+
+    Attributes:
+        max_token_bytes: The most UTF-8 bytes of text one token can stand for (the longest
+            token of the vocabulary, special tokens included; doubled when the tokenizer
+            normalizes text, which may shrink it); 0 when unknown (no check).
+        image_tokens: Placeholder tokens each image takes in the prompt.
+        max_images: Most images in one request.
+    """
+
+    max_token_bytes: int = 0
+    image_tokens: int = 0
+    max_images: int = 8
+
+
 class EngineClient(Protocol):
     """The engine as the gateway sees it.
 
@@ -40,11 +58,13 @@ class EngineClient(Protocol):
         model_name: The served base model's name.
         max_model_len: Most tokens (prompt + completion) of one sequence.
         adapter_limits: What uploaded adapters must fit.
+        input_limits: Cheap bounds on a prompt, checked before it is processed.
     """
 
     model_name: str
     max_model_len: int
     adapter_limits: AdapterLimits
+    input_limits: InputLimits
 
     @property
     def is_running(self) -> bool:
@@ -109,6 +129,11 @@ class LocalEngineClient:
         )
         self._inputs = engine.inputs
         self._tokenizer = engine.tokenizer
+        self.input_limits = InputLimits(
+            max_token_bytes=max_token_bytes(engine.tokenizer),
+            image_tokens=getattr(engine.model, "num_image_tokens", 0),
+            max_images=engine.inputs.max_images,
+        )
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-inputs")
 
     @property

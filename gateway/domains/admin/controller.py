@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Controller, Request, delete, get, post, put
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
 from gateway.server.auth import ADMIN_ONLY
 from gateway.server.errors import bad_request
+from gateway.server.json_body import json_object
 from gateway.services.keys import create_key, list_keys, revoke_key
 from gateway.services.tenants import (
     TenantLimits,
@@ -52,9 +53,9 @@ class AdminController(Controller):
     opt = ADMIN_ONLY
 
     @post("/tenants", status_code=HTTP_201_CREATED)
-    async def create_tenant(self, request: Request, data: JSONBody[Any]) -> dict[str, Any]:
+    async def create_tenant(self, request: Request) -> dict[str, Any]:
         """``{"name", "limits"?}`` -> 201 ``{"id", "name", "api_key"}`` (the key, once)."""
-        body = _object(data)
+        body = await json_object(request)
         state = request.app.state.gateway
         name = body.get("name")
         if not isinstance(name, str):
@@ -90,12 +91,10 @@ class AdminController(Controller):
             return view
 
     @put("/tenants/{tenant_id:str}/limits", status_code=HTTP_200_OK)
-    async def put_limits(
-        self, request: Request, tenant_id: FromPath[str], data: JSONBody[Any]
-    ) -> dict[str, Any]:
+    async def put_limits(self, request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
         """Replace the tenant's per-key limits; a null or missing field means the default."""
         state = request.app.state.gateway
-        limits = _limits(_object(data))
+        limits = _limits(await json_object(request))
         async with state.sessions() as session, session.begin():
             tenant = await set_limits(session, tenant_id, limits)
             view = _tenant_view(tenant)

@@ -86,6 +86,7 @@ async def chat_completions(request: Request) -> Response:
             await request.body(),
             max_tokens_limit=state.config.max_tokens_limit,
             max_n=state.config.max_n,
+            max_parts=state.engine.max_model_len,
         )
         ledger.model = chat.model
         run = await _start(state, principal, chat, ledger, response_id)
@@ -111,6 +112,13 @@ async def _start(
     """Resolve the model, process the messages, check lengths, and start the engine run."""
     engine = state.engine
     ledger.adapter_digest = await resolve_model(state, principal.tenant_id, chat.model)
+    limits = engine.input_limits
+    chat.check_size(engine.max_model_len, limits.max_token_bytes, limits.image_tokens)
+    if chat.images > limits.max_images:
+        raise bad_request(
+            f"the messages hold {chat.images} images; at most {limits.max_images} per request",
+            param="messages",
+        )
     try:
         prompt = await engine.process(chat.messages)
     except ValueError as exc:  # InvalidImageError included

@@ -1,14 +1,32 @@
 """``POST /v1/chat/completions`` bodies: parsed and checked into a :class:`ChatRequest`.
 
 Everything the gateway can refuse without the engine is refused here, with a 400 that names the
-field (OpenAI's ``param``): malformed JSON, a missing or empty ``messages``, wrong types, an
-``image_url`` that is not a ``data:`` URL (nothing is ever fetched), out-of-range sampling
-values, ``max_tokens`` over the server's limit, ``n`` over ``max_n``. Unknown fields are
-ignored, and an explicit ``null`` means "not given". No field sets the cache salt: a client
-``cache_salt`` is one more unknown field.
+field (OpenAI's ``param``): malformed JSON (syntax, invalid UTF-8, nesting too deep), a missing
+or empty ``messages``, wrong types, an ``image_url`` that is not a ``data:`` URL (nothing is
+ever fetched), out-of-range values, ``max_tokens`` over the server's limit, ``n`` over
+``max_n``. Unknown fields are ignored, and an explicit ``null`` means "not given". No field
+sets the cache salt: a client ``cache_salt`` is one more unknown field.
 
-The prompt's length is known only after the chat template runs, so ``max_tokens`` against the
-model length is checked later by :meth:`ChatRequest.sampling_params`.
+Numeric fields and their ranges (a value outside gets a 400 naming the field; JSON has no NaN,
+and a number out of float range such as ``1e999`` is malformed JSON)::
+
+    max_completion_tokens / max_tokens   integer, 1 .. --max-tokens-limit (and the model length)
+    n                                    integer, 1 .. max_n (8)
+    temperature                          number, 0 .. 100 (0: greedy)
+    top_p                                number, (0, 1]
+    top_k                                integer, -1 .. 2**31 - 1 (-1 or 0: off)
+    seed                                 integer, -2**63 .. 2**64 - 1
+    top_logprobs                         integer, 0 .. 20 (needs logprobs: true)
+    stop                                 string or at most 16 strings of 1 .. 1024 characters
+
+Cheap bounds run before any expensive step: at most ``max_model_len`` messages and content
+parts (a chat template spends at least one token on each), and :meth:`ChatRequest.check_size`
+refuses a prompt whose text is too long for the model before it is tokenized (each token stands
+for at most ``max_token_bytes`` bytes of text, so the byte count bounds the token count from
+below).
+
+The prompt's exact length is known only after the chat template runs, so ``max_tokens`` against
+the model length is checked later by :meth:`ChatRequest.sampling_params`.
 """
 
 from __future__ import annotations
@@ -16,10 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from engine.sampling.params import MAX_LOGPROBS, SamplingParams
 from gateway.server.errors import APIError, bad_request
+from gateway.server.json_body import decode_json
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -39,6 +56,8 @@ class ChatRequest:
         top_logprobs: Alternatives per token (0..20) when ``logprobs``.
         sampling: ``SamplingParams`` fields other than ``max_tokens`` and ``logprobs``.
         images: ``image_url`` parts in the messages.
+        text_bytes: UTF-8 bytes of every string a chat template may render (contents, text
+            parts, roles and other string fields of the messages).
     """
 
     model: str
@@ -51,6 +70,32 @@ class ChatRequest:
     top_logprobs: int = 0
     sampling: dict[str, Any] = field(default_factory=dict)
     images: int = 0
+    text_bytes: int = 0
+
+    def check_size(self, max_model_len: int, max_token_bytes: int, image_tokens: int) -> None:
+        """Refuse, before tokenizing, a prompt that cannot fit ``max_model_len`` tokens.
+
+        Args:
+            max_model_len: The model length.
+            max_token_bytes: The most bytes of text one token can stand for (0: unknown, no
+                check).
+            image_tokens: Placeholder tokens per image.
+
+        Raises:
+            APIError: 400 ``context_length_exceeded`` when even the fewest tokens the text and
+                images can become exceed ``max_model_len - 1``.
+        """
+        if max_token_bytes <= 0:
+            return
+        floor = -(-self.text_bytes // max_token_bytes) + self.images * image_tokens
+        if floor >= max_model_len:
+            raise bad_request(
+                f"the messages hold {self.text_bytes} bytes of text and {self.images} image(s): "
+                f"at least {floor} tokens, and this model allows at most {max_model_len - 1} "
+                f"prompt tokens (max_model_len {max_model_len})",
+                param="messages",
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
 
     def sampling_params(self, prompt_tokens: int, max_model_len: int, limit: int) -> SamplingParams:
         """The engine's sampling parameters for a prompt of ``prompt_tokens`` tokens.
@@ -85,13 +130,17 @@ class ChatRequest:
         )
 
 
-def parse_chat_request(body: bytes, *, max_tokens_limit: int, max_n: int) -> ChatRequest:
+def parse_chat_request(
+    body: bytes, *, max_tokens_limit: int, max_n: int, max_parts: int = 1 << 20
+) -> ChatRequest:
     """Parse and check a request body.
 
     Args:
         body: The raw JSON body.
         max_tokens_limit: Largest ``max_tokens`` a request may ask for.
         max_n: Largest ``n``.
+        max_parts: Most messages, and most content parts in all, a request may hold (the
+            model length: a chat template spends at least one token on each).
 
     Returns:
         The checked request.
@@ -99,10 +148,7 @@ def parse_chat_request(body: bytes, *, max_tokens_limit: int, max_n: int) -> Cha
     Raises:
         APIError: 400 naming the field at fault.
     """
-    try:
-        data = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    data = decode_json(body)
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     model = data.get("model")
@@ -111,7 +157,13 @@ def parse_chat_request(body: bytes, *, max_tokens_limit: int, max_n: int) -> Cha
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' is required and must be a non-empty array", param="messages")
-    images = check_messages(messages)
+    if len(messages) > max_parts:
+        raise bad_request(
+            f"'messages' holds {len(messages)} messages; at most {max_parts} fit this model",
+            param="messages",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+    images, text_bytes = check_messages(messages, max_parts=max_parts)
 
     max_tokens, max_tokens_param = None, "max_tokens"
     for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
@@ -166,25 +218,34 @@ def parse_chat_request(body: bytes, *, max_tokens_limit: int, max_n: int) -> Cha
         top_logprobs=top_logprobs or 0,
         sampling=sampling,
         images=images,
+        text_bytes=text_bytes,
     )
     _sampling(max_tokens=1, logprobs=None, **sampling)  # range checks now, not after processing
     return request
 
 
-def check_messages(messages: list[Any]) -> int:
+def check_messages(messages: list[Any], *, max_parts: int = 1 << 20) -> tuple[int, int]:
     """Check the messages' structure and image URLs; the engine decodes the images later.
 
+    Args:
+        messages: The ``messages`` array.
+        max_parts: Most content parts in all messages.
+
     Returns:
-        The number of ``image_url`` parts.
+        The number of ``image_url`` parts, and the UTF-8 bytes of every string a chat
+        template may render (``ChatRequest.text_bytes``).
 
     Raises:
         APIError: 400 naming the message or part at fault (``messages[0].content[1]...``).
     """
     images = 0
+    text_bytes = 0
+    parts = 0
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request(f"{where} must be an object with a string 'role'", param=where)
+        text_bytes += sum(_utf8_len(v) for v in message.values() if isinstance(v, str))
         content = message.get("content")
         if content is None or isinstance(content, str):
             continue
@@ -192,12 +253,21 @@ def check_messages(messages: list[Any]) -> int:
             raise bad_request(
                 f"{where}.content must be a string or an array of parts", param=f"{where}.content"
             )
+        parts += len(content)
+        if parts > max_parts:
+            raise bad_request(
+                f"the messages hold more than {max_parts} content parts; at most {max_parts} "
+                "fit this model",
+                param=f"{where}.content",
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
         for j, part in enumerate(content):
             at = f"{where}.content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 if not isinstance(part.get("text"), str):
                     raise bad_request(f"{at}.text must be a string", param=f"{at}.text")
+                text_bytes += _utf8_len(part["text"])
             elif kind == "image_url":
                 spec = part.get("image_url")
                 url = spec.get("url") if isinstance(spec, dict) else spec
@@ -219,7 +289,14 @@ def check_messages(messages: list[Any]) -> int:
                 raise bad_request(
                     f"{at} must be a part of type 'text' or 'image_url'", param=f"{at}.type"
                 )
-    return images
+    return images, text_bytes
+
+
+def _utf8_len(text: str) -> int:
+    """UTF-8 length of ``text`` without encoding it (ASCII is the common, fast case)."""
+    if text.isascii():
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", dict: "an object"}
