@@ -87,7 +87,7 @@ class InstantEngine:
         """True until :meth:`shutdown`."""
         return self._running
 
-    async def process(self, messages: Any) -> ProcessedPrompt:
+    async def process(self, messages: Any, *, tenant: str = "") -> ProcessedPrompt:
         """One prompt token per 4 characters of message text, no images.
 
         Raises:

@@ -3,20 +3,20 @@
 Routes talk to an :class:`EngineClient`, never to the engine's internals, so the gateway
 benchmark can put an instant fake engine behind the real app (``bench/gateway.py``) and tests can
 share one engine between apps. Input processing (chat template, image decoding) is CPU work: it
-runs on one worker thread, never on the event loop (and never two at once on the tokenizer).
+runs on worker threads shared round-robin between tenants (``gateway.server.fair_pool``), never
+on the event loop, so no tenant's inputs queue another's.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.inputs import ProcessedPrompt
 from engine.processing import max_token_bytes
 from engine.request import EngineRequest, RequestOutput
+from gateway.server.fair_pool import FairWorkerPool, default_workers
 
 
 @dataclass(frozen=True)
@@ -71,11 +71,12 @@ class EngineClient(Protocol):
         """True while the engine can take requests."""
         ...
 
-    async def process(self, messages: Any) -> ProcessedPrompt:
-        """Chat messages to prompt token ids and images.
+    async def process(self, messages: Any, *, tenant: str = "") -> ProcessedPrompt:
+        """Chat messages to prompt token ids and images, on a worker shared fairly by tenants.
 
         Raises:
             ValueError: bad messages or images (``InvalidImageError`` is one).
+            PoolBusyError: the tenant has too many prompts waiting to be processed.
         """
         ...
 
@@ -134,17 +135,16 @@ class LocalEngineClient:
             image_tokens=getattr(engine.model, "num_image_tokens", 0),
             max_images=engine.inputs.max_images,
         )
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-inputs")
+        self._workers = FairWorkerPool(default_workers())
 
     @property
     def is_running(self) -> bool:
         """See :class:`EngineClient`."""
         return self.llm.is_running
 
-    async def process(self, messages: Any) -> ProcessedPrompt:
+    async def process(self, messages: Any, *, tenant: str = "") -> ProcessedPrompt:
         """See :class:`EngineClient`."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, self._inputs, messages)
+        return await self._workers.run(tenant, self._inputs, messages)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """See :class:`EngineClient`."""
@@ -171,4 +171,4 @@ class LocalEngineClient:
     def shutdown(self) -> None:
         """See :class:`EngineClient`."""
         self.llm.shutdown()
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._workers.shutdown()

@@ -97,9 +97,9 @@ def test_a_prompt_too_big_for_the_model_is_refused_before_tokenizing(
     calls = []
     process = engine_client.process
 
-    async def counting(messages):
+    async def counting(messages, **kw):
         calls.append(len(str(messages)))
-        return await process(messages)
+        return await process(messages, **kw)
 
     monkeypatch.setattr(engine_client, "process", counting)
     huge = "lorem ipsum " * 500_000  # 6 MB of text

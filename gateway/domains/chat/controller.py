@@ -37,6 +37,7 @@ from gateway.domains.chat.service import ChatRun, UsageLedger, resolve_model
 from gateway.domains.chat.streaming import HEADERS, EventStream, StreamMeta, chunk_stream
 from gateway.server.auth import TenantPrincipal
 from gateway.server.errors import ERROR_TYPES, APIError, bad_request, rate_limited
+from gateway.server.fair_pool import PoolBusyError
 from gateway.server.ratelimit import RateLimitExceeded
 
 if TYPE_CHECKING:
@@ -120,9 +121,16 @@ async def _start(
             param="messages",
         )
     try:
-        prompt = await engine.process(chat.messages)
+        prompt = await engine.process(chat.messages, tenant=principal.tenant_id)
     except ValueError as exc:  # InvalidImageError included
         raise bad_request(str(exc), param="messages") from None
+    except PoolBusyError:
+        raise APIError(
+            429,
+            "too many of your requests are waiting to be processed; retry shortly",
+            code="too_many_pending_requests",
+            headers={"Retry-After": "1"},
+        ) from None
     sampling = chat.sampling_params(
         len(prompt.prompt_token_ids), engine.max_model_len, state.config.max_tokens_limit
     )
