@@ -48,6 +48,8 @@ class EngineRequest:
         images: The prompt's images in placeholder order.
         lora_digest: Digest of the LoRA adapter, None for the base model.
         cache_salt: Scopes prefix-cache and vision-cache reuse (the gateway sets the tenant).
+        tenant: The fairness group the scheduler shares the engine between
+            (``engine.fair_queue``); None for requests without one (one shared group).
         arrival_time: ``time.monotonic()`` at arrival.
     """
 
@@ -57,6 +59,7 @@ class EngineRequest:
     images: list[ImageInput] = field(default_factory=list)
     lora_digest: str | None = None
     cache_salt: str | None = None
+    tenant: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
 

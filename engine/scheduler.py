@@ -2,32 +2,41 @@
 
 Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
 
+0. Fairness between tenants: if the sequence due next (see 2) cannot start because every
+   ``max_num_seqs`` slot is taken or the pool cannot hold its prompt, and another tenant runs
+   more than its share of the slots (``max_num_seqs`` / tenants with work, rounded up, so
+   shares that cannot be even never swap slots back and forth) with a higher virtual token
+   counter, that tenant's newest running sequence is preempted (one per step), so a tenant
+   holding the whole batch cannot make another wait for its streams to end.
 1. Running sequences, oldest first, each get the tokens they still need (one for a decode, the
    rest of the prompt for a prefill), within the step's token budget. When the pool cannot fit
    them, the newest running sequence is preempted (``recompute``: its blocks are freed, they stay
    cached; ``swap``: its KV is copied to the CPU pool first) until it fits or the sequence
    itself was the one preempted.
-2. If nothing was preempted, waiting sequences are admitted first come, first served: prefix
+2. If nothing was preempted, waiting sequences are admitted in virtual-token-counter order
+   (``engine.fair_queue``: the oldest waiting sequence of the tenant that has received the least
+   service; first come, first served within a tenant and when there are no tenants): prefix
    lookup, then room for as much of the rest as the budget allows (chunked prefill). The first
    one that does not fit stops admission (no overtaking), as does ``max_num_seqs``, and a
    sequence whose adapter cannot get a device slot (every slot held by running sequences).
    Admission takes a reference on the adapter's slot, finishing or preemption drops it, so
    the running sequences, and so every step, never hold more distinct adapters than slots;
-   and since nothing overtakes, requests waiting for a slot are served first come, first
-   served across adapters (no starvation).
+   and since nothing overtakes, requests waiting for a slot are served in that order across
+   adapters (no starvation).
 3. The step's sequences are put in batch order grouped by adapter (a stable sort, base model
    first), so every adapter's tokens form one contiguous segment of the flattened batch:
    Punica's SGMV layout, where each segment's LoRA shrink/expand works on a view of the
-   activations in place, with no gather or scatter.
+   activations in place, with no gather or scatter. Each tenant's counter is charged with the
+   step's tokens.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.fair_queue import FairQueue, tenant_of
 from engine.kv_cache import KVCacheManager, SlotAllocation
 from engine.request import Sequence, SequenceStatus
 from engine.swap import CpuBlockPool
@@ -126,7 +135,7 @@ class Scheduler:
         self.preemption = preemption
         self.cpu_pool = cpu_pool
         self.lora_manager = lora_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.swap_tables: dict[str, list[int]] = {}  # seq_id -> CPU blocks of a swapped seq
         self.num_preemptions = 0
@@ -144,6 +153,7 @@ class Scheduler:
             self.lora_manager.acquire(seq.request.lora_digest)  # resident: the parent holds it
         seq.status = SequenceStatus.RUNNING
         self.running.insert(self.running.index(after) + 1, seq)
+        self.waiting.started(seq)
 
     def has_unfinished(self) -> bool:
         """True while any sequence waits or runs."""
@@ -153,6 +163,7 @@ class Scheduler:
         """Take a sequence out of the queues and release its blocks (and adapter slot) at once."""
         if seq in self.running:
             self.running.remove(seq)
+            self.waiting.stopped(seq)
             self._release_lora(seq)
         else:
             try:
@@ -176,18 +187,61 @@ class Scheduler:
     def requeue(self, seq: Sequence) -> None:
         """Preempt a running sequence to recompute it (its step's result is discarded)."""
         self.running.remove(seq)
+        self.waiting.stopped(seq)
         self._preempt(seq, SchedulerOutput(), allow_swap=False)
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring)."""
-        out = self._schedule()
+        out = SchedulerOutput()
+        self._preempt_for_fairness(out)
+        self._schedule(out)
         if self.lora_manager is not None and len(out.scheduled) > 1:
             out.scheduled.sort(key=_adapter_key)
+        for item in out.scheduled:  # computed tokens at the prompt rate, plus the sampled one
+            self.waiting.charge(tenant_of(item.seq), item.num_new_tokens, int(item.sample))
         return out
 
-    def _schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
+        """Preempt one running sequence of an over-served tenant if the fair head is blocked.
+
+        See step 0 of the module docstring. The victim is the newest running sequence of the
+        tenant that runs the most sequences above its share, among those whose counter is
+        higher than the head's tenant's; with ``recompute`` its computed blocks stay cached,
+        so resuming it is mostly prefix hits.
+        """
+        head = self.waiting.peek()
+        if head is None or not self.running:
+            return
+        if len(self.running) < self.max_num_seqs and self._fits(head):
+            return
+        fair = self.waiting
+        tenant = tenant_of(head)
+        counts = fair.running
+        share = -(-self.max_num_seqs // len(set(counts) | {tenant}))  # ceil: no ping-pong
+        floor = fair.counter(tenant)
+        over = [
+            t for t, n in counts.items() if t != tenant and n > share and fair.counter(t) > floor
+        ]
+        if not over:
+            return
+        victim_tenant = max(over, key=lambda t: (counts[t], fair.counter(t)))
+        victim = next(s for s in reversed(self.running) if tenant_of(s) == victim_tenant)
+        self.running.remove(victim)
+        fair.stopped(victim)
+        self._preempt(victim, out)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether the pool has free (or evictable) blocks for the sequence's first chunk."""
+        if seq.swapped:
+            needed = -(-seq.num_tokens // self.kv.block_size)
+        else:
+            match = self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
+            first = min(seq.num_tokens, match.num_cached_tokens + self.max_num_batched_tokens)
+            needed = -(-first // self.kv.block_size) - len(match.blocks)
+        return needed <= self.kv.num_free_blocks
+
+    def _schedule(self, out: SchedulerOutput) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         step_loras: set[str] = set()
         i = 0
@@ -209,14 +263,14 @@ class Scheduler:
             return out
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             lora = seq.request.lora_digest
             if lora is not None and lora not in step_loras and len(step_loras) >= self.max_loras:
                 break
             if lora is not None:
                 got = self._acquire_lora(seq)
                 if got is None:  # the adapter is gone: fail this request, go on
-                    self.waiting.popleft()
+                    self.waiting.remove(seq)
                     self.finish(seq, "abort")
                     out.failed.append(seq)
                     continue
@@ -247,9 +301,10 @@ class Scheduler:
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = match.num_cached_tokens
                 self._record(out, seq, num_new, alloc)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.waiting.started(seq)
             if lora is not None:
                 step_loras.add(lora)
             budget -= out.scheduled[-1].num_new_tokens
@@ -267,7 +322,7 @@ class Scheduler:
         """
         if self.running or out.scheduled:
             return False
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         self.finish(seq, "length")
         out.capped.append(seq)
         return True
@@ -315,6 +370,7 @@ class Scheduler:
                 out.capped.append(seq)
                 return None
             victim = self.running.pop()
+            self.waiting.stopped(victim)
             self._preempt(victim, out)
             if victim is seq:
                 return None

@@ -34,6 +34,27 @@ def register(subparsers) -> None:
     g.add_argument("--max-concurrent-requests", type=int, default=d.default_max_concurrent_requests)
     g.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit)
     g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_seconds)
+    a = p.add_argument_group(
+        "admission control (all tenants; past a bound new requests get 503 + Retry-After)"
+    )
+    a.add_argument(
+        "--max-outstanding-requests",
+        type=int,
+        default=d.max_outstanding_requests,
+        help="chat requests in progress at most (0: no bound; default %(default)s)",
+    )
+    a.add_argument(
+        "--max-outstanding-tokens",
+        type=int,
+        default=d.max_outstanding_tokens,
+        help="their prompt + max_tokens at most (0: no bound; default %(default)s)",
+    )
+    a.add_argument(
+        "--tenant-share",
+        type=float,
+        default=d.tenant_share,
+        help="fraction of each bound one tenant may hold (default %(default)s)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--no-access-log",
@@ -57,6 +78,11 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("max_outstanding_requests", "max_outstanding_tokens"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be 0 (no bound) or positive")
+    if not 0.0 < args.tenant_share <= 1.0:
+        raise ValueError("--tenant-share must be in (0, 1]")
     return GatewayConfig(
         data_dir=directory,
         db_url=db_url(directory, args.db_url),
@@ -68,6 +94,9 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         default_tokens_per_minute=args.tokens_per_minute,
         default_max_concurrent_requests=args.max_concurrent_requests,
         shutdown_grace_seconds=args.shutdown_grace,
+        max_outstanding_requests=args.max_outstanding_requests or None,
+        max_outstanding_tokens=args.max_outstanding_tokens or None,
+        tenant_share=args.tenant_share,
     )
 
 

@@ -39,6 +39,10 @@ class GatewayConfig:
             are aborted.
         adapter_store_dir: The content-addressed adapter store (default ``DATA/adapters``); the
             engine's adapter loader must read the same store.
+        max_outstanding_requests: Chat requests admitted and not finished, at most, across all
+            tenants; past it, 503 + ``Retry-After`` (None: no bound).
+        max_outstanding_tokens: Their prompt + max_tokens, at most (None: no bound).
+        tenant_share: Fraction of each of those two bounds one tenant may hold.
     """
 
     data_dir: Path
@@ -59,6 +63,9 @@ class GatewayConfig:
     usage_flush_seconds: float = 0.2
     shutdown_grace_seconds: float = 10.0
     adapter_store_dir: Path | None = None
+    max_outstanding_requests: int | None = 1024
+    max_outstanding_tokens: int | None = 4 * 1024 * 1024
+    tenant_share: float = 0.5
 
     @property
     def store_dir(self) -> Path:

@@ -94,6 +94,12 @@ def rate_limited(message: str, retry_after_seconds: float) -> APIError:
     return APIError(429, message, headers={"Retry-After": str(seconds)})
 
 
+def overloaded(message: str, retry_after_seconds: float) -> APIError:
+    """A 503 ``overloaded`` with ``Retry-After`` in whole seconds (at least 1)."""
+    seconds = max(1, math.ceil(retry_after_seconds))
+    return APIError(503, message, code="overloaded", headers={"Retry-After": str(seconds)})
+
+
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from adapters.store import AdapterStore
+from gateway.server.admission import AdmissionControl
 from gateway.server.auth import KeyCache
 from gateway.server.config import GatewayConfig
 from gateway.server.engine_client import EngineClient
@@ -34,6 +35,7 @@ class GatewayState:
         limiter: Per-key rate limits.
         usage: The background usage writer.
         metrics: Prometheus registry and counters.
+        admission: Global bounds on outstanding requests and tokens.
         owns_engine: Shut the engine down with the app (False when tests share one).
         draining: Set on shutdown: new chat requests get 503.
         in_flight: Chat requests running now (graceful shutdown waits for them).
@@ -53,6 +55,7 @@ class GatewayState:
     limiter: RateLimiter
     usage: UsageWriter
     metrics: GatewayMetrics
+    admission: AdmissionControl
     owns_engine: bool = True
     draining: bool = False
     in_flight: set[asyncio.Task] = field(default_factory=set)
@@ -99,5 +102,8 @@ def build_state(
         limiter=RateLimiter(),
         usage=UsageWriter(sessions, flush_seconds=config.usage_flush_seconds),
         metrics=GatewayMetrics(engine.stats),
+        admission=AdmissionControl(
+            config.max_outstanding_requests, config.max_outstanding_tokens, config.tenant_share
+        ),
         owns_engine=owns_engine,
     )

@@ -5,6 +5,8 @@ Order of checks, and what each failure leaves behind::
     auth (401/403, middleware)           no usage row
     draining or engine down (503)        no usage row
     rate limits (429 + Retry-After)      no usage row; counted in loraplex_rate_limited_requests
+    admission control (503 + Retry-After: the server, or the tenant's share of it, is full)
+                                         no usage row; counted there as limit="overloaded"
     body: size (413), JSON and fields (400), model (404), messages and images (400),
           prompt + max_tokens vs max_model_len (400)      usage row "error", 0 tokens
     engine run: see ``service.ChatRun``                    usage row "ok" / "error" / "aborted"
@@ -35,8 +37,9 @@ from gateway.domains.chat.responses import completion_body
 from gateway.domains.chat.schemas import ChatRequest, parse_chat_request
 from gateway.domains.chat.service import ChatRun, UsageLedger, resolve_model
 from gateway.domains.chat.streaming import HEADERS, EventStream, StreamMeta, chunk_stream
+from gateway.server.admission import OverloadedError
 from gateway.server.auth import TenantPrincipal
-from gateway.server.errors import ERROR_TYPES, APIError, bad_request, rate_limited
+from gateway.server.errors import ERROR_TYPES, APIError, bad_request, overloaded, rate_limited
 from gateway.server.fair_pool import PoolBusyError
 from gateway.server.ratelimit import RateLimitExceeded
 
@@ -71,11 +74,18 @@ async def chat_completions(request: Request) -> Response:
             f"{max(1.0, exc.retry_after):.0f} s",
             exc.retry_after,
         ) from None
+    try:
+        admission = state.admission.admit(principal.tenant_id)
+    except OverloadedError as exc:
+        ticket.release(0)
+        state.metrics.rate_limited.labels(principal.tenant_id, "overloaded").inc()
+        raise overloaded(str(exc), exc.retry_after) from None
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     client_id = request.headers.get(REQUEST_ID_HEADER)
     valid_id = client_id is not None and _REQUEST_ID.match(client_id) is not None
     usage_id = f"{principal.tenant_id}:{client_id}" if valid_id else response_id
     ledger = UsageLedger(state, principal, ticket, usage_id)
+    ledger.admission = admission
     run: ChatRun | None = None
     try:
         if client_id is not None and not valid_id:
@@ -141,9 +151,16 @@ async def _start(
         images=prompt.images,
         lora_digest=ledger.adapter_digest,
         cache_salt=principal.tenant_id,  # always the tenant: never from the client
+        tenant=principal.tenant_id,  # the scheduler's fairness group
     )
     ledger.prompt_tokens = len(prompt.prompt_token_ids)
     ledger.images = len(prompt.images)
+    try:
+        admission = ledger.admission
+        if admission is not None:
+            admission.reserve_tokens(ledger.prompt_tokens + sampling.max_tokens * sampling.n)
+    except OverloadedError as exc:
+        raise overloaded(str(exc), exc.retry_after) from None
     return ChatRun(state, engine_request, ledger)
 
 

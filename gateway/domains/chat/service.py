@@ -35,6 +35,7 @@ from gateway.services.adapters import find_adapter
 from gateway.services.usage import UsageRecord
 
 if TYPE_CHECKING:
+    from gateway.server.admission import AdmissionTicket
     from gateway.server.auth import TenantPrincipal
     from gateway.server.ratelimit import Ticket
     from gateway.server.state import GatewayState
@@ -96,6 +97,7 @@ class UsageLedger:
         self.ttft: float | None = None
         self.last: RequestOutput | None = None
         self.closed = False
+        self.admission: AdmissionTicket | None = None  # released with the ticket
 
     def observe(self, out: RequestOutput) -> None:
         """Keep the engine's latest output (cumulative: it supersedes the previous ones).
@@ -154,6 +156,8 @@ class UsageLedger:
             logger.exception("could not record usage of %s", self.usage_id)
         finally:
             self.ticket.release(self.prompt_tokens + self.completion_tokens)
+            if self.admission is not None:
+                self.admission.release()
 
 
 class _Cancelled(Exception):

@@ -1,0 +1,155 @@
+"""The waiting queue, shared fairly between tenants by virtual token counters.
+
+Virtual Token Counter (VTC; Sheng et al., "Fairness in Serving Large Language Models", OSDI
+2024): every tenant has a counter of the service it has received, in weighted tokens
+(``prompt_weight`` per prompt token computed, ``output_weight`` per token generated; the paper's
+1 and 2). The next sequence admitted is the oldest waiting one of the tenant with the lowest
+counter, so a tenant flooding the queue only ever competes with its own requests. A tenant that
+becomes active again after being idle (nothing waiting, nothing running) has its counter lifted
+to the lowest counter of the tenants active now: idle time banks no credit (the paper's rule),
+so a returning tenant is served next but cannot then monopolise the engine.
+
+Within a tenant, order is first come, first served, and a preempted sequence goes back to the
+front of its tenant's queue. Without tenants (``tenant`` None everywhere) the queue is one FCFS
+deque, as before.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from engine.request import Sequence
+
+PROMPT_WEIGHT = 1.0
+OUTPUT_WEIGHT = 2.0
+
+
+def tenant_of(seq: Sequence) -> str:
+    """The fairness group of a sequence (``""`` for requests without a tenant)."""
+    return seq.request.tenant or ""
+
+
+class FairQueue:
+    """Waiting sequences per tenant; :meth:`peek` is the next to admit (VTC order).
+
+    Args:
+        prompt_weight: Counter units per prompt token computed.
+        output_weight: Counter units per token generated.
+
+    Attributes:
+        counters: ``tenant -> service received`` in weighted tokens (only grows).
+        running: ``tenant -> sequences running now`` (the scheduler reports them with
+            :meth:`started` and :meth:`stopped`); a running tenant counts as active.
+    """
+
+    def __init__(
+        self, prompt_weight: float = PROMPT_WEIGHT, output_weight: float = OUTPUT_WEIGHT
+    ) -> None:
+        self.prompt_weight = prompt_weight
+        self.output_weight = output_weight
+        self.counters: dict[str, float] = {}
+        self.running: dict[str, int] = {}
+        self._queues: dict[str, deque[Sequence]] = {}
+        self._len = 0
+
+    # ------------------------------------------------------------------------- queue
+    def append(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back of its tenant's queue."""
+        self._queue(tenant_of(seq)).append(seq)
+        self._len += 1
+
+    def appendleft(self, seq: Sequence) -> None:
+        """Queue a preempted sequence at the front of its tenant's queue."""
+        self._queue(tenant_of(seq)).appendleft(seq)
+        self._len += 1
+
+    def peek(self) -> Sequence | None:
+        """The next sequence to admit: its tenant has the lowest counter (ties: the oldest)."""
+        best: Sequence | None = None
+        best_key: tuple[float, float] | None = None
+        for tenant, queue in self._queues.items():
+            head = queue[0]
+            key = (self.counters.get(tenant, 0.0), head.request.arrival_time)
+            if best_key is None or key < best_key:
+                best, best_key = head, key
+        return best
+
+    def popleft(self) -> Sequence:
+        """Remove and return :meth:`peek`.
+
+        Raises:
+            IndexError: the queue is empty.
+        """
+        seq = self.peek()
+        if seq is None:
+            raise IndexError("pop from an empty FairQueue")
+        self.remove(seq)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out wherever it waits.
+
+        Raises:
+            ValueError: it is not waiting.
+        """
+        tenant = tenant_of(seq)
+        queue = self._queues.get(tenant)
+        if queue is None:
+            raise ValueError("sequence is not waiting")
+        queue.remove(seq)
+        self._len -= 1
+        if not queue:
+            del self._queues[tenant]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for queue in self._queues.values():
+            yield from queue
+
+    def waiting_tenants(self) -> list[str]:
+        """Tenants with at least one waiting sequence."""
+        return list(self._queues)
+
+    # ---------------------------------------------------------------------- counters
+    def charge(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
+        """Add the service a tenant's sequences received in a step."""
+        self.counters[tenant] = (
+            self.counters.get(tenant, 0.0)
+            + self.prompt_weight * prompt_tokens
+            + self.output_weight * output_tokens
+        )
+
+    def started(self, seq: Sequence) -> None:
+        """A sequence of this tenant began running."""
+        tenant = tenant_of(seq)
+        self.running[tenant] = self.running.get(tenant, 0) + 1
+
+    def stopped(self, seq: Sequence) -> None:
+        """A running sequence of this tenant stopped (finished or preempted)."""
+        tenant = tenant_of(seq)
+        left = self.running.get(tenant, 0) - 1
+        if left > 0:
+            self.running[tenant] = left
+        else:
+            self.running.pop(tenant, None)
+
+    def counter(self, tenant: str) -> float:
+        """The tenant's counter (0 for a tenant never served)."""
+        return self.counters.get(tenant, 0.0)
+
+    def _queue(self, tenant: str) -> deque[Sequence]:
+        queue = self._queues.get(tenant)
+        if queue is None:
+            if tenant not in self.running:  # active again: no credit for the idle time
+                active = [t for t in (*self._queues, *self.running) if t != tenant]
+                if active:
+                    floor = min(self.counters.get(t, 0.0) for t in active)
+                    self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+            queue = self._queues[tenant] = deque()
+        return queue
