@@ -30,6 +30,11 @@ class EngineConfig:
         max_model_len: Longest prompt + output, in tokens; None for the model's own limit.
         max_num_seqs: Most sequences in one step.
         max_num_batched_tokens: Token budget of one step (prefill chunks + decodes).
+        long_prefill_token_threshold: In a step that also decodes, a prefill advances by at
+            most this many tokens, so one long prompt (another tenant's) cannot make every
+            decoding sequence's next token wait for thousands of prefill tokens (Sarathi-Serve's
+            stall-free batching; vLLM's flag of the same name). A prefill alone in its step
+            takes the whole budget. None: ``max_num_batched_tokens // 4``; 0: no cap.
         enable_prefix_caching: Automatic prefix caching.
         prefix_hash: Block hash algorithm, ``"sha256"`` or ``"xxhash"``.
         mm_hash: Image key mode, ``"perceptual"`` or ``"exact"``.
@@ -54,6 +59,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int | None = None
     enable_prefix_caching: bool = True
     prefix_hash: Literal["sha256", "xxhash"] = "sha256"
     mm_hash: Literal["perceptual", "exact"] = "perceptual"
@@ -81,6 +87,10 @@ class EngineConfig:
             (
                 self.max_num_batched_tokens > 0,
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}",
+            ),
+            (
+                self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
+                "long_prefill_token_threshold must be >= 0",
             ),
             (
                 self.max_model_len is None or self.max_model_len > 0,

@@ -107,6 +107,11 @@ class LLMEngine:
             self.kv,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            long_prefill_token_threshold=(
+                config.max_num_batched_tokens // 4
+                if config.long_prefill_token_threshold is None
+                else config.long_prefill_token_threshold
+            ),
             max_loras=config.max_loras,
             preemption=config.preemption,
             cpu_pool=CpuBlockPool(num_cpu_blocks) if num_cpu_blocks else None,

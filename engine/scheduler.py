@@ -6,14 +6,15 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
    ``max_num_seqs`` slot is taken or the pool cannot hold its prompt, and another tenant runs
    more than its share of the slots (``max_num_seqs`` / tenants with work, rounded up, so
    shares that cannot be even never swap slots back and forth) with a higher virtual token
-   counter, that tenant's newest running sequence is preempted (one per step), so a tenant
-   holding the whole batch cannot make another wait for its streams to end.
+   counter, that tenant's newest running sequence is preempted (one per step) and the head is
+   admitted in the same step, so a tenant holding the whole batch cannot make another wait
+   for its streams to end.
 1. Running sequences, oldest first, each get the tokens they still need (one for a decode, the
    rest of the prompt for a prefill), within the step's token budget. When the pool cannot fit
    them, the newest running sequence is preempted (``recompute``: its blocks are freed, they stay
    cached; ``swap``: its KV is copied to the CPU pool first) until it fits or the sequence
    itself was the one preempted.
-2. If nothing was preempted, waiting sequences are admitted in virtual-token-counter order
+2. If nothing was preempted in 1, waiting sequences are admitted in virtual-token-counter order
    (``engine.fair_queue``: the oldest waiting sequence of the tenant that has received the least
    service; first come, first served within a tenant and when there are no tenants): prefix
    lookup, then room for as much of the rest as the budget allows (chunked prefill). The first
@@ -108,6 +109,8 @@ class Scheduler:
         kv: The KV cache manager.
         max_num_seqs: Most sequences running at once.
         max_num_batched_tokens: Token budget of a step.
+        long_prefill_token_threshold: Most tokens a prefill advances by in a step that also
+            decodes (0: no cap).
         max_loras: Most distinct adapters in one step.
         lora_manager: Acquires and releases adapter slots (``adapters.manager.LoRAManager``);
             None when the engine serves no adapters.
@@ -121,6 +124,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        long_prefill_token_threshold: int = 0,
         max_loras: int,
         preemption: str = "recompute",
         cpu_pool: CpuBlockPool | None = None,
@@ -131,6 +135,7 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_loras = max_loras
         self.preemption = preemption
         self.cpu_pool = cpu_pool
@@ -242,12 +247,14 @@ class Scheduler:
         return needed <= self.kv.num_free_blocks
 
     def _schedule(self, out: SchedulerOutput) -> SchedulerOutput:
+        made_room = len(out.preempted)  # by fairness preemption: for the head, admit it now
         budget = self.max_num_batched_tokens
+        chunk = self._prefill_chunk()
         step_loras: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, chunk)
             if num_new <= 0:  # nothing to compute (cannot happen between steps; be safe)
                 i += 1
                 continue
@@ -259,7 +266,7 @@ class Scheduler:
                 step_loras.add(seq.request.lora_digest)
             budget -= num_new
             i += 1
-        if out.preempted:
+        if len(out.preempted) > made_room:  # the pool is short: admit nothing new
             return out
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -284,7 +291,7 @@ class Scheduler:
                     break
             else:
                 match = self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
-                num_new = min(seq.num_tokens - match.num_cached_tokens, budget)
+                num_new = min(seq.num_tokens - match.num_cached_tokens, budget, chunk)
                 alloc = self.kv.allocate_slots(
                     seq.seq_id,
                     num_new,
@@ -309,6 +316,17 @@ class Scheduler:
                 step_loras.add(lora)
             budget -= out.scheduled[-1].num_new_tokens
         return out
+
+    def _prefill_chunk(self) -> int:
+        """The most tokens one sequence may compute this step (see the config's threshold).
+
+        Capped only when a running sequence decodes (its next token waits for the step) and
+        the cap is on.
+        """
+        cap = self.long_prefill_token_threshold
+        if cap and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
+            return cap
+        return self.max_num_batched_tokens
 
     def _cap_if_alone(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Finish the waiting head with ``"length"`` if it cannot fit even in an idle pool.

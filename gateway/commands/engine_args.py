@@ -31,6 +31,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="in a step that also decodes, a prefill advances by at most this many tokens "
+        "(default: max-num-batched-tokens / 4; 0: no cap)",
+    )
+    g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,
@@ -61,6 +68,7 @@ def config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_hash=args.prefix_hash,
         mm_hash=args.mm_hash,

@@ -216,3 +216,30 @@ def test_vtc_admits_the_least_served_tenant_next_and_idle_time_banks_no_credit()
     s.add(tenant_seq("c0", "c"))
     assert s.waiting.counter("c") >= s.waiting.counter("a") - 11
     assert s.waiting.counter("c") > 0
+
+
+def test_a_long_prefill_advances_by_the_threshold_while_others_decode():
+    s = Scheduler(
+        KVCacheManager(256, BLOCK),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_loras=1,
+        long_prefill_token_threshold=16,
+    )
+    alone = make_seq("alone", 100)
+    s.add(alone)
+    assert [i.num_new_tokens for i in run_step(s).scheduled] == [64]  # nobody decodes: all
+    s.finish(alone, "abort")
+    assert s.kv.reset_prefix_cache()  # "long" below has the same tokens: no hits
+    short = make_seq("short", 5)
+    s.add(short)
+    run_step(s)  # short's prompt computed: it decodes from now on
+    long = make_seq("long", 100)
+    s.add(long)
+    chunks = []
+    while long.num_computed_tokens < 100:
+        out = run_step(s)
+        chunks.append({i.seq.seq_id: i.num_new_tokens for i in out.scheduled})
+    assert all(c["short"] == 1 for c in chunks)
+    # 4 tokens are a prefix hit on "short"'s first block; the other 96 go 16 at a time.
+    assert [c["long"] for c in chunks] == [16] * 6
