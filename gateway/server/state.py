@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from adapters.store import AdapterStore
 from gateway.server.auth import KeyCache
+from gateway.server.auth_throttle import AuthThrottle
 from gateway.server.config import GatewayConfig
 from gateway.server.engine_client import EngineClient
 from gateway.server.metrics import GatewayMetrics
@@ -33,6 +34,7 @@ class GatewayState:
         limiter: Per-key rate limits.
         usage: The background usage writer.
         metrics: Prometheus registry and counters.
+        auth_throttle: Failed authentications per client address.
         owns_engine: Shut the engine down with the app (False when tests share one).
         draining: Set on shutdown: new chat requests get 503.
         in_flight: Chat requests running now (graceful shutdown waits for them).
@@ -49,6 +51,7 @@ class GatewayState:
     limiter: RateLimiter
     usage: UsageWriter
     metrics: GatewayMetrics
+    auth_throttle: AuthThrottle
     owns_engine: bool = True
     draining: bool = False
     in_flight: set[asyncio.Task] = field(default_factory=set)
@@ -93,5 +96,10 @@ def build_state(
         limiter=RateLimiter(),
         usage=UsageWriter(sessions, flush_seconds=config.usage_flush_seconds),
         metrics=GatewayMetrics(engine.stats),
+        auth_throttle=AuthThrottle(
+            config.auth_max_failures,
+            config.auth_failure_window_seconds,
+            config.auth_throttle_max_clients,
+        ),
         owns_engine=owns_engine,
     )
