@@ -206,8 +206,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._head_started = 0.0  # loop time of the head's first byte
         self._head_paused = 0.0  # flow.paused_seconds() then
         self._head_raw = 0  # bytes read while the head was incomplete
-        self._head_bytes = 0  # URL + header names and values
-        self._head_fields = 0
+        self._head_begun = False  # the parser began the head being read (on_message_begin)
         self._body_started = 0.0
         self._body_paused = 0.0
         self._body_bytes = 0
@@ -292,7 +291,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             if self._head_raw > self.limits.max_head_raw_bytes:
                 self._refusal = (431, "request header fields too large", "header_too_large")
                 self._refuse()
-            elif self._timer is None:
+                return
+            if self._head_begun and len(self.headers) > self.limits.max_headers:
+                try:
+                    self._check_head()  # what an incomplete head holds so far
+                except _Refused:
+                    self._refuse()
+                    return
+            if self._timer is None:
                 self._timer = self.loop.call_at(self._head_deadline(), self._timed_out)
         elif self._phase == _BODY and self._timer is None:
             self._timer = self.loop.call_at(self._body_deadline(), self._timed_out)
@@ -304,40 +310,36 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._phase = _HEAD
             self._head_started = self.loop.time()
             self._head_paused = self.flow.paused_seconds()
-        self._head_bytes = 0
-        self._head_fields = 0
+        self._head_begun = True
 
-    def on_url(self, url: bytes) -> None:
-        """As uvicorn's, counted against ``max_header_bytes``."""
-        self._count_head(len(url), 0)
-        super().on_url(url)
+    def _check_head(self) -> None:
+        """Refuse (431) a head past ``max_header_bytes`` or ``max_headers`` so far.
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        """As uvicorn's, counted against ``max_header_bytes`` and ``max_headers``."""
-        self._count_head(len(name) + len(value), 1)
-        super().on_header(name, value)
+        Called when a head completes, and after a read that left an incomplete head with too
+        many fields (its bytes are bounded by ``max_head_raw_bytes`` meanwhile). Not per header
+        field: a Python call per field cost about as much as all the rest of the limits.
 
-    def _count_head(self, size: int, fields: int) -> None:
-        self._head_bytes += size
-        self._head_fields += fields
+        Raises:
+            _Refused: the head is refused (``_refusal`` set; raised through the parser).
+        """
         limits = self.limits
-        if self._head_bytes > limits.max_header_bytes:
-            self._refusal = (
-                431,
-                f"request header fields too large (more than {limits.max_header_bytes} bytes)",
-                "header_too_large",
-            )
-            raise _Refused
-        if self._head_fields > limits.max_headers:
-            self._refusal = (
-                431,
-                f"too many request header fields (more than {limits.max_headers})",
-                "header_too_large",
-            )
-            raise _Refused
+        headers = self.headers or ()
+        size = len(self.url)
+        for name, value in headers:
+            size += len(name) + len(value)
+        if size > limits.max_header_bytes:
+            message = f"request header fields too large (more than {limits.max_header_bytes} bytes)"
+        elif len(headers) > limits.max_headers:
+            message = f"too many request header fields (more than {limits.max_headers})"
+        else:
+            return
+        self._refusal = (431, message, "header_too_large")
+        raise _Refused
 
     def on_headers_complete(self) -> None:
-        """The head is in: its clock stops, the body's starts, and the app runs (uvicorn's)."""
+        """The head is in: checked, its clock stops, the body's starts, the app runs (uvicorn's)."""
+        self._check_head()
+        self._head_begun = False
         self._cancel_timer()
         self.table.busy(self)
         self._phase = _BODY
