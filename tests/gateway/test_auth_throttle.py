@@ -1,8 +1,20 @@
-"""The failed-authentication throttle under a fake clock, and how clients are grouped."""
+"""The failed-authentication throttle: under a fake clock, client groups, and a live gateway.
+
+The live tests vary the client's address by connecting from 127.0.0.2, 127.0.0.3, ... (all
+loopback on Linux).
+"""
 
 import pytest
 
+from bench.fake_engine import InstantEngine
 from gateway.server.auth_throttle import AuthThrottle, client_group
+from tests.gateway.live import LiveGateway
+from tests.gateway.transport_support import (
+    client_from,
+    create_key,
+    small_limits_gateway,
+    wait_for,
+)
 
 
 class FakeClock:
@@ -79,3 +91,66 @@ def test_zero_failures_means_no_throttle(clock):
 )
 def test_client_groups(client, group):
     assert client_group(client) == group
+
+
+# ------------------------------------------------------------------------------ live gateway
+@pytest.fixture
+def gw(tmp_path):
+    with small_limits_gateway(tmp_path / "data") as live:
+        yield live
+
+
+def test_failed_auth_is_throttled_per_address_before_any_key_work(gw, monkeypatch):
+    import gateway.server.auth as auth
+
+    _, key = create_key(gw, "honest")
+    hashed = []
+    real_hash = auth.hash_key
+    monkeypatch.setattr(auth, "hash_key", lambda *a: hashed.append(1) or real_hash(*a))
+    bad = "lpx-" + "0" * 40
+    with client_from(gw, "127.0.0.2", bad) as guesser:
+        assert [guesser.get("/v1/models").status_code for _ in range(3)] == [401] * 3
+        assert len(hashed) == 3
+        r = guesser.get("/v1/models")
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "too_many_failed_authentications"
+        r = guesser.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 429  # even a good key from there: nothing is hashed meanwhile
+        assert len(hashed) == 3
+    with client_from(gw, "127.0.0.3", key) as other:  # another address is not affected
+        assert other.get("/v1/models").status_code == 200
+        assert (
+            other.get("/v1/models", headers={"Authorization": f"Bearer {bad}"}).status_code == 401
+        )
+    with client_from(gw, "127.0.0.2", key) as guesser:  # after the window: served again
+        assert wait_for(lambda: guesser.get("/v1/models").status_code == 200)
+
+
+def test_forwarded_for_is_ignored_unless_a_proxy_is_trusted(gw):
+    bad = "lpx-" + "1" * 40
+    with client_from(gw, "127.0.0.4", bad) as c:
+        for i in range(3):
+            assert (
+                c.get("/v1/models", headers={"X-Forwarded-For": f"10.0.0.{i}"}).status_code == 401
+            )
+        assert c.get("/v1/models", headers={"X-Forwarded-For": "10.0.0.9"}).status_code == 429
+
+
+def test_a_trusted_proxy_forwards_the_client_address(tmp_path):
+    with LiveGateway(
+        InstantEngine("instant"),
+        tmp_path / "data",
+        auth_max_failures=2,
+        forwarded_allow_ips="127.0.0.5",
+    ) as gw:
+        bad = "lpx-" + "2" * 40
+        with client_from(gw, "127.0.0.5", bad) as proxy:
+            for client in ("10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"):
+                r = proxy.get("/v1/models", headers={"X-Forwarded-For": client})
+                assert r.status_code == 401
+            assert (
+                proxy.get("/v1/models", headers={"X-Forwarded-For": "10.0.0.1"}).status_code == 429
+            )
+            assert (
+                proxy.get("/v1/models", headers={"X-Forwarded-For": "10.0.0.3"}).status_code == 401
+            )
