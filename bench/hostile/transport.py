@@ -15,7 +15,8 @@ key; it reads the server's ``--header-timeout`` / ``--body-timeout`` from its fl
 defaults) to know how long to wait. Bounded: about ``max(header, body timeout) + 15`` s.
 
 Run alone: ``python -m bench.hostile.transport [--quick]`` starts its own server (the built-in
-tiny model, default limits), prints a table and one JSON line.
+tiny model, default limits; ``--quick``: 6 s deadlines, K = 50), prints a table and one JSON
+line.
 """
 
 from __future__ import annotations
@@ -248,7 +249,9 @@ def run(server: LiveServer, key: str, k: int = K, samples: int = SAMPLES) -> dic
 def main() -> None:
     """Start a server (default limits), run, print a table and the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="K = 50, 10 samples")
+    parser.add_argument(
+        "--quick", action="store_true", help="K = 50, 10 samples, 6 s header and body deadlines"
+    )
     parser.add_argument(
         "-k", type=int, default=None, help=f"hostile connections of each kind ({K})"
     )
@@ -257,7 +260,8 @@ def main() -> None:
     samples = 10 if args.quick else SAMPLES
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny(Path(tmp) / "tiny")
-        with LiveServer(Path(tmp) / "data", model) as server:
+        flags = ["--header-timeout", "6", "--body-timeout", "6"] if args.quick else []
+        with LiveServer(Path(tmp) / "data", model, flags) as server:
             key = server.create_tenant("bystander")["api_key"]
             figures = run(server, key, k=k, samples=samples)
     rows = [
