@@ -92,25 +92,23 @@ def build_fake(data_dir: str, admin_key: str, port: int = 8000) -> tuple[Any, An
 
 def serve_fake(port: int, data_dir: str) -> None:
     """The child process: ``loraplex serve``'s app and uvicorn settings, the instant engine."""
-    import uvicorn
-
     from gateway.auth.redact import RedactingFilter
     from gateway.server.access_log import AccessLog
     from gateway.server.graceful import GracefulServer
+    from gateway.server.transport import uvicorn_config
 
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().addFilter(RedactingFilter())
     app, state, _ = build_fake(data_dir, os.environ[ADMIN_ENV], port)
-    uvicorn_config = uvicorn.Config(
+    config = uvicorn_config(
         AccessLog(app),  # as serve at its default --log-level info
-        host="127.0.0.1",
-        port=port,
+        state.config,  # serve's protocol and connection limits, on 127.0.0.1:port
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=2,
         timeout_keep_alive=120,  # paced clients at 256 may idle past uvicorn's default 5 s
     )
-    GracefulServer(uvicorn_config, state).run()
+    GracefulServer(config, state).run()
 
 
 class Server:

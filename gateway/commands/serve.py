@@ -55,6 +55,7 @@ def register(subparsers) -> None:
         default=d.tenant_share,
         help="fraction of each bound one tenant may hold (default %(default)s)",
     )
+    add_transport_args(p, d)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--no-access-log",
@@ -62,6 +63,71 @@ def register(subparsers) -> None:
         help="no line per request on stdout (written at --log-level info and debug)",
     )
     p.set_defaults(func=run)
+
+
+def add_transport_args(p: argparse.ArgumentParser, d: GatewayConfig) -> None:
+    """The connection limits' flags (:mod:`gateway.server.transport`, the auth throttle)."""
+    t = p.add_argument_group("connections (per client connection and address)")
+    t.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=d.max_header_bytes,
+        help="bytes of URL plus header names and values per request; 431 beyond "
+        "(default %(default)s)",
+    )
+    t.add_argument(
+        "--max-headers",
+        type=int,
+        default=d.max_headers,
+        help="header fields per request; 431 beyond (default %(default)s)",
+    )
+    t.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout_seconds,
+        help="seconds a request's head may take from its first byte; 408 and closed beyond "
+        "(default %(default)s)",
+    )
+    t.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout_seconds,
+        help="seconds a request body may take after its head, plus its bytes over "
+        "--body-min-rate; 408 and closed beyond (default %(default)s)",
+    )
+    t.add_argument(
+        "--body-min-rate",
+        type=int,
+        default=d.body_min_bytes_per_second,
+        help="bytes per second of body that keep extending its deadline; 0: a fixed "
+        "--body-timeout (default %(default)s)",
+    )
+    t.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open client connections at most: past it the longest-waiting idle one is "
+        "closed, or the newcomer gets 503 (default %(default)s)",
+    )
+    t.add_argument(
+        "--auth-max-failures",
+        type=int,
+        default=d.auth_max_failures,
+        help="failed authentications (401) per client address and window before 429; "
+        "0: no throttle (default %(default)s)",
+    )
+    t.add_argument(
+        "--auth-failure-window",
+        type=float,
+        default=d.auth_failure_window_seconds,
+        help="seconds of the failed-authentication window (default %(default)s)",
+    )
+    t.add_argument(
+        "--forwarded-allow-ips",
+        default=d.forwarded_allow_ips,
+        help="comma-separated proxy addresses (or '*') whose X-Forwarded-For is believed "
+        "for the client address; default: none, the TCP peer is the client",
+    )
 
 
 def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -> GatewayConfig:
@@ -83,6 +149,19 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
             raise ValueError(f"--{flag.replace('_', '-')} must be 0 (no bound) or positive")
     if not 0.0 < args.tenant_share <= 1.0:
         raise ValueError("--tenant-share must be in (0, 1]")
+    for flag in (
+        "max_header_bytes",
+        "max_headers",
+        "header_timeout",
+        "body_timeout",
+        "max_connections",
+        "auth_failure_window",
+    ):
+        if not getattr(args, flag) > 0:  # NaN included
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("body_min_rate", "auth_max_failures"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must not be negative")
     return GatewayConfig(
         data_dir=directory,
         db_url=db_url(directory, args.db_url),
@@ -97,18 +176,26 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         max_outstanding_requests=args.max_outstanding_requests or None,
         max_outstanding_tokens=args.max_outstanding_tokens or None,
         tenant_share=args.tenant_share,
+        max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+        header_timeout_seconds=args.header_timeout,
+        body_timeout_seconds=args.body_timeout,
+        body_min_bytes_per_second=args.body_min_rate,
+        max_connections=args.max_connections,
+        auth_max_failures=args.auth_max_failures,
+        auth_failure_window_seconds=args.auth_failure_window,
+        forwarded_allow_ips=args.forwarded_allow_ips,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Migrate, load the model, print where the admin key is, serve until SIGINT/SIGTERM."""
-    import uvicorn
-
     from gateway.auth.redact import RedactingFilter
     from gateway.auth.secrets_store import load_or_create_admin_key
     from gateway.server.access_log import AccessLog
     from gateway.server.build import build_gateway, served_name, start_engine
     from gateway.server.graceful import GracefulServer
+    from gateway.server.transport import uvicorn_config
     from gateway.settings import data_dir, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -141,10 +228,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_access_log and args.log_level in ("debug", "info"):
         access = AccessLog(app)  # instead of uvicorn's: a tenth of the server's CPU per request
     server = GracefulServer(
-        uvicorn.Config(
+        uvicorn_config(  # httptools with the connection limits
             access or app,
-            host=gateway_config.host,
-            port=gateway_config.port,
+            gateway_config,
             log_level=args.log_level,
             access_log=False,
             timeout_graceful_shutdown=max(1, round(gateway_config.shutdown_grace_seconds)),

@@ -10,25 +10,32 @@ read in the middleware rather than a Litestar guard, which would copy the handle
 request (``BaseRouteHandler.authorize_connection``). Verified tenant keys
 are cached for ``auth_cache_seconds`` (a database read saved per request; see :class:`KeyCache`);
 revoking a key through the admin API drops it from the cache at once. Keys never reach a log:
-only the key id does.
+only the key id does. A client address with too many failed attempts (401) gets 429 with
+``Retry-After`` before its key is even hashed (:class:`gateway.server.auth_throttle.AuthThrottle`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from litestar.connection import ASGIConnection
 from litestar.middleware import AbstractAuthenticationMiddleware, AuthenticationResult
 
 from gateway.auth.keys import hash_key
 from gateway.auth.secrets_store import verify_admin_key
+from gateway.server.auth_throttle import client_group
 from gateway.server.errors import APIError
 from gateway.services.keys import authenticate
 from gateway.services.tenants import TenantLimits, limits_of
+
+if TYPE_CHECKING:
+    from gateway.server.state import GatewayState
 
 AUTH_HEADER = "authorization"
 KEY_AREA = "key_area"  # route handler ``opt`` key: which keys the route takes
@@ -193,11 +200,34 @@ class KeyAuthMiddleware(AbstractAuthenticationMiddleware):
         """See the module docstring.
 
         Raises:
-            APIError: 401 for a missing, malformed, unknown or revoked key; 403 for the admin key
-                on a tenant route (``tenant_only``) or a tenant key on an admin route
+            APIError: 401 for a missing, malformed, unknown or revoked key (counted against the
+                client's address); 429 ``too_many_failed_authentications`` with
+                ``Retry-After`` while that address is throttled; 403 for the admin key on a
+                tenant route (``tenant_only``) or a tenant key on an admin route
                 (``admin_only``).
         """
         state = connection.app.state.gateway
+        throttle = state.auth_throttle
+        client = client_group(connection.scope.get("client"))
+        wait = throttle.retry_after(client)
+        if wait is not None:
+            raise APIError(
+                429,
+                "too many failed authentication attempts from this address; retry after "
+                f"{math.ceil(wait)} s",
+                code="too_many_failed_authentications",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
+        try:
+            return await self._authenticate(connection, state)
+        except APIError as exc:
+            if exc.status == 401:
+                throttle.failed(client)
+            raise
+
+    async def _authenticate(
+        self, connection: ASGIConnection, state: GatewayState
+    ) -> AuthenticationResult:
         token = bearer_token(connection)
         admin_route = connection.route_handler.opt.get(KEY_AREA) == "admin"
         if verify_admin_key(token, state.admin_key):

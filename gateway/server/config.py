@@ -43,6 +43,25 @@ class GatewayConfig:
             tenants; past it, 503 + ``Retry-After`` (None: no bound).
         max_outstanding_tokens: Their prompt + max_tokens, at most (None: no bound).
         tenant_share: Fraction of each of those two bounds one tenant may hold.
+        max_header_bytes: Bytes of URL plus header names and values one request may send; 431
+            and the connection closed beyond (:mod:`gateway.server.transport`).
+        max_headers: Header fields one request may send; 431 beyond.
+        header_timeout_seconds: Seconds a request's head may take from its first byte (from the
+            connection's opening for the first request); 408 and closed beyond.
+        body_timeout_seconds: Seconds a request body may take after its head, plus
+            ``received bytes / body_min_bytes_per_second``; 408 and closed beyond.
+        body_min_bytes_per_second: The body rate that keeps extending its deadline (0: the
+            deadline is ``body_timeout_seconds`` whatever arrives).
+        max_connections: Open client connections at most; past it the one waiting longest
+            without a running request is closed, or the newcomer gets 503 when all are busy.
+        auth_max_failures: Failed authentications (401) one client address may make per window
+            before it gets 429 with ``Retry-After`` (0: no throttle;
+            :mod:`gateway.server.auth_throttle`).
+        auth_failure_window_seconds: The window of ``auth_max_failures``, from the first failure.
+        auth_throttle_max_clients: Client addresses the throttle remembers at most.
+        forwarded_allow_ips: Comma-separated proxy addresses (or ``*``) whose
+            ``X-Forwarded-For`` / ``X-Forwarded-Proto`` are believed (uvicorn's
+            ``forwarded_allow_ips``); None: never, the TCP peer is the client.
     """
 
     data_dir: Path
@@ -66,6 +85,16 @@ class GatewayConfig:
     max_outstanding_requests: int | None = 1024
     max_outstanding_tokens: int | None = 4 * 1024 * 1024
     tenant_share: float = 0.5
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 100
+    header_timeout_seconds: float = 10.0
+    body_timeout_seconds: float = 20.0
+    body_min_bytes_per_second: int = 16 * 1024
+    max_connections: int = 1024
+    auth_max_failures: int = 20
+    auth_failure_window_seconds: float = 60.0
+    auth_throttle_max_clients: int = 65536
+    forwarded_allow_ips: str | None = None
 
     @property
     def store_dir(self) -> Path:

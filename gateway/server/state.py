@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 from adapters.store import AdapterStore
 from gateway.server.admission import AdmissionControl
 from gateway.server.auth import KeyCache
+from gateway.server.auth_throttle import AuthThrottle
 from gateway.server.config import GatewayConfig
 from gateway.server.engine_client import EngineClient
 from gateway.server.metrics import GatewayMetrics
@@ -36,6 +37,7 @@ class GatewayState:
         usage: The background usage writer.
         metrics: Prometheus registry and counters.
         admission: Global bounds on outstanding requests and tokens.
+        auth_throttle: Failed authentications per client address.
         owns_engine: Shut the engine down with the app (False when tests share one).
         draining: Set on shutdown: new chat requests get 503.
         in_flight: Chat requests running now (graceful shutdown waits for them).
@@ -56,6 +58,7 @@ class GatewayState:
     usage: UsageWriter
     metrics: GatewayMetrics
     admission: AdmissionControl
+    auth_throttle: AuthThrottle
     owns_engine: bool = True
     draining: bool = False
     in_flight: set[asyncio.Task] = field(default_factory=set)
@@ -104,6 +107,11 @@ def build_state(
         metrics=GatewayMetrics(engine.stats),
         admission=AdmissionControl(
             config.max_outstanding_requests, config.max_outstanding_tokens, config.tenant_share
+        ),
+        auth_throttle=AuthThrottle(
+            config.auth_max_failures,
+            config.auth_failure_window_seconds,
+            config.auth_throttle_max_clients,
         ),
         owns_engine=owns_engine,
     )

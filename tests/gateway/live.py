@@ -1,8 +1,10 @@
 """A real gateway on loopback for tests: uvicorn on a free port, in a background thread.
 
 ``LiveGateway`` builds the app around an engine client (tests share one engine per session, so
-``owns_engine=False``), runs it with uvicorn on ``127.0.0.1:<free port>``, and stops it with a
-graceful shutdown (the same path as SIGINT for ``loraplex serve``).
+``owns_engine=False``), runs it with uvicorn on ``127.0.0.1:<free port>`` configured as ``serve``
+configures it (:func:`gateway.server.transport.uvicorn_config`: the httptools protocol with the
+connection limits), and stops it with a graceful shutdown (the same path as SIGINT for
+``loraplex serve``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import uvicorn
 from gateway.db.session import db_url
 from gateway.server.build import build_gateway
 from gateway.server.config import GatewayConfig
+from gateway.server.transport import uvicorn_config
 
 ADMIN_KEY = "lpx-admin-test-key-0123456789abcdef0123456789"
 
@@ -38,6 +41,8 @@ class LiveGateway:
         base_url: ``http://127.0.0.1:<port>``.
         state: The app's :class:`GatewayState` (engine, store, usage writer, ...).
         admin_key: The admin key.
+        protocol: The server's HTTP protocol class (``protocol.table``: its connections and
+            refusals).
     """
 
     def __init__(
@@ -63,16 +68,16 @@ class LiveGateway:
             config, engine, admin_key=ADMIN_KEY, owns_engine=owns_engine
         )
         self._server = uvicorn.Server(
-            uvicorn.Config(
+            uvicorn_config(
                 self.app,
-                host="127.0.0.1",
-                port=self.port,
+                config,
                 log_level="warning",
                 lifespan="on",
                 loop="asyncio",
                 timeout_graceful_shutdown=5,
             )
         )
+        self.protocol = self._server.config.http
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:

@@ -4,10 +4,11 @@ Order of checks, and what each failure leaves behind::
 
     auth (401/403, middleware)           no usage row
     draining or engine down (503)        no usage row
+    body read: size (413), too slow (408, the transport's)   no usage row, no slot taken
     rate limits (429 + Retry-After)      no usage row; counted in loraplex_rate_limited_requests
     admission control (503 + Retry-After: the server, or the tenant's share of it, is full)
                                          no usage row; counted there as limit="overloaded"
-    body: size (413), JSON and fields (400), model (404), messages and images (400),
+    body: JSON and fields (400), model (404), messages and images (400),
           prompt + max_tokens vs max_model_len (400)      usage row "error", 0 tokens
     engine run: see ``service.ChatRun``                    usage row "ok" / "error" / "aborted"
 
@@ -65,6 +66,7 @@ async def chat_completions(request: Request) -> Response:
     if not state.engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_unavailable")
     limits = principal.limits.or_defaults(state.default_limits)
+    body = await request.body()  # first: a slowly sent body holds no concurrency slot
     try:
         ticket = state.limiter.admit(principal.key_id, limits)
     except RateLimitExceeded as exc:
@@ -94,7 +96,7 @@ async def chat_completions(request: Request) -> Response:
                 param="X-Request-Id",
             )
         chat = parse_chat_request(
-            await request.body(),
+            body,
             max_tokens_limit=state.config.max_tokens_limit,
             max_n=state.config.max_n,
             max_parts=state.engine.max_model_len,
