@@ -11,7 +11,7 @@ Kinds, on real photos from ``skimage.data`` and on synthetic scenes, at several 
 - ``text``: a string and the same string with one character changed (``PIN 1234`` /
   ``PIN 1284``), rendered in Pillow's bundled fonts (the Aileron TrueType face at three sizes,
   and the bitmap default font), at two positions, on white, on gray and on a photo; plus the
-  issue's ``PIN 1234`` / ``PIN 9876``.
+  issue's ``PIN 1234`` / ``PIN 9876`` at 12, 20 and 28 px on a 336 px square.
 - ``object``: a small disc (radius 3% of the shorter side) drawn on the picture, or not.
 - ``recolour``: a small square (8% of the shorter side) with its colour channels rotated.
 - ``move``: the small disc drawn at two places 10% of the width apart.
@@ -187,15 +187,16 @@ def near_duplicate_set(quick: bool = False) -> list[Group]:
         Groups in a fixed order; ``[g.images for g in groups]`` flattened is the image set.
     """
     sizes = QUICK_SIZES if quick else SIZES
-    groups = [  # the issue's example
+    groups = [  # the issue's example, at three text sizes
         Group(
-            "text/pin-issue",
+            f"text/pin-issue/{px}px",
             "text",
-            (
-                render_text("PIN 1234", (336, 336), ImageFont.load_default(size=28)),
-                render_text("PIN 9876", (336, 336), ImageFont.load_default(size=28)),
+            tuple(
+                render_text(s, (336, 336), ImageFont.load_default(size=px))
+                for s in ("PIN 1234", "PIN 9876")
             ),
         )
+        for px in (12, 20, 28)
     ]
     texts = TEXTS[:2] if quick else TEXTS
     for w, h in sizes:

@@ -32,7 +32,9 @@ class EngineConfig:
         max_num_batched_tokens: Token budget of one step (prefill chunks + decodes).
         enable_prefix_caching: Automatic prefix caching.
         prefix_hash: Block hash algorithm, ``"sha256"`` or ``"xxhash"``.
-        mm_hash: Image key mode, ``"perceptual"`` or ``"exact"``.
+        mm_hash: Image key mode: ``"exact"`` (default: SHA-256 of the decoded pixels) or
+            ``"perceptual"`` (re-encodings share KV, but pictures that differ in a digit of
+            text or a small object may too; docs/image_keys.md).
         max_loras: Device LoRA slots (a step never holds more distinct adapters).
         max_cpu_loras: Adapters kept in host memory.
         max_lora_rank: Largest LoRA rank accepted.
@@ -56,7 +58,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     prefix_hash: Literal["sha256", "xxhash"] = "sha256"
-    mm_hash: Literal["perceptual", "exact"] = "perceptual"
+    mm_hash: Literal["perceptual", "exact"] = "exact"
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 64

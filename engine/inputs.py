@@ -107,7 +107,7 @@ class InputProcessor:
         processor: The directory's ``AutoProcessor`` (LLaVA) or ``AutoTokenizer`` (text-only).
         image_token_id: The image placeholder token id, None for a text-only model.
         num_image_tokens: Placeholder tokens per image.
-        mm_hash: Image key mode, ``"perceptual"`` or ``"exact"``.
+        mm_hash: Image key mode, ``"exact"`` (default) or ``"perceptual"``.
         max_image_pixels: Refuse images larger than this (decompression bombs).
         max_images: Most images in one request.
     """
@@ -118,7 +118,7 @@ class InputProcessor:
         *,
         image_token_id: int | None,
         num_image_tokens: int = 0,
-        mm_hash: str = "perceptual",
+        mm_hash: str = "exact",
         max_image_pixels: int = DEFAULT_MAX_PIXELS,
         max_images: int = 8,
     ) -> None:
