@@ -170,7 +170,7 @@ class InputProcessor:
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
-        out, pending = [], []
+        out, images = [], []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ValueError(f"messages[{i}] must be an object with a string 'role'")
@@ -180,7 +180,7 @@ class InputProcessor:
                 parts.append({"type": "text", "text": content})
             elif isinstance(content, list):
                 for j, part in enumerate(content):
-                    parts.append(self._part(part, f"messages[{i}].content[{j}]", pending))
+                    parts.append(self._part(part, f"messages[{i}].content[{j}]", images))
             elif content is None:
                 pass
             else:
@@ -192,9 +192,9 @@ class InputProcessor:
                     raise ValueError("this model's chat template takes no images")
                 text = "\n".join(p["text"] for p in parts)
                 out.append({**message, "content": text})
-        if pending and self.image_token_id is None:
+        if images and self.image_token_id is None:
             raise ValueError("this model takes no images")
-        return out, self._decode_images(pending)
+        return out, self._decode_images(images)
 
     def _decode_images(self, pending: list[tuple[str, bytes, ImageHeader, dict]]) -> list:
         """Check the request's pixel budget on the headers, then decode every image in order."""

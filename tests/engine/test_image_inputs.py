@@ -104,12 +104,9 @@ def test_huge_headers_are_refused_without_decoding(no_decoding, payload, message
 
 def test_too_many_images_is_refused_before_reading_the_next_payload(no_decoding):
     small = png_header(10, 10)
-    # the ninth is not even base64: the count is refused before it is read
-    with pytest.raises(
-        ValueError,
-        match=r"too many images: messages\[0\]\.content\[9\] is image "
-        r"9 of a request, at most 8",
-    ):
+    # the ninth is not even base64: the count is refused before it is read (the message may
+    # name the part or give the count)
+    with pytest.raises(ValueError, match=r"too many images: .*9.* at most 8"):
         inputs().normalize(message(*[small] * 8, "data:image/png;base64,@@@"))
     with pytest.raises(ValueError, match="at most 2"):
         inputs(max_images=2).normalize(message(small, small, small))
