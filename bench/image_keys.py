@@ -1,31 +1,33 @@
-"""Image keys: how often a re-encoding keeps its key, and how often distinct images collide.
+"""Image keys: near-duplicate collisions and re-encoding keep rates, for each mode, in one run.
 
 Run from the repository root::
 
-    python -m bench.image_keys            # full: 20 photos, held-out crops, ~800 distinct images
-    python -m bench.image_keys --quick    # 6 photos, fewer candidates, well under a minute
+    python -m bench.image_keys            # full: 20 photos, ~250 near-duplicates, ~800 distinct
+    python -m bench.image_keys --quick    # 6 photos, ~80 near-duplicates, fewer candidates
 
-Images are scikit-image's bundled natural photos (``skimage.data``; no download). Synthetic
-pictures (checkerboard, binary blobs, colorwheel, logo, horse) are left out of the keep-rate
-set, since nobody re-encodes them in the wild, but the last three join the collision set.
+An image key may be used as the default only if it meets BOTH numbers (DESIGN.md, "Image keys";
+issue 13): 0 colliding pairs on the near-duplicate set (``bench.near_duplicates``: text with one
+character changed at several sizes, fonts and positions; a small object added; a small region
+recoloured; a small object moved; on ``skimage.data`` photos and synthetic scenes at several
+sizes: pictures a vision model tells apart), and >= 95% of re-encodings keeping their key.
 
-For each photo (saved as PNG: the original) the re-encodings are JPEG q60/70/80/90/95, resizes
-by -10/-5% (Lanczos) and +5/+10% (bicubic) saved as PNG, PNG->JPEG (Pillow's default q75),
-JPEG(q85)->PNG, a second JPEG generation (q75 twice), WEBP q80, a PNG with an EXIF block, a
-JPEG q95 with an EXIF block, the same JPEG with the EXIF segment stripped, and the pixels
-rotated with EXIF orientation 6 (which a viewer turns back). "keep" is the share of
-re-encodings whose key equals the original's key. "collisions" counts unordered pairs of
-distinct images with equal keys: among the photos, and among ~800 distinct images (photos, their
-quadrant crops, 3x3 and 4x4 tiles, the 200 LFW thumbnails, three graphics). "held-out" repeats
-the keep measurement on the photos' quadrant crops (new framings, so new DCT coefficients).
-"colour" counts collisions among the colourful photos (Hasler-Suesstrunk colourfulness >= 33)
-and their gray and channel-swapped copies, which differ from them only in colour.
+Images are scikit-image's bundled natural photos (``skimage.data``; no download) and generated
+pictures. For each photo (saved as PNG: the original) the re-encodings are JPEG q60/70/80/90/95,
+resizes by -10/-5% (Lanczos) and +5/+10% (bicubic) saved as PNG, PNG->JPEG (Pillow's default
+q75), JPEG(q85)->PNG, a second JPEG generation (q75 twice), WEBP q80, a PNG with an EXIF block, a
+JPEG q95 with an EXIF block, the same JPEG with the EXIF segment stripped, and the pixels rotated
+with EXIF orientation 6 (which a viewer turns back). "keep" is the share of re-encodings whose key
+equals the original's key; "held-out" repeats it on the photos' quadrant crops (new framings) and
+"synth" on the near-duplicate set's synthetic base pictures (text cards and scenes). Collisions
+count unordered pairs of pictures with different pixels and equal keys: among the photos
+("coll"), among ~800 distinct images ("coll/N": photos, their quadrant crops, 3x3 and 4x4 tiles,
+the 200 LFW thumbnails, three graphics), among colourful photos and their gray and channel-swapped
+copies ("colour"), and among the near-duplicate set ("near").
 
-Selection rule: among candidates with zero collisions in all three collision sets, the highest
-keep over photos and held-out crops (ties: more bits). A collision serves one picture's KV for
-another (a wrong answer); a lost key only recomputes, so collisions come first. The last line is
-one JSON object with the figures of the method ``hashing.image_keys`` uses, measured end to end
-from the encoded bytes.
+The table ranks candidates (``bench.image_key_candidates``) by the rule: zero collisions in every
+collision set, near-duplicates included, first (a collision serves one picture's KV for another:
+a wrong answer), then keep. The lines after it measure the two modes of ``hashing.image_keys``
+end to end from the encoded bytes, and the last line is one JSON object with those figures.
 """
 
 from __future__ import annotations
@@ -36,14 +38,15 @@ import itertools
 import json
 import multiprocessing
 import time
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
-import imagehash
 import numpy as np
-from PIL import Image, ImageFilter
+from PIL import Image
 from skimage import data as skdata
 
+from bench.image_key_candidates import Key, candidates
+from bench.near_duplicates import images_of, near_duplicate_set
+from engine.config import EngineConfig
 from hashing import image_keys as ik
 
 PHOTOS = (
@@ -54,7 +57,6 @@ PHOTOS = (
 QUICK_PHOTOS = ("astronaut", "brick", "camera", "coffee", "coins", "rocket")
 GRAPHICS = ("logo", "colorwheel", "horse")
 
-Key = Callable[[Image.Image], str]
 _SETS: dict[str, list[Image.Image]] = {}  # filled before the worker pool forks
 _CANDIDATES: dict[str, tuple[Key, str]] = {}  # likewise; workers get only the name
 
@@ -106,50 +108,6 @@ def reencodings(image: Image.Image) -> dict[str, bytes]:
     rot = image.transpose(Image.Transpose.ROTATE_90)
     out["exif_rotated"] = encode(rot, "PNG", exif=rotated.tobytes())
     return out
-
-
-def _normalized(image: Image.Image, size: int = 64, blur: float = 1.0) -> Image.Image:
-    small = image.convert("L").resize((size, size), Image.Resampling.LANCZOS)
-    return small.filter(ImageFilter.GaussianBlur(blur))
-
-
-def _pdct_ablation(image: Image.Image, lanczos: bool, median: bool) -> str:
-    """``pdct f<=6`` with one choice undone: no Lanczos thumbnail, or pHash's median threshold."""
-    rgb = ik._to_rgb(image)
-    luma = rgb.convert("L")
-    if lanczos:
-        luma = luma.resize((ik._CANON, ik._CANON), Image.Resampling.LANCZOS)
-    grid = np.asarray(luma.convert("F").resize((ik._GRID, ik._GRID), Image.Resampling.BOX))
-    coef = ik._DCT @ grid.astype(np.float64) @ ik._DCT.T
-    low = np.array([coef[u, v] for u in range(7) for v in range(7 - u) if u + v > 0])
-    bits = "".join("1" if c > (np.median(low) if median else ik._ZERO) else "0" for c in low)
-    return bits + "/" + ik._pdct_key(rgb).split("/", 1)[1]
-
-
-def candidates(quick: bool) -> dict[str, tuple[Key, str]]:
-    """Name -> (key function on a decoded RGB image, nominal size)."""
-    ih = imagehash
-    c: dict[str, tuple[Key, str]] = {}
-    for hs in (8,) if quick else (4, 8, 16):
-        c[f"phash{hs}"] = (lambda im, s=hs: str(ih.phash(im, s)), f"{hs * hs}b")
-        c[f"dhash{hs}"] = (lambda im, s=hs: str(ih.dhash(im, s)), f"{hs * hs}b")
-        c[f"average_hash{hs}"] = (lambda im, s=hs: str(ih.average_hash(im, s)), f"{hs * hs}b")
-    for hs in (4,) if quick else (4, 8):
-        c[f"whash{hs}"] = (lambda im, s=hs: str(ih.whash(im, s)), f"{hs * hs}b")
-    c["colorhash3"] = (lambda im: str(ih.colorhash(im, 3)), "42b")
-    c["phash8+colorhash3"] = (lambda im: f"{ih.phash(im)}{ih.colorhash(im, 3)}", "106b")
-    c["whash4+colorhash3"] = (lambda im: f"{ih.whash(im, 4)}{ih.colorhash(im, 3)}", "58b")
-    if not quick:
-        c["phash8(64px,blur1)"] = (lambda im: str(ih.phash(_normalized(im))), "64b")
-        c["whash4(64px,blur1)"] = (lambda im: str(ih.whash(_normalized(im), 4, 64)), "16b")
-    for f in (5, 6, 7) if quick else (4, 5, 6, 7, 8):
-        bits = (f + 1) * (f + 2) // 2 - 1
-        c[f"pdct f<={f}"] = (lambda im, f=f: ik._pdct_key(im, f), f"{bits}b+a,y,c")
-    if not quick:
-        c["pdct f<=6 luma only"] = (lambda im: ik._pdct_key(im, 6, color=False), "27b+a,y")
-        c["pdct f<=6 no Lanczos"] = (lambda im: _pdct_ablation(im, False, False), "27b+a,y,c")
-        c["pdct f<=6 median thr"] = (lambda im: _pdct_ablation(im, True, True), "27b+a,y,c")
-    return c
 
 
 def _keys(name: str) -> tuple[str, dict[str, list[str]], float]:
@@ -204,6 +162,11 @@ def build(quick: bool) -> dict[str, object]:
         if colourfulness(im) >= 33:
             a = np.asarray(im)
             colour += [im, im.convert("L").convert("RGB"), Image.fromarray(a[..., ::-1].copy())]
+    groups = near_duplicate_set(quick)
+    near = images_of(groups)
+    synth = [im for name, im in near if name.endswith("#0") and not _is_photo_group(name)]
+    synth = synth[::3] if quick else synth
+    synth_variants = [reencodings(im) for im in synth]
     _SETS["photos"] = list(photos.values())
     _SETS["reenc"] = [ik.decode_image(b) for v in variants.values() for b in v.values()]
     _SETS["crops"] = list(crops.values())
@@ -216,7 +179,26 @@ def build(quick: bool) -> dict[str, object]:
         + [ik._to_rgb(load(g)) for g in ([] if quick else GRAPHICS)]
     )
     _SETS["colour"] = colour
-    return {"names": list(names), "kinds": kinds, "variants": variants}
+    _SETS["near"] = [im for _, im in near]
+    _SETS["synth"] = synth
+    _SETS["synth_reenc"] = [ik.decode_image(b) for v in synth_variants for b in v.values()]
+    return {
+        "names": list(names),
+        "kinds": kinds,
+        "variants": variants,
+        "near": near,
+        "groups": len(groups),
+        "synth_variants": synth_variants,
+    }
+
+
+def _is_photo_group(name: str) -> bool:
+    """Whether a near-duplicate picture is one of the photos (their keep rate is measured apart)."""
+    return name.split("/")[1] in PHOTO_GROUPS
+
+
+PHOTO_GROUPS = frozenset(("astronaut", "camera", "coffee", "chelsea", "rocket", "coins", "page"))
+KEEP_TARGET = 0.95  # DESIGN.md: a perceptual default must keep >= 95% of re-encodings
 
 
 def main() -> None:
@@ -228,94 +210,150 @@ def main() -> None:
     meta = build(args.quick)
     names, kinds, per = meta["names"], meta["kinds"], len(meta["kinds"])
     n_distinct = len(_SETS["photos"]) + len(_SETS["crops"]) + len(_SETS["others"])
+    n_near = len(_SETS["near"])
     cands = _CANDIDATES
     cands.update(candidates(args.quick))
+    cands["exact-v1"] = (ik.exact_image_key, "256b")
     ctx = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
         results = list(pool.map(_keys, list(cands)))
 
     print(
         f"{len(names)} photos x {per} re-encodings = {len(_SETS['reenc'])}; held-out: "
-        f"{len(_SETS['crops'])} crops x {per} = {len(_SETS['crops_reenc'])}; "
-        f"distinct images: {n_distinct}; colour variants: {len(_SETS['colour'])}\n"
+        f"{len(_SETS['crops'])} crops x {per} = {len(_SETS['crops_reenc'])}; synthetic: "
+        f"{len(_SETS['synth'])} x {per} = {len(_SETS['synth_reenc'])}; distinct images: "
+        f"{n_distinct}; colour variants: {len(_SETS['colour'])}; near-duplicates: {n_near} "
+        f"pictures in {meta['groups']} groups ({n_near * (n_near - 1) // 2} pairs)\n"
     )
     header = (
-        f"{'method':22} {'size':>10} {'keep':>7} {'held-out':>8} {'coll':>5} "
-        f"{'coll/' + str(n_distinct):>9} {'colour':>6} {'us/key':>8}"
+        f"{'method':22} {'size':>12} {'keep':>7} {'held-out':>8} {'synth':>7} {'coll':>5} "
+        f"{'coll/' + str(n_distinct):>9} {'colour':>6} {'near/' + str(n_near):>8} {'us/key':>8}"
     )
     print(header + "\n" + "-" * len(header))
     rows = {}
     for name, keys, us in results:
         kp, _ = keep_rate(keys["reenc"], keys["photos"], per)
         kq = keep_rate(keys["crops_reenc"], keys["crops"], per)[0] if keys["crops"] else None
+        ks, _ = keep_rate(keys["synth_reenc"], keys["synth"], per)
         cp = collisions(keys["photos"])
         cd = collisions(keys["photos"] + keys["crops"] + keys["others"])
         cc = collisions(keys["colour"])
-        rows[name] = (kp, kq, cp, cd, keys, cc)
+        cn = collisions(keys["near"])
+        rows[name] = (kp, kq, ks, cp, cd, cc, cn, keys)
         held = f"{kq:8.1%}" if kq is not None else f"{'-':>8}"
-        print(f"{name:22} {cands[name][1]:>10} {kp:7.1%} {held} {cp:5d} {cd:9d} {cc:6d} {us:8.0f}")
-
-    def score(name: str) -> tuple[float, int]:
-        kp, kq, *_ = rows[name]
-        n_reenc, n_held = len(_SETS["reenc"]), len(_SETS["crops_reenc"])
-        total = (kp * n_reenc + (kq or 0) * n_held) / (n_reenc + n_held)
-        return total, int(cands[name][1].split("b")[0])
-
-    eligible = [n for n, r in rows.items() if r[2] == r[3] == r[5] == 0]
-    picked = max(eligible, key=score) if eligible else None
-    used = f"pdct f<={ik._MAX_FREQ}"
-    print(f"\nselection rule picks: {picked}; hashing.image_keys uses: {used}")
-    if args.quick:
-        print("(quick run: too few images to separate the candidates; the full run decides)")
-    elif picked != used:
-        print("NOTE: the rule and the module disagree on this run (see docs/image_keys.md)")
-    missed = keep_rate(rows[used][4]["reenc"], rows[used][4]["photos"], per)[1]
-    print(f"{used} misses: {[f'{names[i // per]}:{kinds[i % per]}' for i in missed]}")
-
-    # End to end from the encoded bytes, through image_key(), for the JSON figures.
-    figures = {}
-    for mode in ("perceptual", "exact"):
-        t0 = time.perf_counter()
-        originals = [ik.image_key(encode(load(n), "PNG"), mode) for n in names]
-        keys = [ik.image_key(b, mode) for n in names for b in meta["variants"][n].values()]
-        us_bytes = (time.perf_counter() - t0) / (len(originals) + len(keys)) * 1e6
-        fn = ik.perceptual_image_key if mode == "perceptual" else ik.exact_image_key
-        t0 = time.perf_counter()
-        for im in _SETS["photos"] * 3:
-            fn(im)
-        us_key = (time.perf_counter() - t0) / (3 * len(_SETS["photos"])) * 1e6
-        rate, miss = keep_rate(keys, originals, per)
-        always = [k for j, k in enumerate(kinds) if all(i % per != j for i in miss)]
-        figures[mode] = (rate, collisions(originals), us_key, us_bytes, keys)
         print(
-            f"{mode:10} keep {rate:6.1%}  collisions {collisions(originals)}  "
-            f"{us_key:6.0f} us/key on a decoded image, {us_bytes:6.0f} us/key from bytes "
-            f"(decode included); always kept: {', '.join(always) or 'none'}"
+            f"{name:22} {cands[name][1]:>12} {kp:7.1%} {held} {ks:7.1%} {cp:5d} {cd:9d} "
+            f"{cc:6d} {cn:8d} {us:8.0f}"
         )
-    exact = figures["exact"][4]
+
+    def meets_both(name: str) -> bool:
+        kp, kq, ks, cp, cd, cc, cn, _ = rows[name]
+        keeps = [k for k in (kp, kq, ks) if k is not None]
+        return cp == cd == cc == cn == 0 and min(keeps) >= KEEP_TARGET
+
+    both = [n for n in rows if meets_both(n) and n != "exact-v1"]
+    fewest = min((n for n in rows if n != "exact-v1"), key=lambda n: (rows[n][6], -rows[n][0]))
+    print(
+        f"\nperceptual candidates meeting both (0 near-duplicate collisions, keep >= "
+        f"{KEEP_TARGET:.0%} everywhere): {', '.join(both) or 'none'}; fewest near-duplicate "
+        f"collisions: {fewest} ({rows[fewest][6]} pairs, keeps {rows[fewest][0]:.1%} of photo "
+        f"re-encodings)"
+    )
+    if args.quick:
+        print("(quick run: fewer pictures and candidates; the full run decides)")
+    used = f"pdct f<={ik._MAX_FREQ}"
+    missed = keep_rate(rows[used][7]["reenc"], rows[used][7]["photos"], per)[1]
+    print(f"{used} misses: {[f'{names[i // per]}:{kinds[i % per]}' for i in missed]}")
+    near_keys = rows[used][7]["near"]
+    merged = _merged_groups(meta["near"], near_keys)
+    print(f"{used} merges near-duplicates in {len(merged)} groups, e.g. {merged[:4]}")
+
+    figures = {mode: _end_to_end(mode, meta) for mode in ("perceptual", "exact")}
+    for mode, f in figures.items():
+        print(
+            f"{mode:10} keep {f['keep']:6.1%} photos, {f['keep_synth']:6.1%} synthetic; "
+            f"near-duplicates: {f['near']} colliding pairs among {n_near} pictures; photo "
+            f"collisions {f['coll']}; {f['us_key']:6.0f} us/key decoded, "
+            f"{f['us_bytes']:6.0f} us/key from bytes; "
+            f"always kept: {', '.join(f['always']) or 'none'}"
+        )
+    exact = figures["exact"]["keys"]
     same = sum(
         exact[i * per + kinds.index("jpeg+exif")] == exact[i * per + kinds.index("exif_stripped")]
         for i in range(len(names))
     )
     print(f"exact: JPEG with EXIF == same JPEG stripped of it for {same}/{len(names)} photos")
+    default = EngineConfig(model="").mm_hash
     p, e = figures["perceptual"], figures["exact"]
+    p_both = p["near"] == 0 and min(p["keep"], p["keep_synth"]) >= KEEP_TARGET
+    print(
+        f"default mode (EngineConfig.mm_hash): {default}; perceptual meets both: {p_both}"
+        + ("" if p_both or default == "exact" else "  NOTE: the default should be exact")
+    )
     result = {
-        "perceptual_keep_rate": round(p[0], 4),
-        "perceptual_collisions": p[1],
-        "exact_keep_rate": round(e[0], 4),
-        "exact_collisions": e[1],
+        "default_mode": default,
+        "perceptual_meets_both": p_both,
+        "perceptual_candidates_meeting_both": both,
+        "near_duplicate_images": n_near,
+        "near_duplicate_groups": meta["groups"],
+        "perceptual_near_duplicate_collisions": p["near"],
+        "exact_near_duplicate_collisions": e["near"],
+        "perceptual_keep_rate": round(p["keep"], 4),
+        "exact_keep_rate": round(e["keep"], 4),
+        "perceptual_keep_rate_synthetic": round(p["keep_synth"], 4),
+        "exact_keep_rate_synthetic": round(e["keep_synth"], 4),
+        "perceptual_collisions": p["coll"],
+        "exact_collisions": e["coll"],
         "photos": len(names),
         "reencodings": len(_SETS["reenc"]),
+        "reencodings_synthetic": len(_SETS["synth_reenc"]),
         "method": ik.PERCEPTUAL_METHOD,
         "perceptual_keep_rate_heldout": None if rows[used][1] is None else round(rows[used][1], 4),
         "distinct_images": n_distinct,
-        "perceptual_collisions_distinct": rows[used][3],
-        "perceptual_us_per_key": round(p[2]),
-        "exact_us_per_key": round(e[2]),
+        "perceptual_collisions_distinct": rows[used][4],
+        "perceptual_us_per_key": round(p["us_key"]),
+        "exact_us_per_key": round(e["us_key"]),
         "quick": args.quick,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     print(json.dumps(result))
+
+
+def _merged_groups(near: list[tuple[str, Image.Image]], keys: list[str]) -> list[str]:
+    """Names of the near-duplicate groups two of whose pictures got one key."""
+    by_key: dict[str, list[str]] = {}
+    for (name, _), key in zip(near, keys, strict=True):
+        by_key.setdefault(key, []).append(name.split("#")[0])
+    merged = {g for names in by_key.values() if len(names) > 1 for g in names}
+    return sorted(merged)
+
+
+def _end_to_end(mode: str, meta: dict) -> dict:
+    """One mode of ``image_key`` measured from the encoded bytes (decode included)."""
+    names, per = meta["names"], len(meta["kinds"])
+    t0 = time.perf_counter()
+    originals = [ik.image_key(encode(load(n), "PNG"), mode) for n in names]
+    keys = [ik.image_key(b, mode) for n in names for b in meta["variants"][n].values()]
+    us_bytes = (time.perf_counter() - t0) / (len(originals) + len(keys)) * 1e6
+    synth = [ik.image_key(encode(im, "PNG"), mode) for im in _SETS["synth"]]
+    synth_keys = [ik.image_key(b, mode) for v in meta["synth_variants"] for b in v.values()]
+    near = [ik.image_key(encode(im, "PNG"), mode) for _, im in meta["near"]]
+    fn = ik.perceptual_image_key if mode == "perceptual" else ik.exact_image_key
+    t0 = time.perf_counter()
+    for im in _SETS["photos"] * 3:
+        fn(im)
+    us_key = (time.perf_counter() - t0) / (3 * len(_SETS["photos"])) * 1e6
+    rate, miss = keep_rate(keys, originals, per)
+    return {
+        "keep": rate,
+        "keep_synth": keep_rate(synth_keys, synth, per)[0],
+        "near": collisions(near),
+        "coll": collisions(originals),
+        "us_key": us_key,
+        "us_bytes": us_bytes,
+        "keys": keys,
+        "always": [k for j, k in enumerate(meta["kinds"]) if all(i % per != j for i in miss)],
+    }
 
 
 if __name__ == "__main__":

@@ -6,6 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from hashing.image_decode import (
+    DEFAULT_MAX_ASPECT_RATIO,
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MAX_REQUEST_IMAGE_PIXELS,
+)
+
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -37,7 +44,9 @@ class EngineConfig:
             takes the whole budget. None: ``max_num_batched_tokens // 4``; 0: no cap.
         enable_prefix_caching: Automatic prefix caching.
         prefix_hash: Block hash algorithm, ``"sha256"`` or ``"xxhash"``.
-        mm_hash: Image key mode, ``"perceptual"`` or ``"exact"``.
+        mm_hash: Image key mode: ``"exact"`` (default: SHA-256 of the decoded pixels) or
+            ``"perceptual"`` (re-encodings share KV, but pictures that differ in a digit of
+            text or a small object may too; docs/image_keys.md).
         max_loras: Device LoRA slots (a step never holds more distinct adapters).
         max_cpu_loras: Adapters kept in host memory.
         max_lora_rank: Largest LoRA rank accepted.
@@ -46,6 +55,13 @@ class EngineConfig:
             CPU pool and back).
         swap_space_bytes: Size of the CPU swap pool.
         vision_cache_entries: Image encodings kept by image key (LRU).
+        max_images: Most images in one request.
+        max_image_pixels: Most pixels (``width * height``) of one image.
+        max_image_aspect_ratio: Largest longer side over shorter side of one image: CLIP-style
+            processors resize the shorter side to their input size S, so the work is about
+            ``ratio * S**2`` (``hashing.image_decode.DEFAULT_MAX_ASPECT_RATIO``).
+        max_request_image_pixels: Most pixels of all of one request's images together.
+            The image bounds are checked on the images' headers before anything is decoded.
     """
 
     model: str
@@ -62,7 +78,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     enable_prefix_caching: bool = True
     prefix_hash: Literal["sha256", "xxhash"] = "sha256"
-    mm_hash: Literal["perceptual", "exact"] = "perceptual"
+    mm_hash: Literal["perceptual", "exact"] = "exact"
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 64
@@ -70,6 +86,10 @@ class EngineConfig:
     preemption: Literal["recompute", "swap"] = "recompute"
     swap_space_bytes: int = 256 * 1024 * 1024
     vision_cache_entries: int = 256
+    max_images: int = DEFAULT_MAX_IMAGES
+    max_image_pixels: int = DEFAULT_MAX_PIXELS
+    max_image_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO
+    max_request_image_pixels: int = DEFAULT_MAX_REQUEST_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         checks = [
@@ -108,6 +128,13 @@ class EngineConfig:
                 "need 0 < max_loras <= max_cpu_loras",
             ),
             (self.max_lora_rank > 0, "max_lora_rank must be positive"),
+            (self.max_images >= 0, f"max_images must be >= 0, got {self.max_images}"),
+            (self.max_image_pixels > 0, "max_image_pixels must be positive"),
+            (self.max_image_aspect_ratio >= 1, "max_image_aspect_ratio must be at least 1"),
+            (
+                self.max_request_image_pixels >= self.max_image_pixels,
+                "max_request_image_pixels must be at least max_image_pixels",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -22,7 +22,18 @@ import torch
 from engine.request import ImageInput
 from hashing.errors import InvalidImageError
 from hashing.extra_keys import MMPlaceholder
-from hashing.image_keys import DEFAULT_MAX_PIXELS, decode_image, image_key
+from hashing.image_decode import (
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_REQUEST_IMAGE_PIXELS,
+    check_image_header,
+)
+from hashing.image_header import ImageHeader
+from hashing.image_keys import (
+    DEFAULT_MAX_ASPECT_RATIO,
+    DEFAULT_MAX_PIXELS,
+    decode_image,
+    image_key,
+)
 
 ContentFormat = Literal["string", "parts"]
 _DATA_MIME = ("image/png", "image/jpeg", "image/jpg", "image/webp")
@@ -107,9 +118,16 @@ class InputProcessor:
         processor: The directory's ``AutoProcessor`` (LLaVA) or ``AutoTokenizer`` (text-only).
         image_token_id: The image placeholder token id, None for a text-only model.
         num_image_tokens: Placeholder tokens per image.
-        mm_hash: Image key mode, ``"perceptual"`` or ``"exact"``.
-        max_image_pixels: Refuse images larger than this (decompression bombs).
+        mm_hash: Image key mode, ``"exact"`` (default) or ``"perceptual"``.
+        max_image_pixels: Most pixels in one image (``width * height`` from its header).
         max_images: Most images in one request.
+        max_image_aspect_ratio: Largest longer-side-over-shorter-side of one image
+            (``hashing.image_decode.DEFAULT_MAX_ASPECT_RATIO`` has the arithmetic).
+        max_request_image_pixels: Most pixels of all of one request's images together.
+
+    Every image bound is checked on the sizes the images' headers state, for all of a
+    request's images, before any of them is decoded; a refusal is a ``ValueError`` (an
+    ``InvalidImageError`` for a bad image) whose message names the message part.
     """
 
     def __init__(
@@ -118,9 +136,11 @@ class InputProcessor:
         *,
         image_token_id: int | None,
         num_image_tokens: int = 0,
-        mm_hash: str = "perceptual",
+        mm_hash: str = "exact",
         max_image_pixels: int = DEFAULT_MAX_PIXELS,
-        max_images: int = 8,
+        max_images: int = DEFAULT_MAX_IMAGES,
+        max_image_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
+        max_request_image_pixels: int = DEFAULT_MAX_REQUEST_IMAGE_PIXELS,
     ) -> None:
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -129,6 +149,8 @@ class InputProcessor:
         self.mm_hash = mm_hash
         self.max_image_pixels = max_image_pixels
         self.max_images = max_images
+        self.max_image_aspect_ratio = max_image_aspect_ratio
+        self.max_request_image_pixels = max_request_image_pixels
         template = getattr(processor, "chat_template", None) or getattr(
             self.tokenizer, "chat_template", None
         )
@@ -141,9 +163,10 @@ class InputProcessor:
             The messages for ``apply_chat_template`` and the decoded PIL images in order.
 
         Raises:
-            ValueError: malformed messages, a bad image URL, or images for a model or template
-                that takes none.
-            InvalidImageError: an image that does not decode.
+            ValueError: malformed messages, a bad image URL, images for a model or template
+                that takes none, more than ``max_images`` images, or more than
+                ``max_request_image_pixels`` pixels in all (checked before decoding).
+            InvalidImageError: an image out of bounds (from its header) or that does not decode.
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
@@ -174,11 +197,30 @@ class InputProcessor:
                 out.append({**message, "content": text})
         if images and self.image_token_id is None:
             raise ValueError("this model takes no images")
-        if len(images) > self.max_images:
-            raise ValueError(f"too many images: {len(images)} (at most {self.max_images})")
-        return out, images
+        return out, self._decode_images(images)
 
-    def _part(self, part: Any, where: str, images: list) -> dict:
+    def _decode_images(self, pending: list[tuple[str, bytes, ImageHeader, dict]]) -> list:
+        """Check the request's pixel budget on the headers, then decode every image in order."""
+        total = sum(header.pixels for _, _, header, _ in pending)
+        if total > self.max_request_image_pixels:
+            raise ValueError(
+                f"too many image pixels: the request's {len(pending)} images have {total} "
+                f"pixels in all, over the limit of {self.max_request_image_pixels} per request"
+            )
+        images = []
+        for where, payload, _, entry in pending:
+            try:
+                entry["image"] = decode_image(
+                    payload,
+                    max_pixels=self.max_image_pixels,
+                    max_aspect_ratio=self.max_image_aspect_ratio,
+                )
+            except InvalidImageError as exc:
+                raise InvalidImageError(f"{where}: {exc}") from None
+            images.append(entry["image"])
+        return images
+
+    def _part(self, part: Any, where: str, pending: list) -> dict:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise ValueError(f"{where} must be an object with a string 'type'")
         kind = part["type"]
@@ -187,11 +229,26 @@ class InputProcessor:
                 raise ValueError(f"{where}.text must be a string")
             return {"type": "text", "text": part["text"]}
         if kind == "image_url":
+            if len(pending) >= self.max_images:  # refused before reading one more payload
+                raise ValueError(f"too many images: {where} is image {len(pending) + 1} of a "
+                                 f"request, at most {self.max_images} are accepted")  # fmt: skip
             spec = part.get("image_url")
             url = spec.get("url") if isinstance(spec, dict) else spec
-            image = decode_image(parse_data_url(url), max_pixels=self.max_image_pixels)
-            images.append(image)
-            return {"type": "image", "image": image}
+            try:
+                payload = parse_data_url(url)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            try:
+                header = check_image_header(
+                    payload,
+                    max_pixels=self.max_image_pixels,
+                    max_aspect_ratio=self.max_image_aspect_ratio,
+                )
+            except InvalidImageError as exc:
+                raise InvalidImageError(f"{where}: {exc}") from None
+            entry = {"type": "image", "image": None}  # filled once every header has passed
+            pending.append((where, payload, header, entry))
+            return entry
         raise ValueError(f"{where} has unsupported type {kind!r} (text or image_url)")
 
     def __call__(self, messages: Any) -> ProcessedPrompt:

@@ -100,7 +100,15 @@ class LLMEngine:
         )
         self.config = config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks)
         self.max_model_len = max_model_len
-        self.tokenizer, self.inputs = load_processor(config.model, model, config.mm_hash)
+        self.tokenizer, self.inputs = load_processor(
+            config.model,
+            model,
+            config.mm_hash,
+            max_images=config.max_images,
+            max_image_pixels=config.max_image_pixels,
+            max_image_aspect_ratio=config.max_image_aspect_ratio,
+            max_request_image_pixels=config.max_request_image_pixels,
+        )
         self.eos_token_ids = _eos_ids(self.tokenizer, hf_config)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

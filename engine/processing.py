@@ -10,8 +10,13 @@ from engine.inputs import InputProcessor
 logger = logging.getLogger(__name__)
 
 
-def load_processor(model_dir: str, model: Any, mm_hash: str) -> tuple[Any, InputProcessor]:
+def load_processor(
+    model_dir: str, model: Any, mm_hash: str, **image_bounds: float
+) -> tuple[Any, InputProcessor]:
     """The tokenizer and the chat-message processor of a model directory.
+
+    ``image_bounds`` are passed to :class:`InputProcessor` (``max_images``,
+    ``max_image_pixels``, ``max_image_aspect_ratio``, ``max_request_image_pixels``).
 
     A multimodal model (one with ``image_token_id``) gets ``AutoProcessor``, a text-only one
     ``AutoTokenizer``. Image processors use transformers' PIL backend when torchvision is
@@ -37,6 +42,7 @@ def load_processor(model_dir: str, model: Any, mm_hash: str) -> tuple[Any, Input
         image_token_id=image_token_id,
         num_image_tokens=getattr(model, "num_image_tokens", 0),
         mm_hash=mm_hash,
+        **image_bounds,
     )
     return tokenizer, inputs
 

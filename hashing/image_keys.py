@@ -2,7 +2,9 @@
 
 Two modes (DESIGN.md, "Image keys"; docs/image_keys.md has the measurements):
 
-- ``perceptual`` (default): a quantized description of what the picture looks like, so a
+- ``exact`` (default): SHA-256 of the decoded pixels and size; any pixel change gives a new key,
+  so two pictures share KV only if the model would see the same pixels.
+- ``perceptual`` (opt-in): a quantized description of what the picture looks like, so a
   re-encoded, recompressed or slightly resized copy gets the *same string* and hits the cache.
   This follows vLLM's automatic-prefix-caching design note ("perceptual hashing for images to
   cache similar input images"). The key is looked up by exact string equality (no Hamming
@@ -12,27 +14,38 @@ Two modes (DESIGN.md, "Image keys"; docs/image_keys.md has the measurements):
   mean chroma, each coarsely quantized. ``python -m bench.image_keys`` compares it with
   imagehash's phash/dhash/average_hash/whash/colorhash: with 64 bits or more they lose the key
   far more often (phash8 keeps 86%), with 16 bits they collide (whash4: 1313 colliding pairs).
-- ``exact``: SHA-256 of the decoded pixels and size; any pixel change gives a new key.
+  It is not the default because it merges pictures a vision model tells apart: on the
+  near-duplicate set of ``bench.near_duplicates`` (one character of text changed, a small
+  object added, a region recoloured or moved) it gives one key to most pairs, "PIN 1234" and
+  "PIN 9876" included, and no stateless exact-match key measured keeps >= 95% of re-encodings
+  with 0 near-duplicate collisions (the finer the key, the fewer re-encodings keep it).
 
 Keys are pure functions of the pixels (no state), so they agree across processes and restarts.
 They are always combined with the tenant's ``("salt", cache_salt)`` extra key, so a perceptual
-collision can only ever reuse KV within one tenant.
+collision can only ever reuse KV within one tenant (where it still serves a wrong answer).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 from typing import Literal
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
-from hashing.errors import InvalidImageError
+from hashing.image_decode import (
+    ACCEPTED_FORMATS,
+    DEFAULT_MAX_ASPECT_RATIO,
+    DEFAULT_MAX_PIXELS,
+    MAX_SIDE,
+    decode_image,
+)
+from hashing.image_decode import to_rgb as _to_rgb
 
-__all__ = [
+__all__ = [  # the decoding names are re-exported: callers import them from here
     "ACCEPTED_FORMATS",
+    "DEFAULT_MAX_ASPECT_RATIO",
     "DEFAULT_MAX_PIXELS",
     "MAX_SIDE",
     "PERCEPTUAL_METHOD",
@@ -42,24 +55,10 @@ __all__ = [
     "perceptual_image_key",
 ]
 
-#: Formats the decoder will open (the gateway accepts png/jpeg/webp data URLs). JPEG includes
-#: MPO (multi-picture JPEGs from phones; the first picture is used). GIF, BMP, TIFF, ICO, EPS
-#: and the rest are refused: less parser surface, and nothing upstream sends them.
-ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP")
-
-#: 50 megapixels: above any common camera output (48/50 MP phone sensors, 45 MP full-frame
-#: bodies), below Pillow's own 89.5 MP warning threshold, and it caps one decoded RGB image at
-#: 150 MB (200 MB with alpha). Vision towers see a few hundred thousand pixels at most.
-DEFAULT_MAX_PIXELS = 50_000_000
-
-#: Longest accepted side; a 1 x 40,000,000 strip is under the pixel limit but absurd.
-MAX_SIDE = 32_768
-
 #: Name and version of the perceptual method; it is the perceptual keys' prefix.
 PERCEPTUAL_METHOD = "pdct-v1"
 _EXACT_METHOD = "exact-v1"
 
-_BACKGROUND = (255, 255, 255)  # transparent pixels are composited on white
 _CANON = 128  # Lanczos thumbnail side: exact geometry, anti-aliased
 _GRID = 16  # then exact 8x8 area means: the grid the DCT runs on
 _MAX_FREQ = 6  # keep DCT coefficients (u, v) with 0 < u + v <= 6: 27 sign bits
@@ -67,7 +66,6 @@ _LUMA_STEP = 32.0  # mean luminance in 8 buckets (0..255 / 32, rounded)
 _CHROMA_STEP = 16.0  # mean Cb, Cr around neutral 128; gray images sit mid-bucket at 0
 _ASPECT_STEPS = 4  # round(4 * log2(w / h)): 1:1 is a bucket centre
 _ZERO = 1e-6  # |coefficient| below this is exact symmetry, not signal: bit 0 on any BLAS
-_BOMB = "image is too large: it fails Pillow's decompression-bomb check"
 
 
 def _dct_matrix(n: int) -> np.ndarray:
@@ -81,84 +79,6 @@ def _dct_matrix(n: int) -> np.ndarray:
 
 
 _DCT = _dct_matrix(_GRID)
-
-
-def _orientation(image: Image.Image) -> int:
-    """EXIF orientation (1-8); 1 when absent or unparsable (a viewer shows the raw pixels)."""
-    try:
-        return int(image.getexif().get(0x0112, 1))
-    except Exception:  # malformed EXIF must not make a viewable picture unkeyable
-        return 1
-
-
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """Apply EXIF orientation and convert any mode to 8-bit RGB (alpha composited on white)."""
-    if _orientation(image) in range(2, 9):
-        image = ImageOps.exif_transpose(image)
-    if image.mode.startswith("I"):  # 16-bit PNG: scale to 8 bits (convert("L") would clip)
-        wide = np.asarray(image, dtype=np.float64)
-        image = Image.fromarray(np.clip(np.rint(wide / 257.0), 0, 255).astype(np.uint8), "L")
-    if image.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (*_BACKGROUND, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """Decode an encoded PNG, JPEG or WEBP image into the RGB pixels a viewer would show.
-
-    The size in the header is checked before any pixel is decoded; the whole image is then
-    decoded (``load()``) so truncation is detected (``ImageFile.LOAD_TRUNCATED_IMAGES`` is never
-    enabled here). The EXIF orientation is applied, 16-bit samples are scaled to 8 bits, alpha
-    and palette transparency are composited on white, and every mode becomes ``RGB``. Animated
-    images give their first frame. ICC profiles are not applied: pixels are keyed as stored.
-
-    Args:
-        data: The encoded image (bytes-like).
-        max_pixels: Largest accepted ``width * height``; defaults to ``DEFAULT_MAX_PIXELS``.
-
-    Returns:
-        A fully loaded ``PIL.Image.Image`` in mode ``RGB``.
-
-    Raises:
-        InvalidImageError: The payload is empty, not an image, in a format other than
-            ``ACCEPTED_FORMATS``, truncated or corrupt, has a zero or absurd dimension, or has
-            more than ``max_pixels`` pixels (Pillow's decompression-bomb error and, where
-            warnings are escalated, its warning, are reported the same way; neither the
-            process-wide ``Image.MAX_IMAGE_PIXELS`` nor the warning filters are changed). The
-            message names the problem and never echoes the payload.
-    """
-    if not data:
-        raise InvalidImageError("image payload is empty")
-    try:
-        image = Image.open(io.BytesIO(bytes(data)), formats=list(ACCEPTED_FORMATS))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise InvalidImageError(_BOMB) from exc
-    except UnidentifiedImageError as exc:
-        raise InvalidImageError(
-            f"payload is not an image in an accepted format ({', '.join(ACCEPTED_FORMATS)})"
-        ) from exc
-    except (OSError, ValueError, SyntaxError, EOFError, MemoryError) as exc:
-        raise InvalidImageError(f"image header is corrupt ({type(exc).__name__})") from exc
-    width, height = image.size
-    if width < 1 or height < 1 or width > MAX_SIDE or height > MAX_SIDE:
-        raise InvalidImageError(
-            f"image dimensions {width}x{height} are outside 1..{MAX_SIDE} pixels per side"
-        )
-    if width * height > max_pixels:
-        raise InvalidImageError(
-            f"image has {width * height} pixels, over the limit of {max_pixels}"
-        )
-    try:
-        image.load()  # decodes every pixel: a truncated stream raises here
-        return _to_rgb(image)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise InvalidImageError(_BOMB) from exc
-    except (OSError, ValueError, SyntaxError, EOFError, IndexError, MemoryError) as exc:
-        raise InvalidImageError(
-            f"{image.format} image data is truncated or corrupt ({type(exc).__name__})"
-        ) from exc
 
 
 def exact_image_key(image: Image.Image) -> str:
@@ -219,6 +139,9 @@ def perceptual_image_key(image: Image.Image) -> str:
     re-encodings of 20 photos keeping the key (97.6% of 1156 on their crops) and no collision
     among 791 distinct images. A key is lost when a coefficient sits near zero, mostly in
     low-contrast textures; no stateless exact-match key reaches 100% (docs/image_keys.md).
+    Twenty-seven low-frequency signs cannot see small details: pictures that differ in one
+    character of text or a small object mostly share the key (the near-duplicate figures of
+    ``bench.image_keys``), which is why ``exact`` is the default mode.
 
     Args:
         image: A PIL image, any mode and size.
@@ -231,17 +154,19 @@ def perceptual_image_key(image: Image.Image) -> str:
 
 def image_key(
     data: bytes | bytearray | memoryview | Image.Image,
-    mode: Literal["perceptual", "exact"] = "perceptual",
+    mode: Literal["perceptual", "exact"] = "exact",
     *,
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
 ) -> str:
     """Key an image for prefix caching: the one entry point the engine and gateway call.
 
     Args:
         data: Encoded image bytes (decoded with ``decode_image``) or an already decoded image.
-        mode: ``"perceptual"`` (default; see ``perceptual_image_key``) or ``"exact"`` (see
-            ``exact_image_key``).
+        mode: ``"exact"`` (default; see ``exact_image_key``) or ``"perceptual"`` (see
+            ``perceptual_image_key``; it can merge near-duplicates a model tells apart).
         max_pixels: Pixel limit passed to ``decode_image`` when ``data`` is bytes.
+        max_aspect_ratio: Aspect-ratio limit passed to ``decode_image`` likewise.
 
     Returns:
         The key string, prefixed by its method (``pdct-v1:`` or ``exact-v1:``).
@@ -254,7 +179,7 @@ def image_key(
     if mode not in ("perceptual", "exact"):
         raise ValueError(f"unknown image key mode {mode!r}; expected 'perceptual' or 'exact'")
     if isinstance(data, (bytes, bytearray, memoryview)):
-        image = decode_image(data, max_pixels=max_pixels)
+        image = decode_image(data, max_pixels=max_pixels, max_aspect_ratio=max_aspect_ratio)
     elif isinstance(data, Image.Image):
         image = data
     else:

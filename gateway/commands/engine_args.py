@@ -43,7 +43,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.enable_prefix_caching,
     )
     g.add_argument("--prefix-hash", choices=["sha256", "xxhash"], default=d.prefix_hash)
-    g.add_argument("--mm-hash", choices=["perceptual", "exact"], default=d.mm_hash)
+    g.add_argument(
+        "--mm-hash",
+        choices=["perceptual", "exact"],
+        default=d.mm_hash,
+        help="image keys for prefix caching: exact (default; only pixel-identical images share "
+        "KV) or perceptual (re-encodings share KV, but so can images that differ in a digit "
+        "of text or a small object; see docs/image_keys.md)",
+    )
     g.add_argument("--max-loras", type=int, default=d.max_loras)
     g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras)
     g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)

@@ -2,11 +2,14 @@
 
 Within one tenant, a shared prefix is served from the cache up to its last full block (16
 tokens); another tenant (whatever it sends as ``cache_salt``) and another adapter get nothing;
-the same photo re-encoded as JPEG hits the image's blocks (perceptual image keys, the default).
+an image's blocks are reused only for the same pixels (exact image keys, the default): a lossless
+copy hits them, a JPEG copy or a picture of another PIN does not.
 """
 
 import pytest
+from PIL import ImageFont
 
+from bench.near_duplicates import render_text
 from tests.gateway.chat_support import (
     common_prefix,
     data_url,
@@ -65,15 +68,17 @@ def test_long_system_prompt_is_cached_per_tenant_and_adapter(live, engine_client
     assert by_model["guide-lora"]["cached_tokens"] == full_blocks(shared)
 
 
-def test_the_same_photo_reencoded_as_jpeg_hits_the_image_blocks(live, engine_client):
+def test_image_blocks_are_reused_only_for_the_same_pixels(live, engine_client):
+    """Exact image keys (the default): a lossless copy hits, a JPEG copy or a changed PIN not."""
     tenant = live.create_tenant("photos")
     client = live.openai(tenant["api_key"])
     picture = photo("astronaut", 128)
     text = "Describe the picture in detail."
     as_png = [user(image_part(data_url(picture)), text)]
+    as_webp = [user(image_part(data_url(picture, "image/webp", "WEBP", lossless=True)), text)]
     as_jpeg = [user(image_part(data_url(picture, "image/jpeg", "JPEG", quality=85)), text)]
     other = [user(image_part(data_url(photo("coffee", 128))), text)]
-    assert as_png[0]["content"][0] != as_jpeg[0]["content"][0]
+    assert as_png[0]["content"][0] != as_webp[0]["content"][0]
 
     processed = engine_client.llm.engine.inputs(as_png)
     ids = processed.prompt_token_ids
@@ -83,9 +88,17 @@ def test_the_same_photo_reencoded_as_jpeg_hits_the_image_blocks(live, engine_cli
     assert full_blocks(image_end) > full_blocks(image.offset)  # some block holds only image
 
     assert cached(client, as_png) == (0, len(ids))
-    # every full block is reused, those holding the image included (the last prompt token is
-    # always computed, hence len - 1)
-    hit, _ = cached(client, as_jpeg)
+    # the same pixels in another container: every full block is reused, those holding the
+    # image included (the last prompt token is always computed, hence len - 1)
+    hit, _ = cached(client, as_webp)
     assert hit == full_blocks(len(ids) - 1) and hit >= full_blocks(image_end)
-    # a different photo: only the blocks before the image
+    # a lossy copy and a different photo: only the blocks before the image
+    assert cached(client, as_jpeg)[0] == full_blocks(image.offset)
     assert cached(client, other)[0] == full_blocks(image.offset)
+    # the issue's case: a picture of "PIN 9876" never reuses the KV of "PIN 1234"
+    font = ImageFont.load_default(size=20)
+    pins = [render_text(s, (336, 336), font) for s in ("PIN 1234", "PIN 9876")]
+    first, second = ([user(image_part(data_url(p)), "What is the PIN?")] for p in pins)
+    offset = engine_client.llm.engine.inputs(first).images[0].placeholder.offset
+    assert cached(client, first)[0] <= full_blocks(offset)
+    assert cached(client, second)[0] == full_blocks(offset)
