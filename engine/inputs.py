@@ -170,9 +170,6 @@ class InputProcessor:
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
-        count = _count_images(messages)  # before decoding any of them
-        if count > self.max_images:
-            raise ValueError(f"too many images: {count} (at most {self.max_images})")
         out, images = [], []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -309,16 +306,6 @@ class InputProcessor:
             key = image_key(pil, self.mm_hash)
             images.append(ImageInput(key, pixel_values[i], MMPlaceholder(key, offset, length)))
         return ProcessedPrompt(ids, images)
-
-
-def _count_images(messages: list) -> int:
-    """``image_url`` parts in well-formed messages (malformed ones are refused later)."""
-    count = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            count += sum(1 for p in content if isinstance(p, dict) and p.get("type") == "image_url")
-    return count
 
 
 def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:

@@ -129,7 +129,8 @@ async def _start(
     chat.check_size(engine.max_model_len, limits.max_token_bytes, limits.image_tokens)
     if chat.images > limits.max_images:
         raise bad_request(
-            f"the messages hold {chat.images} images; at most {limits.max_images} per request",
+            f"too many images: the messages hold {chat.images}, at most {limits.max_images} "
+            "per request",
             param="messages",
         )
     try:
