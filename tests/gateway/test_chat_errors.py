@@ -133,7 +133,7 @@ def _bad_requests(engine_client):
         (
             "invalid base64",
             chat_body(messages=images_message("data:image/png;base64,@@@not-base64@@@")),
-            "messages",
+            "messages[0].content[0]",
             None,
         ),
         (
@@ -143,19 +143,19 @@ def _bad_requests(engine_client):
                     "data:image/png;base64," + base64.b64encode(b"hello, world" * 10).decode()
                 )
             ),
-            "messages",
+            "messages[0].content[0]",
             None,
         ),
         (
             "gif media type",
             chat_body(messages=images_message("data:image/gif;base64,R0lGODlhAQABAAAAACw=")),
-            "messages",
+            "messages[0].content[0]",
             None,
         ),
         (
             "decompression bomb",
             chat_body(messages=images_message(data_url(png_bomb()))),
-            "messages",
+            "messages[0].content[0]",
             None,
         ),
         ("too many images", chat_body(messages=images_message(*[ok_png] * 9)), "messages", None),

@@ -136,7 +136,7 @@ async def _start(
     try:
         prompt = await engine.process(chat.messages, tenant=principal.tenant_id)
     except ValueError as exc:  # InvalidImageError included
-        raise bad_request(str(exc), param="messages") from None
+        raise bad_request(str(exc), param=_part_of(str(exc))) from None
     except PoolBusyError:
         raise APIError(
             429,
@@ -213,6 +213,15 @@ async def _unless_client_left(run: ChatRun, waiting: Any) -> RequestOutput:
         if run.client_left:
             raise APIError(503, "the client disconnected", code="client_disconnected") from None
         raise
+
+
+_PART = re.compile(r"^(messages\[\d+\](?:\.content\[\d+\])?)[:. ]")
+
+
+def _part_of(message: str) -> str:
+    """The ``messages[i].content[j]`` a processing error names first, else ``messages``."""
+    found = _PART.match(message)
+    return found.group(1) if found else "messages"
 
 
 def _error_type(exc: BaseException) -> str:
