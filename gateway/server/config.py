@@ -20,9 +20,12 @@ class GatewayConfig:
         host: Bind address.
         port: Bind port.
         chat_max_body_bytes: Largest ``/v1/chat/completions`` body (images inline); 413 beyond.
-        upload_max_body_bytes: Largest ``/v1/adapters`` body; 413 beyond.
+        upload_max_body_bytes: Largest ``/v1/adapters`` body; 413 beyond. The limit in force is
+            the smaller of this and what the largest valid adapter for the served model needs
+            (:class:`gateway.domains.adapters.limits.UploadLimits`).
         max_archive_members: Most entries an uploaded archive may hold.
-        max_archive_unpacked_bytes: Most bytes an uploaded archive may unpack to.
+        max_archive_unpacked_bytes: Most bytes an uploaded archive may unpack to (the smaller
+            of this and the largest valid adapter plus 1 MiB of other members is in force).
         max_tokens_limit: Largest ``max_tokens`` a request may ask for (also bounded by the
             model length); 400 beyond.
         max_n: Largest ``n``.
@@ -39,6 +42,9 @@ class GatewayConfig:
             are aborted.
         adapter_store_dir: The content-addressed adapter store (default ``DATA/adapters``); the
             engine's adapter loader must read the same store.
+        max_concurrent_uploads: Adapter uploads processed at once (read back or unpacked,
+            validated, stored), server-wide; others wait holding only their spooled body on
+            disk. Each holds at most the largest valid adapter for the served model.
     """
 
     data_dir: Path
@@ -59,6 +65,7 @@ class GatewayConfig:
     usage_flush_seconds: float = 0.2
     shutdown_grace_seconds: float = 10.0
     adapter_store_dir: Path | None = None
+    max_concurrent_uploads: int = 2
 
     @property
     def store_dir(self) -> Path:

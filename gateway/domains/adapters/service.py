@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 _REGISTRY_KEY = "adapter_registry"
 
 
+DEFAULT_UPLOAD_SLOTS = 2
+
+
 @dataclass
 class Registry:
     """Per-app bookkeeping of adapter changes.
@@ -44,21 +47,31 @@ class Registry:
     Attributes:
         lock: Held around every store-and-table change.
         pending: Digests no live row holds whose removal a running request refused.
+        uploads: Slots for upload processing (reading back, unpacking, validating, storing):
+            at most this many uploads hold their files in memory at once, however many
+            arrive; the others wait holding only their spool files on disk.
     """
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     pending: set[str] = field(default_factory=set)
+    uploads: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(DEFAULT_UPLOAD_SLOTS)
+    )
 
 
-def registry_of(app_state: Any) -> Registry:
+def registry_of(app_state: Any, upload_slots: int | None = None) -> Registry:
     """The app's :class:`Registry` (made on first use).
 
     Args:
         app_state: The Litestar app's ``State`` (one per app).
+        upload_slots: Size of :attr:`Registry.uploads` when this call makes the registry
+            (``GatewayConfig.max_concurrent_uploads``; the app makes it when it registers the
+            adapter routes).
     """
     registry = app_state.get(_REGISTRY_KEY)
     if registry is None:
-        registry = app_state[_REGISTRY_KEY] = Registry()
+        registry = Registry(uploads=asyncio.Semaphore(upload_slots or DEFAULT_UPLOAD_SLOTS))
+        app_state[_REGISTRY_KEY] = registry
     return registry
 
 
