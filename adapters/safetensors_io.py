@@ -30,6 +30,8 @@ DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2}
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 MAX_DIMS = 8
+MAX_NAME_CHARS = 1024
+"""Longest tensor name accepted (PEFT's longest LLaVA names are ~90 characters)."""
 MAX_DIM_SIZE = 1 << 31
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 """File names with these suffixes are pickle (``torch.save``) files: always refused."""
@@ -145,6 +147,11 @@ def read_header(
             f"safetensors header names {len(header)} tensors; at most {max_tensors} are read"
         )
     data_start = 8 + header_len
+    for name in header:
+        if len(name) > MAX_NAME_CHARS:
+            raise AdapterError(
+                f"tensor name {name[:64]!r}... is longer than {MAX_NAME_CHARS} characters"
+            )
     entries = {name: _entry(name, info, data_start) for name, info in header.items()}
     _check_layout(sorted(entries.values(), key=lambda e: (e.begin, e.end)), data_start, len(data))
     return entries

@@ -27,7 +27,7 @@ from adapters.peft_match import TargetMatcher, dot_suffixes
 _KEY_RE = re.compile(r"base_model\.model\.(?P<module>.+)\.(?P<ab>lora_[AB])(?:\.default)?\.weight")
 ModuleKey = tuple[int, str]
 """``(layer_idx, projection)``, e.g. ``(3, "q_proj")``."""
-MAX_PATTERN_EVALUATIONS = 20_000
+MAX_PATTERN_EVALUATIONS = 10_000
 """Most regex evaluations (RE2 matches or index lookups) one adapter's config may need against
 the served model's module names (a few microseconds each); past it the adapter is refused."""
 

@@ -6,7 +6,8 @@ Each case is an ``adapter_config.json`` a hostile tenant could upload: catastrop
 regexes (the 7-group pattern that froze a server for 64 s, ``(a+)+$``, ``(a|aa)+b``, nested
 quantifiers, huge counted repetitions) in every pattern field, and the most expensive configs the
 caps admit (4,096 ``rank_pattern`` keys, the full regex-character budget in 1,000-character
-patterns, enough regex keys to exhaust the evaluation budget). Validation is what an upload runs
+patterns, as many small regex keys as the character budget admits, which spend the whole
+evaluation budget before they are refused). Validation is what an upload runs
 before any tensor: ``parse_lora_config`` and ``resolve_targets`` against a 32-layer Llama's module
 names (an 8B model's 224 projections) with LLaVA's vision tower in the universe. Each case is
 timed alone (the slowest of three runs; the
@@ -90,7 +91,7 @@ def cases() -> dict[str, dict[str, Any]]:
     }
     room = MAX_REGEX_CHARS - len(listed["exclude_modules"]) - REGEX_PATTERN_COST
     small = [f"(?:x|y)*{i:02d}z" for i in range(room // (12 + REGEX_PATTERN_COST))]
-    out["most small regex keys"] = {
+    out["small regex keys past the evaluation budget"] = {
         **listed,
         "target_modules": list(PROJECTIONS),
         "rank_pattern": {k: 4 for k in small},

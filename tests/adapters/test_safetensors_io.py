@@ -154,3 +154,10 @@ def test_many_entry_header_is_refused_before_it_is_parsed(monkeypatch):
         read_header(data, max_tensors=56)
     with pytest.raises(AdapterError, match="too large"):
         read_header(data, max_header_bytes=1000)
+
+
+def test_overlong_tensor_name_is_refused_before_any_name_matching():
+    name = "base_model.model." + "a." * 600 + "lora_A.weight"
+    data = build({name: entry(offsets=(0, 16))}, bytes(16))
+    with pytest.raises(AdapterError, match="longer than 1024 characters"):
+        read_header(data)

@@ -81,9 +81,9 @@ class AdapterController(Controller):
                 raise APIError(
                     409, f"{name!r} is the served base model's name", param="name", code="conflict"
                 )
-            part = check_shape(form)
             if not replace:
                 await ensure_name_free(state, principal.tenant_id, name)
+            part = check_shape(form)
             async with registry.uploads:  # waiting holds only the spool files
                 config_bytes, weights_bytes = await asyncio.to_thread(
                     adapter_bytes, form, part, limits, spool
