@@ -8,6 +8,10 @@ regex or ``"all-linear"`` targets, ``exclude_modules``, ``layers_to_transform`` 
 QALoRA, BD-LoRA, Arrow, MonteCLoRA, KaSA, ``lora_bias``, ``layer_replication``,
 ``target_parameters``, trainable tokens) and initializations that rewrite the base weights
 (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA) unless PEFT converted them back to plain LoRA on save.
+
+Module patterns are only type-, count- and length-checked here: ``LoraConfig`` stores them
+without running them, and they are compiled for RE2 (or refused) by :mod:`adapters.peft_match`
+when targets are resolved, so no client pattern ever reaches Python's backtracking ``re``.
 """
 
 from __future__ import annotations
@@ -15,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import warnings
-from re import _parser as sre_parse  # type: ignore[attr-defined]
 from typing import Any
 
 from peft import LoraConfig
 
 from adapters.errors import AdapterError
+from adapters.patterns import MAX_PATTERN_CHARS, is_plain_name
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(LoraConfig))
 # Keys with a truthy value that changes what the adapter computes, and why we refuse them.
@@ -43,7 +46,19 @@ _REFUSED = {
 }
 # init_lora_weights values that leave a residual in the base weights.
 _BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
-_REGEX_MAX_LEN = 1000
+MAX_CONFIG_BYTES = 256 * 1024
+"""Largest ``adapter_config.json`` accepted (PEFT writes ~1 KiB; EVA's per-module
+``rank_pattern`` and ``alpha_pattern`` for an 80-layer model ~60 KiB)."""
+MAX_PATTERN_KEYS = 4096
+"""Most ``rank_pattern`` plus ``alpha_pattern`` entries (EVA writes one per targeted module)."""
+MAX_LAYERS_PATTERNS = 64
+"""Most ``layers_pattern`` entries."""
+MAX_REGEX_CHARS = 4096
+"""Most characters of regex over all patterns of one config, each pattern counting
+:data:`REGEX_PATTERN_COST` more than its length (its fixed cost to parse and compile). Keys that
+are plain module names (``A-Z a-z 0-9 _ .`` only) do not count: they are matched from an index,
+never parsed."""
+REGEX_PATTERN_COST = 64
 
 
 def parse_lora_config(config_bytes: bytes, *, max_rank: int) -> LoraConfig:
@@ -60,13 +75,26 @@ def parse_lora_config(config_bytes: bytes, *, max_rank: int) -> LoraConfig:
         AdapterError: not a JSON object; ``peft_type`` missing or not LORA; an unsupported
             feature (see the module docstring); an unknown key with a non-empty value;
             ``r`` / ``rank_pattern`` values outside ``1..max_rank``; a non-positive or
-            non-finite alpha; ``bias`` other than "none"; no ``target_modules``; a bad or
-            potentially catastrophic regex; anything PEFT's own checks reject.
+            non-finite alpha; ``bias`` other than "none"; no ``target_modules``; a pattern
+            longer than :data:`adapters.patterns.MAX_PATTERN_CHARS`, more of them than
+            :data:`MAX_PATTERN_KEYS` / :data:`MAX_LAYERS_PATTERNS`, more regex than
+            :data:`MAX_REGEX_CHARS` in all; a file over
+            :data:`MAX_CONFIG_BYTES`; anything PEFT's own checks reject. The patterns
+            themselves are compiled (or refused) when targets are resolved
+            (:mod:`adapters.peft_match`); nothing here runs them, and ``LoraConfig`` only
+            stores them.
     """
+    if len(config_bytes) > MAX_CONFIG_BYTES:
+        raise AdapterError(
+            f"adapter_config.json is {len(config_bytes)} bytes; at most {MAX_CONFIG_BYTES} "
+            "are accepted"
+        )
     try:
         raw = json.loads(config_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AdapterError(f"adapter_config.json is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise AdapterError("adapter_config.json nests too deeply") from None
     if not isinstance(raw, dict):
         raise AdapterError("adapter_config.json must be a JSON object")
     peft_type = raw.get("peft_type")
@@ -136,25 +164,36 @@ def _check_numbers(kwargs: dict[str, Any], max_rank: int) -> None:
         raise AdapterError("use_rslora must be true or false")
 
 
+def _check_length(pattern: str, where: str) -> None:
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise AdapterError(f"{where} pattern is longer than {MAX_PATTERN_CHARS} characters")
+
+
 def _check_patterns(kwargs: dict[str, Any]) -> None:
-    """Types of the matching options, and every regex PEFT will run on module names."""
+    """Types, counts and lengths of the matching options (the regexes compile later)."""
     targets = kwargs.get("target_modules")
     if isinstance(targets, str):
-        check_regex(targets, "target_modules")
+        _check_length(targets, "target_modules")
     elif targets is not None and not (
         isinstance(targets, list) and all(isinstance(t, str) for t in targets)
     ):
         raise AdapterError("target_modules must be a list of names or a regex string")
     excluded = kwargs.get("exclude_modules")
     if isinstance(excluded, str):
-        check_regex(excluded, "exclude_modules")
+        _check_length(excluded, "exclude_modules")
     elif excluded is not None and not (
         isinstance(excluded, list) and all(isinstance(t, str) for t in excluded)
     ):
         raise AdapterError("exclude_modules must be a list of names or a regex string")
-    for name in ("rank_pattern", "alpha_pattern"):
-        for key in kwargs.get(name) or {}:
-            check_regex(key, name)
+    keys = [(k, n) for n in ("rank_pattern", "alpha_pattern") for k in kwargs.get(n) or {}]
+    if len(keys) > MAX_PATTERN_KEYS:
+        raise AdapterError(
+            f"rank_pattern and alpha_pattern hold {len(keys)} entries; at most "
+            f"{MAX_PATTERN_KEYS} are accepted"
+        )
+    regexes = [(k, n) for k, n in keys if not is_plain_name(k)]
+    for key, name in keys:
+        _check_length(key, name)
     layers = kwargs.get("layers_to_transform")
     if layers is not None and not (
         (isinstance(layers, int) and not isinstance(layers, bool))
@@ -166,50 +205,16 @@ def _check_patterns(kwargs: dict[str, Any]) -> None:
     if patterns is not None:
         if not (isinstance(patterns, list) and all(isinstance(p, str) for p in patterns)):
             raise AdapterError("layers_pattern must be a string or a list of strings")
+        if len(patterns) > MAX_LAYERS_PATTERNS:
+            raise AdapterError(f"layers_pattern holds more than {MAX_LAYERS_PATTERNS} patterns")
         for p in patterns:
-            check_regex(p, "layers_pattern")
-
-
-def check_regex(pattern: str, where: str) -> None:
-    """Refuse a regex that does not compile or could backtrack catastrophically.
-
-    Patterns come from uploads and run on module names, so a nested quantifier such as
-    ``(a+)+`` (star height > 1) is refused outright instead of risking exponential time.
-
-    Raises:
-        AdapterError: a bad, overlong or nested-quantifier pattern.
-    """
-    if len(pattern) > _REGEX_MAX_LEN:
-        raise AdapterError(f"{where} pattern is longer than {_REGEX_MAX_LEN} characters")
-    try:
-        parsed = sre_parse.parse(pattern)
-    except re.error as exc:
-        raise AdapterError(f"{where} pattern {pattern!r} is not a valid regex: {exc}") from None
-    if _star_height(parsed) > 1:
+            _check_length(p, "layers_pattern")
+        regexes += [(p, "layers_pattern") for p in patterns]
+    regexes += [(v, n) for v, n in ((targets, "target_modules"), (excluded, "exclude_modules"))]
+    total = sum(len(p) + REGEX_PATTERN_COST for p, _ in regexes if isinstance(p, str))
+    if total > MAX_REGEX_CHARS:
         raise AdapterError(
-            f"{where} pattern {pattern!r} nests repetitions (e.g. (a+)+), which can take "
-            "exponential time; rewrite it without a repeated group that itself repeats"
+            f"the config's regex patterns weigh {total} characters ({REGEX_PATTERN_COST} per "
+            f"pattern plus its length); at most {MAX_REGEX_CHARS} are accepted (plain module "
+            "names in rank_pattern / alpha_pattern do not count)"
         )
-
-
-def _star_height(items: Any) -> int:
-    """Nesting depth of unbounded repeats (``*``, ``+``, ``{n,}``) in a parsed regex."""
-    height = 0
-    for op, arg in items:
-        name = str(op)
-        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
-            low, high, sub = arg
-            inner = _star_height(sub)
-            unbounded = high is sre_parse.MAXREPEAT or high > 1
-            height = max(height, inner + (1 if unbounded else 0))
-        elif name == "SUBPATTERN":
-            height = max(height, _star_height(arg[-1]))
-        elif name == "BRANCH":
-            height = max([height] + [_star_height(b) for b in arg[1]])
-        elif name in ("ASSERT", "ASSERT_NOT"):
-            height = max(height, _star_height(arg[1]))
-        elif name == "ATOMIC_GROUP":
-            height = max(height, _star_height(arg))
-        elif name == "GROUPREF_EXISTS":
-            height = max([height] + [_star_height(b) for b in arg[1:] if b is not None])
-    return height

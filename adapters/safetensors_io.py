@@ -9,6 +9,8 @@ then the data section; offsets are relative to the data section's start::
 
 Everything in the header is checked before a single tensor is materialized, so a truncated
 file or a header that lies about offsets is refused with a clear message, never half-loaded.
+Before the header is JSON-parsed its size is bounded in bytes and its members are counted by a
+linear scan (colons outside strings), so neither a huge nor a 10^6-entry header is ever parsed.
 Pickle files are recognised and refused; nothing here ever unpickles.
 """
 
@@ -28,6 +30,8 @@ DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2}
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 MAX_DIMS = 8
+MAX_NAME_CHARS = 1024
+"""Longest tensor name accepted (PEFT's longest LLaVA names are ~90 characters)."""
 MAX_DIM_SIZE = 1 << 31
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 """File names with these suffixes are pickle (``torch.save``) files: always refused."""
@@ -70,20 +74,32 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def read_header(data: bytes) -> dict[str, TensorEntry]:
+def read_header(
+    data: bytes,
+    *,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    max_tensors: int | None = None,
+    max_metadata: int = 64,
+) -> dict[str, TensorEntry]:
     """Parse and check a safetensors file's header without touching tensor data.
 
     Args:
         data: The whole file.
+        max_header_bytes: Largest header accepted (checked before it is read).
+        max_tensors: Most tensors accepted; with ``max_metadata``, bounds the header's JSON
+            members, counted before it is parsed (None: no bound beyond the bytes).
+        max_metadata: Most ``__metadata__`` entries.
 
     Returns:
         ``name -> TensorEntry`` for every tensor.
 
     Raises:
-        AdapterError: a pickle file; a file shorter than its header; a header that is not a
-            JSON object of tensor entries; a dtype other than F32/F16/BF16; a shape with
-            negative, huge or too many dimensions; ``data_offsets`` that are reversed, leave
-            the data section, overlap, leave gaps, or disagree with ``numel * itemsize``.
+        AdapterError: a pickle file; a file shorter than its header; a header over
+            ``max_header_bytes`` or with more members than ``max_tensors`` tensors can have; a
+            header that is not a JSON object of tensor entries; a dtype other than F32/F16/BF16;
+            a shape with negative, huge or too many dimensions; ``data_offsets`` that are
+            reversed, leave the data section, overlap, leave gaps, or disagree with
+            ``numel * itemsize``.
     """
     if looks_like_pickle(data):
         raise AdapterError(
@@ -98,12 +114,25 @@ def read_header(data: bytes) -> dict[str, TensorEntry]:
             f"safetensors file is truncated or corrupt: header of {header_len} bytes "
             f"in a {len(data)}-byte file"
         )
-    if header_len > MAX_HEADER_BYTES:
-        raise AdapterError(f"safetensors header of {header_len} bytes is too large")
+    if header_len > max_header_bytes:
+        raise AdapterError(
+            f"safetensors header of {header_len} bytes is too large (at most {max_header_bytes})"
+        )
+    text = bytes(data[8 : 8 + header_len])
+    if max_tensors is not None:
+        # a tensor entry has 4 members (its name, dtype, shape, data_offsets); the object 1 more
+        most = 4 * max_tensors + max_metadata + 1
+        if json_members(text, stop=most) > most:
+            raise AdapterError(
+                f"safetensors header has more entries than {max_tensors} tensors (an adapter "
+                "for this model has far fewer)"
+            )
     try:
-        header = json.loads(bytes(data[8 : 8 + header_len]), object_pairs_hook=_no_duplicates)
+        header = json.loads(text, object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AdapterError(f"safetensors header is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise AdapterError("safetensors header nests too deeply") from None
     if not isinstance(header, dict):
         raise AdapterError("safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None)
@@ -111,10 +140,51 @@ def read_header(data: bytes) -> dict[str, TensorEntry]:
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         raise AdapterError("safetensors __metadata__ must map strings to strings")
+    if metadata is not None and len(metadata) > max_metadata:
+        raise AdapterError(f"safetensors __metadata__ has more than {max_metadata} entries")
+    if max_tensors is not None and len(header) > max_tensors:
+        raise AdapterError(
+            f"safetensors header names {len(header)} tensors; at most {max_tensors} are read"
+        )
     data_start = 8 + header_len
+    for name in header:
+        if len(name) > MAX_NAME_CHARS:
+            raise AdapterError(
+                f"tensor name {name[:64]!r}... is longer than {MAX_NAME_CHARS} characters"
+            )
     entries = {name: _entry(name, info, data_start) for name, info in header.items()}
     _check_layout(sorted(entries.values(), key=lambda e: (e.begin, e.end)), data_start, len(data))
     return entries
+
+
+def json_members(text: bytes, stop: int) -> int:
+    """Members of all objects in a JSON text (its colons outside strings), counted linearly.
+
+    Stops counting once past ``stop``. On invalid JSON the count is meaningless, but the parser
+    refuses that text anyway.
+    """
+    members, i, n = 0, 0, len(text)
+    while i < n:
+        quote = text.find(b'"', i)
+        members += text.count(b":", i, n if quote < 0 else quote)
+        if quote < 0 or members > stop:
+            return members
+        i = _string_end(text, quote + 1)
+    return members
+
+
+def _string_end(text: bytes, i: int) -> int:
+    """Index just past the quote closing the string that starts at ``i`` (``len`` if none)."""
+    while True:
+        j = text.find(b'"', i)
+        if j < 0:
+            return len(text)
+        k = j
+        while k > i and text[k - 1] == 0x5C:  # the backslashes right before this quote
+            k -= 1
+        if (j - k) % 2 == 0:
+            return j + 1
+        i = j + 1
 
 
 def _entry(name: str, info: object, data_start: int) -> TensorEntry:

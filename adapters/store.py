@@ -12,6 +12,13 @@ directory and renamed to ``root/<digest>`` in one step, so a reader sees a compl
 none, and a failed validation or write leaves the store as it was. The digest is over what the
 adapter computes (:func:`adapters.validation.adapter_digest`), so re-uploading the same adapter
 reuses the existing entry. Names belong to tenants and are kept by the gateway, not here.
+
+Uploaded weights are private: the root and every adapter directory are 0700, the files 0600,
+set explicitly (never left to the umask); an existing root others could enter is tightened.
+Removal is two-step for callers that must re-check a condition in between (the gateway's
+collector, :mod:`gateway.domains.adapters.orphans`): :meth:`AdapterStore.stash` renames an
+adapter out of sight, then :meth:`AdapterStore.unstash` puts it back or
+:meth:`AdapterStore.purge` deletes it.
 """
 
 from __future__ import annotations
@@ -36,6 +43,19 @@ from adapters.validation import (
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600.0
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def _private_root(root: Path) -> None:
+    """Make ``root`` (0700 if new; group and other bits dropped if it is ours already)."""
+    existed = root.is_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    mode = root.stat().st_mode & 0o777
+    if not existed:
+        os.chmod(root, DIR_MODE)
+    elif mode & ~DIR_MODE and root.stat().st_uid == os.geteuid():
+        os.chmod(root, mode & DIR_MODE)
 
 
 class AdapterStore:
@@ -48,7 +68,7 @@ class AdapterStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        _private_root(self.root)
         now = time.time()
         for path in self.root.glob(_TMP_PREFIX + "*"):
             try:
@@ -96,9 +116,12 @@ class AdapterStore:
         if final.is_dir():
             return adapter
         tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=self.root))
+        os.chmod(tmp, DIR_MODE)
         try:
             for name, payload in ((CONFIG_NAME, config_bytes), (WEIGHTS_NAME, weights_bytes)):
-                with open(tmp / name, "wb") as f:
+                fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+                os.fchmod(fd, FILE_MODE)
+                with os.fdopen(fd, "wb") as f:
                     f.write(payload)
                     f.flush()
                     os.fsync(f.fileno())
@@ -178,17 +201,41 @@ class AdapterStore:
 
         The directory is renamed out of the way first, so readers never see half of it.
         """
+        stashed = self.stash(digest)
+        if stashed is None:
+            return False
+        self.purge(stashed)
+        return True
+
+    def stash(self, digest: str) -> Path | None:
+        """Rename an adapter out of sight (readers no longer find it); None if there was none.
+
+        Returns:
+            Where it went, for :meth:`unstash` or :meth:`purge`.
+        """
         directory = self._path(digest)
         if directory is None or not directory.is_dir():
-            return False
+            return None
         doomed = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=self.root)) / digest
         try:
             os.rename(directory, doomed)
-        except FileNotFoundError:  # deleted concurrently
+        except FileNotFoundError:  # removed concurrently
             shutil.rmtree(doomed.parent, ignore_errors=True)
-            return False
-        shutil.rmtree(doomed.parent, ignore_errors=True)
-        return True
+            return None
+        return doomed
+
+    def unstash(self, stashed: Path) -> None:
+        """Put a stashed adapter back (if it was stored again meanwhile, drop the stash)."""
+        try:
+            os.rename(stashed, self.root / stashed.name)
+        except OSError:
+            if not (self.root / stashed.name).is_dir():
+                raise
+        shutil.rmtree(stashed.parent, ignore_errors=True)
+
+    def purge(self, stashed: Path) -> None:
+        """Delete a stashed adapter for good."""
+        shutil.rmtree(stashed.parent, ignore_errors=True)
 
     def digests(self) -> list[str]:
         """Every stored digest, sorted."""

@@ -18,15 +18,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from peft import LoraConfig
-from peft.tuners.tuners_utils import check_target_module_exists
-from peft.utils.other import get_pattern_key
 
 from adapters.base_model import CURRENT_LAYOUT, LAYOUTS, PROJECTIONS, BaseModelInfo, Layout
 from adapters.errors import AdapterError
+from adapters.patterns import PatternBudget
+from adapters.peft_match import TargetMatcher, dot_suffixes
 
 _KEY_RE = re.compile(r"base_model\.model\.(?P<module>.+)\.(?P<ab>lora_[AB])(?:\.default)?\.weight")
 ModuleKey = tuple[int, str]
 """``(layer_idx, projection)``, e.g. ``(3, "q_proj")``."""
+MAX_PATTERN_EVALUATIONS = 10_000
+"""Most regex evaluations (RE2 matches or index lookups) one adapter's config may need against
+the served model's module names (a few microseconds each); past it the adapter is refused."""
 
 
 @dataclass(frozen=True)
@@ -154,25 +157,28 @@ def resolve_targets(
     Raises:
         AdapterError: the config also targets a module outside the decoder projections
             (vision tower, projector, embeddings, ``lm_head``); a ``target_modules`` list entry
-            matching no module of the served model; no target at all.
+            matching no module of the served model; no target at all; a pattern without a
+            linear-time equivalent; more than :data:`MAX_PATTERN_EVALUATIONS` evaluations.
     """
     projections = {layout.module_name(i, p): (i, p) for i in range(num_layers) for p in PROJECTIONS}
     others = {layout.from_current(n): kind for n, kind in _other_modules(info, layout).items()}
     config = _expand_all_linear(config, list(projections), others, layout)
     universe = list(projections) + sorted(others)
-    matched = [m for m in universe if check_target_module_exists(config, m)]
+    matcher = TargetMatcher(config, PatternBudget(MAX_PATTERN_EVALUATIONS))
+    matched = [m for m in universe if matcher.targets_module(m)]
     bad = [m for m in matched if m not in projections]
     if bad:
         raise _unsupported(bad, "target_modules matches")
     if isinstance(config.target_modules, set | list | tuple):
+        reachable = {s for m in universe for s in dot_suffixes(m)}
         for entry in sorted(config.target_modules):
-            if not any(m == entry or m.endswith("." + entry) for m in universe):
+            if entry not in reachable:
                 raise AdapterError(
                     f"target_modules entry {entry!r} matches no module of the served model"
                 )
     if not matched:
         raise AdapterError("adapter targets no module of the served model")
-    return {projections[m]: _spec(config, m) for m in matched}
+    return {projections[m]: _spec(config, matcher, m) for m in matched}
 
 
 def _other_modules(info: BaseModelInfo, layout: Layout) -> Mapping[str, str]:
@@ -197,11 +203,12 @@ def _expand_all_linear(
     return config
 
 
-def _spec(config: LoraConfig, module: str) -> TargetSpec:
+def _spec(config: LoraConfig, matcher: TargetMatcher, module: str) -> TargetSpec:
     """Rank, alpha and scale of one module, as PEFT's ``LoraModel._create_and_replace``."""
-    rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
-    alpha = config.alpha_pattern.get(
-        get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha
+    budget = matcher.budget
+    rank = (config.rank_pattern or {}).get(matcher.rank_keys.key_for(module, budget), config.r)
+    alpha = (config.alpha_pattern or {}).get(
+        matcher.alpha_keys.key_for(module, budget), config.lora_alpha
     )
     scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
     return TargetSpec(module=module, rank=int(rank), alpha=float(alpha), scale=float(scale))

@@ -5,7 +5,9 @@ Two entry points share one pipeline: :func:`load_adapter_files` for an upload (t
 directory. Order of checks, cheapest first, nothing materialized before the header is trusted:
 
 1. ``adapter_config.json`` through PEFT's ``LoraConfig`` (:mod:`adapters.peft_config`).
-2. The safetensors header: dtypes, shapes, offsets (:mod:`adapters.safetensors_io`).
+2. The weights file's size and its header's size and member count against what a valid
+   adapter for the served model can reach (:mod:`adapters.sizes`), then the header: dtypes,
+   shapes, offsets (:mod:`adapters.safetensors_io`).
 3. Tensor names -> ``(layer, projection)``; the config's targets resolved as PEFT does
    (:mod:`adapters.targets`); the two sets must be equal, every layer in range.
 4. Shapes: ``A [r, in]``, ``B [out, r]`` with the module's configured ``r``.
@@ -31,6 +33,12 @@ from adapters.base_model import BaseModelInfo
 from adapters.errors import AdapterError
 from adapters.peft_config import parse_lora_config
 from adapters.safetensors_io import PICKLE_SUFFIXES, load_tensors, read_header
+from adapters.sizes import (
+    MAX_METADATA_ENTRIES,
+    max_header_bytes,
+    max_header_tensors,
+    max_weights_bytes,
+)
 from adapters.targets import ModuleKey, TargetSpec, map_tensor_names, resolve_targets
 
 CONFIG_NAME = "adapter_config.json"
@@ -96,7 +104,18 @@ def load_adapter_files(
     """
     info = info or BaseModelInfo()
     config = parse_lora_config(config_bytes, max_rank=max_rank)
-    entries = read_header(weights_bytes)
+    largest = max_weights_bytes(target_shapes, num_layers, max_rank)
+    if len(weights_bytes) > largest:
+        raise AdapterError(
+            f"adapter_model.safetensors is {len(weights_bytes)} bytes; the largest valid adapter "
+            f"for the served model (rank {max_rank}, float32) is {largest}"
+        )
+    entries = read_header(
+        weights_bytes,
+        max_header_bytes=max_header_bytes(target_shapes, num_layers),
+        max_tensors=max_header_tensors(target_shapes, num_layers),
+        max_metadata=MAX_METADATA_ENTRIES,
+    )
     layout, found = map_tensor_names(entries, info)
     for layer, projection in sorted(found):
         if layer >= num_layers:

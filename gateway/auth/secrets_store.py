@@ -1,7 +1,9 @@
 """Secrets kept in the data directory: the key-hashing secret and the admin key.
 
 Both are created on first use with mode 0600 (``O_CREAT | O_EXCL``, so two processes starting
-together agree on one value) and read back afterwards.
+together agree on one value; the mode set with ``fchmod``, never left to the umask) in a data
+directory of mode 0700, and read back afterwards; an existing file or directory that others
+could read is tightened.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
+from gateway.settings import PRIVATE_FILE_MODE, private_dir, private_file
+
 SECRET_FILENAME = "secret.key"
 ADMIN_KEY_FILENAME = "admin.key"
 ADMIN_KEY_PREFIX = "lpx-admin-"
@@ -21,14 +25,16 @@ SECRET_BYTES = 32
 
 def _read_or_create(path: Path, make: Callable[[], str]) -> tuple[str, bool]:
     """The stripped text of ``path``, writing ``make()`` there (0600) first if it is missing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
     except FileExistsError:
+        private_file(path)  # tighten one made readable by others
         value = path.read_text().strip()
         if not value:
             raise ValueError(f"{path} is empty; delete it to have a new one made") from None
         return value, False
+    os.fchmod(fd, PRIVATE_FILE_MODE)
     value = make()
     with os.fdopen(fd, "w") as f:
         f.write(value + "\n")

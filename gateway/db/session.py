@@ -2,7 +2,9 @@
 
 SQLite (the default, ``DATA_DIR/loraplex.db``) runs through ``aiosqlite``; PostgreSQL through
 ``asyncpg`` (``postgresql+asyncpg://user:pass@host/db``). A plain ``sqlite:///``,
-``postgresql://`` or ``postgres://`` URL is given the async driver.
+``postgresql://`` or ``postgres://`` URL is given the async driver. An SQLite database file is
+created 0600 before SQLite opens it (SQLite gives its ``-wal`` and ``-shm`` files the database
+file's mode), and an existing one readable by others is tightened with them.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ def make_engine(url: str, *, for_migrations: bool = False, **kwargs: Any) -> Asy
     engine = create_async_engine(url, **kwargs)
     if engine.dialect.name != "sqlite":
         return engine
+    database = make_url(url).database
+    if database not in (None, "", ":memory:") and not database.startswith("file:"):
+        private_sqlite_file(database)
 
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -89,6 +94,22 @@ def make_engine(url: str, *, for_migrations: bool = False, **kwargs: Any) -> Asy
             connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def private_sqlite_file(path: str | Path) -> None:
+    """Make the database file 0600 before SQLite creates it; tighten its journal files.
+
+    Raises:
+        OSError: the file cannot be made (its directory is missing or not writable).
+    """
+    from gateway.settings import private_file
+
+    path = Path(path)
+    private_file(path)
+    for suffix in ("-wal", "-shm", "-journal"):
+        journal = path.with_name(path.name + suffix)
+        if journal.exists():
+            private_file(journal)
 
 
 def _enable_wal(cursor: Any) -> None:

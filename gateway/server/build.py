@@ -57,14 +57,17 @@ def build_gateway(
     admin_key: str,
     owns_engine: bool = True,
 ) -> tuple[Litestar, GatewayState]:
-    """Migrate the database and build the app around ``engine``.
+    """Migrate the database, collect orphaned adapter weights, build the app around ``engine``.
 
     Raises:
         sqlalchemy.exc.SQLAlchemyError: the database is unreachable or cannot be migrated.
     """
     from gateway.db.migrate import upgrade
+    from gateway.domains.adapters.orphans import collect_orphans_at_start
+    from gateway.settings import private_dir
 
-    gateway_config.data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(gateway_config.data_dir)
     upgrade(gateway_config.db_url)
     state = build_state(gateway_config, engine, admin_key=admin_key, owns_engine=owns_engine)
+    collect_orphans_at_start(gateway_config.db_url, state.store)
     return create_app(state), state

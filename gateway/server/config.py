@@ -20,9 +20,12 @@ class GatewayConfig:
         host: Bind address.
         port: Bind port.
         chat_max_body_bytes: Largest ``/v1/chat/completions`` body (images inline); 413 beyond.
-        upload_max_body_bytes: Largest ``/v1/adapters`` body; 413 beyond.
+        upload_max_body_bytes: Largest ``/v1/adapters`` body; 413 beyond. The limit in force is
+            the smaller of this and what the largest valid adapter for the served model needs
+            (:class:`gateway.domains.adapters.limits.UploadLimits`).
         max_archive_members: Most entries an uploaded archive may hold.
-        max_archive_unpacked_bytes: Most bytes an uploaded archive may unpack to.
+        max_archive_unpacked_bytes: Most bytes an uploaded archive may unpack to (the smaller
+            of this and the largest valid adapter plus 1 MiB of other members is in force).
         max_tokens_limit: Largest ``max_tokens`` a request may ask for (also bounded by the
             model length); 400 beyond.
         max_n: Largest ``n``.
@@ -62,6 +65,9 @@ class GatewayConfig:
         forwarded_allow_ips: Comma-separated proxy addresses (or ``*``) whose
             ``X-Forwarded-For`` / ``X-Forwarded-Proto`` are believed (uvicorn's
             ``forwarded_allow_ips``); None: never, the TCP peer is the client.
+        max_concurrent_uploads: Adapter uploads processed at once (read back or unpacked,
+            validated, stored), server-wide; others wait holding only their spooled body on
+            disk. Each holds at most the largest valid adapter for the served model.
     """
 
     data_dir: Path
@@ -95,6 +101,7 @@ class GatewayConfig:
     auth_failure_window_seconds: float = 60.0
     auth_throttle_max_clients: int = 65536
     forwarded_allow_ips: str | None = None
+    max_concurrent_uploads: int = 2
 
     @property
     def store_dir(self) -> Path:

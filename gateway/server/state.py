@@ -89,8 +89,9 @@ def build_state(
     """
     from gateway.auth.secrets_store import load_or_create_secret
     from gateway.db.session import make_engine, session_factory
+    from gateway.settings import private_dir
 
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(config.data_dir)
     db = make_engine(config.db_url)
     sessions = session_factory(db)
     return GatewayState(

@@ -14,23 +14,35 @@ from gateway.services.errors import ConflictError, InvalidInputError, NotFoundEr
 from gateway.services.keys import IssuedKey, create_key
 
 MAX_NAME_LEN = 128
+MAX_LIMIT = 2**31 - 1
+"""Largest value of a tenant limit: the ``tenants`` columns are SQL ``INTEGER`` (32-bit signed on
+PostgreSQL), so every stored limit is in ``1..2147483647``."""
 
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """Per-key limits; None means "no tenant-specific value" (use the server default)."""
+    """Per-key limits; None means "no tenant-specific value" (use the server default).
+
+    Each value is None or an integer in ``1..MAX_LIMIT`` (2,147,483,647).
+    """
 
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent_requests: int | None = None
 
-    def validate(self) -> None:
-        """Raise ``InvalidInputError`` unless every value is None or a positive int."""
+    def invalid_field(self) -> str | None:
+        """The first field that is neither None nor an integer in ``1..MAX_LIMIT``, or None."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            ok = value is None or (type(value) is int and value > 0)
-            if not ok:
-                raise InvalidInputError(f"{field.name} must be a positive integer or null")
+            if not (value is None or (type(value) is int and 1 <= value <= MAX_LIMIT)):
+                return field.name
+        return None
+
+    def validate(self) -> None:
+        """Raise ``InvalidInputError`` unless every value is None or an int in ``1..MAX_LIMIT``."""
+        name = self.invalid_field()
+        if name is not None:
+            raise InvalidInputError(limit_message(name))
 
     def or_defaults(self, defaults: TenantLimits) -> TenantLimits:
         """These limits, with each None replaced by the value in ``defaults``."""
@@ -42,6 +54,11 @@ class TenantLimits:
                 for f in dataclasses.fields(self)
             }
         )
+
+
+def limit_message(name: str) -> str:
+    """What a bad value of the limit ``name`` is told."""
+    return f"{name} must be null or an integer from 1 to {MAX_LIMIT}"
 
 
 def limits_of(tenant: Tenant) -> TenantLimits:
@@ -127,7 +144,7 @@ async def set_limits(session: AsyncSession, tenant_id: str, limits: TenantLimits
 
     Raises:
         NotFoundError: no such tenant.
-        InvalidInputError: a limit is not a positive integer.
+        InvalidInputError: a limit is not null or an integer in ``1..MAX_LIMIT``.
     """
     limits.validate()
     tenant = await get_tenant(session, tenant_id)

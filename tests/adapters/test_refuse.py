@@ -75,9 +75,15 @@ def test_missing_files(store, attn_dir, text_kw, tmp_path):
         ({"lora_bias": True}, "lora_bias"),
         ({"init_lora_weights": "pissa"}, "modified base weights"),
         ({"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "fc1"]}, "'fc1' matches no"),
-        ({"target_modules": r"(\w+\.)+q_proj"}, "nests repetitions"),
+        ({"target_modules": r"(.*)\1q_proj"}, "backreference .* linear-time"),
         ({"target_modules": "nothing"}, "targets no module"),
-        ({"rank_pattern": {"(q+)+_proj": 2}}, "rank_pattern pattern .* nests repetitions"),
+        ({"rank_pattern": {"(?=q)q_proj": 2}}, "rank_pattern pattern .* lookahead"),
+        ({"exclude_modules": r"(?<=x)y"}, "exclude_modules pattern .* lookbehind"),
+        ({"target_modules": r"(x{1000}){1000}"}, "repeats too much"),
+        ({"target_modules": "x" * 1001}, "longer than 1000 characters"),
+        ({"rank_pattern": {f"(a|b){i}": 1 for i in range(60)}}, "regex patterns weigh 4"),
+        ({"rank_pattern": {f"m{i}": 1 for i in range(4097)}}, "4097 entries; at most 4096"),
+        ({"layers_pattern": ["layers"] * 65, "layers_to_transform": [0]}, "more than 64"),
         ({"rank_pattern": {"q_proj": "8"}}, "not a positive integer rank"),
         ({"target_modules": r"model\.layers\.(\d"}, "not a valid regex"),
         ({"layers_pattern": 3}, "layers_pattern must be"),
@@ -94,6 +100,15 @@ def test_bad_config(changes, match, store, attn_dir, text_kw):
 def test_unknown_empty_option_is_ignored(store, attn_dir, text_kw):
     adapter = store.put_dir(edit_config(attn_dir, future_feature=None), **text_kw)
     assert store.has(adapter.digest)
+
+
+def test_config_too_large_or_too_deep(store, attn_dir, text_kw):
+    path = attn_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "padding": None, "notes": " " * 300_000}))
+    assert_refused(store, attn_dir, text_kw, "bytes; at most 262144 are accepted")
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert_refused(store, attn_dir, text_kw, "nests too deeply")
 
 
 def test_config_not_an_object(store, attn_dir, text_kw):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save
 
 from adapters.errors import AdapterError
-from adapters.safetensors_io import load_tensors, looks_like_pickle, read_header
+from adapters.safetensors_io import json_members, load_tensors, looks_like_pickle, read_header
 from adapters.validation import load_adapter_files
 
 
@@ -117,3 +117,47 @@ def test_corrupted_files_only_ever_raise_adapter_error(data, valid_upload, text_
     assert all(
         torch.isfinite(a).all() and torch.isfinite(b).all() for a, b, _ in adapter.weights.values()
     )
+
+
+# ------------------------------------------- the member count taken before the header is parsed
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='ab:"\\{}, \u00e9', max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(alphabet='ab:"\\{}', max_size=4), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+def _members(value) -> int:
+    if isinstance(value, dict):
+        return len(value) + sum(_members(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_members(v) for v in value)
+    return 0
+
+
+@given(value=_json)
+def test_json_members_counts_object_members_outside_strings(value):
+    text = json.dumps(value, ensure_ascii=False).encode()
+    assert json_members(text, stop=10**9) == _members(value)
+
+
+def test_many_entry_header_is_refused_before_it_is_parsed(monkeypatch):
+    import adapters.safetensors_io as io_mod
+
+    header = b"{" + b",".join(b'"%d":0' % i for i in range(5000)) + b"}"
+    data = struct.pack("<Q", len(header)) + header
+    monkeypatch.setattr(io_mod, "json", None)  # any parse attempt would raise AttributeError
+    with pytest.raises(AdapterError, match="more entries than 56 tensors"):
+        read_header(data, max_tensors=56)
+    with pytest.raises(AdapterError, match="too large"):
+        read_header(data, max_header_bytes=1000)
+
+
+def test_overlong_tensor_name_is_refused_before_any_name_matching():
+    name = "base_model.model." + "a." * 600 + "lora_A.weight"
+    data = build({name: entry(offsets=(0, 16))}, bytes(16))
+    with pytest.raises(AdapterError, match="longer than 1024 characters"):
+        read_header(data)

@@ -13,7 +13,10 @@ import zipfile
 import pytest
 
 from gateway.domains.adapters.archive import (
+    CHUNK,
+    TAR_HEADER_BYTES,
     ArchiveError,
+    UnpackMeter,
     detect_format,
     member_path,
     unpack_adapter,
@@ -207,7 +210,7 @@ def test_tar_gz_bomb_stops_at_the_cap_even_in_skipped_members():
 
 
 def test_tar_gz_stream_is_capped_below_the_headers():
-    """A 16 MiB PAX header (tarfile reads one whole into memory) is stopped by the stream cap."""
+    """A 16 MiB PAX header (tarfile reads one whole into memory) is stopped after 1 MiB."""
     pax = tarfile.TarInfo("././@PaxHeader")
     pax.type = tarfile.XHDTYPE
     pax.size = 16 << 20
@@ -220,7 +223,14 @@ def test_tar_gz_stream_is_capped_below_the_headers():
             t.addfile(info, io.BytesIO(data))
     assert len(buf.getvalue()) < 200_000
     buf.seek(0)
-    refused(buf, "unpacks to more than")
+    meter = UnpackMeter()
+    refused(
+        buf,
+        "tar header block .* larger than 1048576 bytes",
+        max_unpacked_bytes=64 << 20,
+        meter=meter,
+    )
+    assert meter.produced <= TAR_HEADER_BYTES + 2 * CHUNK
     # a bare gzip of zeros is an empty tar: it stops at the first (zero) header block
     refused(io.BytesIO(gzip.compress(bytes(8 << 20))), "no adapter_config.json")
 
@@ -284,3 +294,84 @@ def test_reads_from_a_spooled_file_on_disk(tmp_path):
     with open(path, "rb") as f:
         f.seek(123)  # wherever the caller left it
         assert unpack(f) == (CONFIG, WEIGHTS)
+
+
+# ------------------------------------------------------- bounded memory while inflating
+def _traced_peak(fn) -> int:
+    """Peak bytes Python allocated while ``fn`` ran (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+CAPS = {"adapter_config.json": 64 * 1024, "adapter_model.safetensors": 1 << 20}
+
+
+@pytest.mark.parametrize("maker", [make_zip, make_tar_gz], ids=["zip", "tar.gz"])
+def test_bomb_member_stops_at_its_own_cap_holding_one_chunk(maker):
+    """64 MiB of zeros as the weights (~64 KiB compressed), a 1 MiB cap for them, 1 GiB in all:
+    the refusal comes within a chunk of the member's cap and never holds the member."""
+    bomb = maker({"adapter_config.json": CONFIG, "adapter_model.safetensors": bytes(64 << 20)})
+    meter = UnpackMeter()
+
+    def run():
+        with pytest.raises(ArchiveError, match="unpacks to more than 1048576 bytes, more than"):
+            unpack_adapter(
+                bomb, max_members=16, max_unpacked_bytes=1 << 30, member_caps=CAPS, meter=meter
+            )
+
+    peak = _traced_peak(run)
+    assert meter.produced <= (1 << 20) + CHUNK + 64 * 1024
+    assert meter.largest_read <= CHUNK
+    assert peak < 4 * CHUNK
+
+
+def test_zip_member_declaring_more_than_its_cap_is_refused_unread():
+    big = make_zip({"adapter_config.json": CONFIG, "adapter_model.safetensors": bytes(2 << 20)})
+    meter = UnpackMeter()
+    with pytest.raises(ArchiveError, match="more than a valid adapter_model.safetensors"):
+        unpack_adapter(
+            big, max_members=16, max_unpacked_bytes=1 << 30, member_caps=CAPS, meter=meter
+        )
+    assert meter.produced <= len(CONFIG)
+
+
+def test_tar_member_over_its_cap_is_refused_before_its_data():
+    big = make_tar_gz({**GOOD, "adapter_config.json": bytes(1 << 20)})
+    meter = UnpackMeter()
+    with pytest.raises(ArchiveError, match="adapter_config.json in the archive unpacks to more"):
+        unpack_adapter(
+            big, max_members=16, max_unpacked_bytes=1 << 30, member_caps=CAPS, meter=meter
+        )
+    assert meter.produced <= 64 * 1024
+
+
+def test_many_member_tar_gz_bomb_is_bounded_by_the_total_cap():
+    """1,000 junk members of 1 MiB of zeros each: stops at the member count, never inflating
+    more than the members seen so far."""
+    files = {f"junk/{i}": bytes(1 << 20) for i in range(40)}
+    bomb = make_tar_gz({**GOOD, **files})
+    meter = UnpackMeter()
+    with pytest.raises(ArchiveError, match="more than 16 entries|unpacks to more than"):
+        unpack_adapter(bomb, max_members=16, max_unpacked_bytes=4 << 20, meter=meter)
+    assert meter.produced <= (4 << 20) + 17 * 64 * 1024 + CHUNK
+
+
+def test_accepted_member_is_held_once():
+    """An accepted 2 MiB weights member costs about its own size, not twice (no join)."""
+    weights = os.urandom(2 << 20)
+    archive = make_zip({"adapter_config.json": CONFIG, "adapter_model.safetensors": weights})
+    out = {}
+
+    def run():
+        out["files"] = unpack(archive, max_unpacked_bytes=8 << 20)
+
+    peak = _traced_peak(run)
+    assert out["files"] == (CONFIG, weights)
+    assert peak < len(weights) + 4 * CHUNK

@@ -2,12 +2,21 @@
 
 Every route takes a tenant key (``gateway.server.auth``) and sees only that tenant's adapters:
 another tenant's name is a 404, exactly like a name that does not exist. The upload route's body
-limit is ``GatewayConfig.upload_max_body_bytes`` (the app's default is the smaller chat limit),
-set on this controller when the app registers it; 413 beyond.
+limit is the largest valid adapter for the served model plus room for framing
+(:class:`gateway.domains.adapters.limits.UploadLimits`), at most
+``GatewayConfig.upload_max_body_bytes`` (the app's default is the smaller chat limit), set on
+this controller when the app registers it; 413 beyond.
+
+An upload streams to spool files on disk first (no slot held), then takes one of
+``GatewayConfig.max_concurrent_uploads`` processing slots to read its two files back (or unpack
+its archive), validate and store them, so N concurrent hostile uploads hold at most that many
+adapters' worth of memory.
 """
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 from litestar import Controller, Request, Response, Router, delete, get, post
@@ -15,11 +24,27 @@ from litestar.params import FromPath, FromQuery
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
 from adapters.errors import AdapterError
+from gateway.domains.adapters.form import read_form
+from gateway.domains.adapters.limits import UploadLimits
 from gateway.domains.adapters.service import ensure_name_free, register, registry_of, unregister
-from gateway.domains.adapters.upload import adapter_bytes, check_name, read_form
+from gateway.domains.adapters.upload import adapter_bytes, check_name, check_shape
 from gateway.domains.adapters.views import adapter_view, list_body
 from gateway.server.errors import APIError
 from gateway.services.adapters import get_adapter, list_adapters
+from gateway.settings import private_dir
+
+UPLOAD_SPOOL_SUBDIR = "uploads"
+"""Where upload parts are spooled, under the data directory (mode 0700; files anonymous)."""
+
+
+def upload_limits(state: Any) -> UploadLimits:
+    """The upload caps for the app's served model and settings."""
+    return UploadLimits.derive(state.engine.adapter_limits, state.config)
+
+
+def spool_dir(state: Any) -> Path:
+    """The data directory's upload spool (made 0700 if missing)."""
+    return private_dir(Path(state.config.data_dir) / UPLOAD_SPOOL_SUBDIR)
 
 
 class AdapterController(Controller):
@@ -31,7 +56,8 @@ class AdapterController(Controller):
         super().__init__(owner)
         gateway = getattr(getattr(owner, "state", None), "gateway", None)
         if gateway is not None:  # registered on the app: uploads get their own body limit
-            self.request_max_body_size = gateway.config.upload_max_body_bytes
+            self.request_max_body_size = upload_limits(gateway).body_bytes
+            registry_of(owner.state, gateway.config.max_concurrent_uploads)
 
     @post("/", status_code=HTTP_201_CREATED)
     async def upload(self, request: Request, replace: FromQuery[bool] = False) -> Response:
@@ -46,7 +72,9 @@ class AdapterController(Controller):
         """
         state = request.app.state.gateway
         principal = request.user
-        form = await read_form(request)
+        limits, spool = upload_limits(state), spool_dir(state)
+        registry = registry_of(request.app.state)
+        form = await read_form(request, limits, spool)
         try:
             name = check_name(form.name)
             if name == state.engine.model_name:
@@ -55,21 +83,28 @@ class AdapterController(Controller):
                 )
             if not replace:
                 await ensure_name_free(state, principal.tenant_id, name)
-            config_bytes, weights_bytes, part = await adapter_bytes(form, state.config)
+            part = check_shape(form)
+            async with registry.uploads:  # waiting holds only the spool files
+                config_bytes, weights_bytes = await asyncio.to_thread(
+                    adapter_bytes, form, part, limits, spool
+                )
+                form.close()
+                try:
+                    row = await register(
+                        state,
+                        registry,
+                        principal.tenant_id,
+                        name,
+                        config_bytes,
+                        weights_bytes,
+                        replace=replace,
+                    )
+                except AdapterError as exc:
+                    raise APIError(400, str(exc), param=part, code="invalid_adapter") from None
+                finally:
+                    del config_bytes, weights_bytes
         finally:
-            await form.close()
-        try:
-            row = await register(
-                state,
-                registry_of(request.app.state),
-                principal.tenant_id,
-                name,
-                config_bytes,
-                weights_bytes,
-                replace=replace,
-            )
-        except AdapterError as exc:
-            raise APIError(400, str(exc), param=part, code="invalid_adapter") from None
+            form.close()
         return Response(adapter_view(row), status_code=HTTP_201_CREATED)
 
     @get("/")

@@ -5,9 +5,12 @@ replacing the old row when asked), then hand the adapter to the engine so the fi
 not pay a cold load. Delete: soft-delete the row; when no live row of any tenant holds the
 digest any more, drop it from the engine and from the store. While a running request still
 uses it the engine refuses, and the weights stay (a preempted request may need to reload them);
-the digest is remembered and collected by the next upload or delete once the engine lets go.
-Both hold one lock per app around the store-and-database step, so a delete can never remove
-weights that an upload has just counted on.
+the digest is remembered and collected by the next upload or delete once the engine lets go,
+or at the next start-up (:mod:`gateway.domains.adapters.orphans`). Both hold one lock per app
+around the store-and-database step, and weights leave the store only by the orphans protocol
+(stash, re-check the database, purge or restore; an upload re-checks the store after its row
+commits), so neither this gateway nor one sharing the store can remove weights a committed
+live row references.
 
 A chat request that resolved a name just before its delete may reach the engine after the
 weights left: the engine then finishes it as aborted (no request ever switches adapter).
@@ -22,6 +25,7 @@ from typing import Any
 
 from adapters.validation import LoraAdapter
 from gateway.db.models import Adapter
+from gateway.domains.adapters.orphans import remove_if_unused
 from gateway.server.state import GatewayState
 from gateway.services.adapters import (
     AdapterFacts,
@@ -37,6 +41,9 @@ logger = logging.getLogger(__name__)
 _REGISTRY_KEY = "adapter_registry"
 
 
+DEFAULT_UPLOAD_SLOTS = 2
+
+
 @dataclass
 class Registry:
     """Per-app bookkeeping of adapter changes.
@@ -44,21 +51,31 @@ class Registry:
     Attributes:
         lock: Held around every store-and-table change.
         pending: Digests no live row holds whose removal a running request refused.
+        uploads: Slots for upload processing (reading back, unpacking, validating, storing):
+            at most this many uploads hold their files in memory at once, however many
+            arrive; the others wait holding only their spool files on disk.
     """
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     pending: set[str] = field(default_factory=set)
+    uploads: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(DEFAULT_UPLOAD_SLOTS)
+    )
 
 
-def registry_of(app_state: Any) -> Registry:
+def registry_of(app_state: Any, upload_slots: int | None = None) -> Registry:
     """The app's :class:`Registry` (made on first use).
 
     Args:
         app_state: The Litestar app's ``State`` (one per app).
+        upload_slots: Size of :attr:`Registry.uploads` when this call makes the registry
+            (``GatewayConfig.max_concurrent_uploads``; the app makes it when it registers the
+            adapter routes).
     """
     registry = app_state.get(_REGISTRY_KEY)
     if registry is None:
-        registry = app_state[_REGISTRY_KEY] = Registry()
+        registry = Registry(uploads=asyncio.Semaphore(upload_slots or DEFAULT_UPLOAD_SLOTS))
+        app_state[_REGISTRY_KEY] = registry
     return registry
 
 
@@ -116,8 +133,6 @@ async def register(
     """
     adapter = await store_adapter(state, config_bytes, weights_bytes)
     async with registry.lock:
-        if not state.store.has(adapter.digest):  # deleted since: it had no other live row
-            adapter = await store_adapter(state, config_bytes, weights_bytes)
         try:
             async with state.sessions() as session, session.begin():
                 row, old = await create_adapter(
@@ -136,6 +151,10 @@ async def register(
         except ConflictError:
             await _collect(state, registry, adapter.digest)  # only if no live row holds it
             raise
+        # the row is committed: if a collector (here or in a gateway sharing the store) removed
+        # the weights since they were stored, store them again (orphans.py's protocol)
+        if not state.store.has(adapter.digest):
+            adapter = await store_adapter(state, config_bytes, weights_bytes)
         if old is not None and old.digest != row.digest:
             await _collect(state, registry, old.digest)
         await _retry_pending(state, registry)
@@ -178,7 +197,7 @@ async def _collect(state: GatewayState, registry: Registry, digest: str) -> None
     if not removed:
         registry.pending.add(digest)
         return
-    await asyncio.to_thread(state.store.delete, digest)
+    await remove_if_unused(state.sessions, state.store, digest)
 
 
 async def _retry_pending(state: GatewayState, registry: Registry) -> None:

@@ -4,85 +4,28 @@
 their file names (``adapter_config.json``, ``adapter_model.safetensors``; a client's directory
 prefix is dropped), or one ``archive`` part (see :mod:`gateway.domains.adapters.archive`). Other
 fields and other ``files`` parts are ignored, as the archive ignores other entries; weights
-sent only as a pickle file are refused by name. Upload parts spool to disk past 1 MiB while the
-body streams in; the archive is unpacked from there in a worker thread.
+sent only as a pickle file are refused by name. The body is parsed as it streams, its file parts
+spooled to disk under per-part caps (:mod:`gateway.domains.adapters.form`); the two files are
+read back (or unpacked from the archive) in a worker thread once a processing slot is free.
 """
 
 from __future__ import annotations
 
-import asyncio
+import os
 import re
-from dataclasses import dataclass, field
-
-from litestar import Request
-from litestar.datastructures import UploadFile
 
 from adapters.safetensors_io import PICKLE_SUFFIXES
 from adapters.validation import CONFIG_NAME, WEIGHTS_NAME
 from gateway.domains.adapters.archive import ArchiveError, unpack_adapter
-from gateway.server.config import GatewayConfig
+from gateway.domains.adapters.form import UploadForm
+from gateway.domains.adapters.limits import UploadLimits
 from gateway.server.errors import APIError, bad_request
 
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
-@dataclass
-class UploadForm:
-    """The parsed form (close it when done: its files may sit on disk).
-
-    Attributes:
-        name: The ``name`` field as sent (not yet validated), or None.
-        files: The ``files`` parts.
-        archives: The ``archive`` parts.
-        uploads: Every file part, to close.
-    """
-
-    name: object = None
-    files: list[UploadFile] = field(default_factory=list)
-    archives: list[UploadFile] = field(default_factory=list)
-    uploads: list[UploadFile] = field(default_factory=list)
-
-    async def close(self) -> None:
-        """Release the spooled files."""
-        for upload in self.uploads:
-            await upload.close()
-
-
-async def read_form(request: Request) -> UploadForm:
-    """Parse the multipart body (the route's body limit applies while it streams).
-
-    Raises:
-        APIError: 400 when the body is not ``multipart/form-data`` or a text field is not UTF-8
-            (a file part sent without a file name); 413 past the body limit (Litestar's own).
-    """
-    content_type, _ = request.content_type
-    if content_type != "multipart/form-data":
-        raise bad_request(
-            "the body must be multipart/form-data with 'name' and 'files' or 'archive' parts"
-        )
-    try:
-        multi = await request.form()
-    except UnicodeDecodeError:
-        raise bad_request(
-            "a form field is not UTF-8 text: send each file part with a file name"
-        ) from None
-    form = UploadForm()
-    for key, value in multi.multi_items():
-        if isinstance(value, UploadFile):
-            form.uploads.append(value)
-        if key == "name":
-            form.name = value
-        elif key == "files" and isinstance(value, UploadFile):
-            form.files.append(value)
-        elif key == "archive" and isinstance(value, UploadFile):
-            form.archives.append(value)
-        elif key in ("files", "archive"):
-            raise bad_request(f"the '{key}' part must be a file (with a file name)", param=key)
-    return form
-
-
 def check_name(value: object) -> str:
-    """The adapter name, checked against ``^[A-Za-z0-9._-]{1,64}$``.
+    """The adapter name: ``^[A-Za-z0-9._-]{1,64}$``, and neither ``.`` nor ``..``.
 
     Raises:
         APIError: 400 with param ``name``.
@@ -94,46 +37,29 @@ def check_name(value: object) -> str:
             "'name' must be 1 to 64 characters from A-Z, a-z, 0-9, '.', '_' and '-'",
             param="name",
         )
+    if value in (".", ".."):
+        raise bad_request(f"'name' cannot be {value!r}", param="name")
     return value
 
 
-async def adapter_bytes(form: UploadForm, config: GatewayConfig) -> tuple[bytes, bytes, str]:
-    """``(adapter_config.json, adapter_model.safetensors, the form part used)``.
+def check_shape(form: UploadForm) -> str:
+    """Which kind of upload the form is: ``"files"`` or ``"archive"``.
 
     Raises:
-        APIError: 400 for a form with neither or both kinds of parts, missing or duplicated
-            files, pickle weights, or an archive refused by the archive policy.
+        APIError: 400 for neither or both kinds of parts, a missing file, or pickle weights.
     """
-    if form.files and form.archives:
+    if (form.files or form.other_files) and form.archives:
         raise bad_request("send either 'files' parts or one 'archive' part, not both")
-    if len(form.archives) > 1:
-        raise bad_request("send one 'archive' part", param="archive")
     if form.archives:
-        archive = form.archives[0]
-        try:
-            config_bytes, weights_bytes = await asyncio.to_thread(
-                unpack_adapter,
-                archive.file,
-                max_members=config.max_archive_members,
-                max_unpacked_bytes=config.max_archive_unpacked_bytes,
-            )
-        except ArchiveError as exc:
-            raise APIError(400, str(exc), param="archive", code="invalid_archive") from None
-        return config_bytes, weights_bytes, "archive"
-    if not form.files:
+        return "archive"
+    if not form.files and not form.other_files:
         raise bad_request(
             f"send the adapter as two 'files' parts ({CONFIG_NAME}, {WEIGHTS_NAME}) or one "
             "'archive' part (.zip or .tar.gz)",
             param="files",
         )
-    by_name: dict[str, UploadFile] = {}
-    for upload in form.files:
-        base = upload.filename.replace("\\", "/").rsplit("/", 1)[-1]
-        if base in by_name and base in (CONFIG_NAME, WEIGHTS_NAME):
-            raise bad_request(f"{base} was sent twice", param="files")
-        by_name.setdefault(base, upload)
-    if WEIGHTS_NAME not in by_name:
-        pickles = sorted(n for n in by_name if n.lower().endswith(PICKLE_SUFFIXES))
+    if WEIGHTS_NAME not in form.files:
+        pickles = sorted(n for n in form.other_files if n.lower().endswith(PICKLE_SUFFIXES))
         if pickles:
             raise bad_request(
                 f"adapter weights {pickles[0]} are a pickle file; only {WEIGHTS_NAME} is "
@@ -142,6 +68,32 @@ async def adapter_bytes(form: UploadForm, config: GatewayConfig) -> tuple[bytes,
                 code="invalid_adapter",
             )
     for required in (CONFIG_NAME, WEIGHTS_NAME):
-        if required not in by_name:
+        if required not in form.files:
             raise bad_request(f"no 'files' part named {required}", param="files")
-    return await by_name[CONFIG_NAME].read(), await by_name[WEIGHTS_NAME].read(), "files"
+    return "files"
+
+
+def adapter_bytes(
+    form: UploadForm, kind: str, limits: UploadLimits, spool_dir: str | os.PathLike[str]
+) -> tuple[bytes, bytes]:
+    """``(adapter_config.json, adapter_model.safetensors)``, each read once into one buffer.
+
+    Blocking (disk reads, decompression): run it in a worker thread.
+
+    Raises:
+        APIError: 400 (param ``archive``) for an archive refused by the archive policy.
+    """
+    if kind == "files":
+        return form.files[CONFIG_NAME].read(), form.files[WEIGHTS_NAME].read()
+    archive = form.archives[0]
+    assert archive.file is not None
+    try:
+        return unpack_adapter(
+            archive.file,
+            max_members=limits.members,
+            max_unpacked_bytes=limits.unpacked_bytes,
+            member_caps={CONFIG_NAME: limits.config_bytes, WEIGHTS_NAME: limits.weights_bytes},
+            spool_dir=spool_dir,
+        )
+    except ArchiveError as exc:
+        raise APIError(400, str(exc), param="archive", code="invalid_archive") from None

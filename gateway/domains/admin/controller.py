@@ -16,6 +16,7 @@ from gateway.services.tenants import (
     TenantLimits,
     create_tenant_with_key,
     get_tenant,
+    limit_message,
     limits_of,
     list_tenants,
     set_limits,
@@ -40,10 +41,15 @@ def _object(data: Any) -> dict[str, Any]:
 
 
 def _limits(data: dict[str, Any]) -> TenantLimits:
+    """The body's limits: each null or an integer in ``1..2147483647`` (400 naming it else)."""
     unknown = set(data) - set(_LIMIT_FIELDS)
     if unknown:
         raise bad_request(f"unknown limit {sorted(unknown)[0]!r}", param=sorted(unknown)[0])
-    return TenantLimits(**{f: data.get(f) for f in _LIMIT_FIELDS})
+    limits = TenantLimits(**{f: data.get(f) for f in _LIMIT_FIELDS})
+    bad = limits.invalid_field()
+    if bad is not None:
+        raise bad_request(limit_message(bad), param=bad)
+    return limits
 
 
 class AdminController(Controller):
