@@ -50,6 +50,12 @@ def register(subparsers) -> None:
         help="their prompt + max_tokens at most (0: no bound; default %(default)s)",
     )
     a.add_argument(
+        "--max-concurrent-uploads",
+        type=int,
+        default=d.max_concurrent_uploads,
+        help="adapter uploads processed at once, server-wide (default %(default)s)",
+    )
+    a.add_argument(
         "--tenant-share",
         type=float,
         default=d.tenant_share,
@@ -147,6 +153,8 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
     for flag in ("max_outstanding_requests", "max_outstanding_tokens"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be 0 (no bound) or positive")
+    if args.max_concurrent_uploads < 1:
+        raise ValueError("--max-concurrent-uploads must be at least 1")
     if not 0.0 < args.tenant_share <= 1.0:
         raise ValueError("--tenant-share must be in (0, 1]")
     for flag in (
@@ -176,6 +184,7 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         max_outstanding_requests=args.max_outstanding_requests or None,
         max_outstanding_tokens=args.max_outstanding_tokens or None,
         tenant_share=args.tenant_share,
+        max_concurrent_uploads=args.max_concurrent_uploads,
         max_header_bytes=args.max_header_bytes,
         max_headers=args.max_headers,
         header_timeout_seconds=args.header_timeout,

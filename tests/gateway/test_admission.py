@@ -64,3 +64,27 @@ def test_the_gateway_answers_503_past_the_bound_and_another_tenant_still_gets_in
             assert [f.result().status_code for f in [*held, other]] == [200, 200, 200]
         assert chat(a).status_code == 200  # released with the usage rows
         assert live.state.admission.outstanding() == (0, 0)
+
+
+def test_serve_flags_set_the_bounds(tmp_path):
+    from gateway.cli import build_parser
+    from gateway.commands.serve import gateway_config_from_args
+
+    def config(*flags):
+        args = build_parser().parse_args(["serve", "--data-dir", str(tmp_path), *flags])
+        return gateway_config_from_args(args, "m")
+
+    defaults = config()
+    assert (defaults.max_outstanding_requests, defaults.tenant_share) == (1024, 0.5)
+    c = config("--max-outstanding-requests", "0", "--max-outstanding-tokens", "500")
+    assert (c.max_outstanding_requests, c.max_outstanding_tokens) == (None, 500)
+    c = config("--tenant-share", "1", "--max-concurrent-uploads", "5")
+    assert (c.tenant_share, c.max_concurrent_uploads) == (1.0, 5)
+    for bad in (
+        ["--tenant-share", "0"],
+        ["--tenant-share", "1.5"],
+        ["--max-outstanding-requests", "-1"],
+        ["--max-concurrent-uploads", "0"],
+    ):
+        with pytest.raises(ValueError):
+            config(*bad)
