@@ -32,6 +32,8 @@ class QueueRun:
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled: list[str] = []
+        self.durable_waits: list[bool] = []
+        self.not_durable: APIError | None = None
 
     async def next(self):
         item = await self.queue.get()
@@ -49,6 +51,11 @@ class QueueRun:
 
     def cancel(self, reason: str) -> None:
         self.cancelled.append(reason)
+
+    async def durable(self, strict: bool = True) -> None:
+        self.durable_waits.append(strict)
+        if self.not_durable is not None and strict:
+            raise self.not_durable
 
 
 META = StreamMeta("chatcmpl-1", 0, "m", 1, True, False, lambda ids: ["x"] * len(ids))
