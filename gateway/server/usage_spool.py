@@ -188,6 +188,8 @@ class UsageSpool:
                 new = self._segment_path()
                 os.rename(old, new)
                 adopted.append(new)
+            for partial in self.directory.glob(f".{writer}-*{SUFFIX}.tmp"):  # a compaction
+                partial.unlink(missing_ok=True)  # cut short: its old segments are all there
             _fsync_dir(self.directory)
             if fd is not None:
                 lock_path.unlink(missing_ok=True)
@@ -262,11 +264,18 @@ class UsageSpool:
             segment.path.unlink(missing_ok=True)
         return len(done)
 
-    def close(self, written_seq: int) -> int:
-        """Release what is written (the current segment too, if all of it is), then unlock.
+    def close(self, written_seq: int, unwritten: list[bytes] | None = None) -> int:
+        """Release what is written, then unlock; the rest waits for the next start.
+
+        Args:
+            written_seq: Every record up to this number is in the database.
+            unwritten: The encoded records not in the database (all of them, in order), if
+                known: they are rewritten into one new segment and every other segment is
+                deleted (compaction: the next start replays only these). Otherwise segments
+                holding any unwritten record are kept whole.
 
         Returns:
-            How many records stay in the spool for the next start.
+            How many records (at most) the next start reads back.
         """
         if self._fd is not None:
             os.close(self._fd)
@@ -277,13 +286,36 @@ class UsageSpool:
                 current.path.unlink(missing_ok=True)
             else:
                 self._closed.append(current)
-        self.release(written_seq)
-        left = max(0, max((s.last_seq for s in self._closed), default=0) - written_seq)
+        if unwritten is not None:
+            left = len(unwritten)
+            old, self._closed = self._closed, []
+            if unwritten:
+                self._write_segment(b"".join(unwritten))
+            for segment in old:
+                segment.path.unlink(missing_ok=True)
+        else:
+            self.release(written_seq)
+            left = max(0, max((s.last_seq for s in self._closed), default=0) - written_seq)
         if self._lock_fd is not None:
             (self.directory / f"{self.writer_id}{LOCK_SUFFIX}").unlink(missing_ok=True)
             os.close(self._lock_fd)
             self._lock_fd = None
         return left
+
+    def _write_segment(self, data: bytes) -> None:
+        """A whole new segment holding ``data``, durable before it appears (tmp + rename)."""
+        path = self._segment_path()
+        tmp = path.with_name("." + path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        _fsync_dir(self.directory)
 
 
 def _remove_if_unlocked(path: Path) -> None:

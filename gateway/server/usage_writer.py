@@ -253,7 +253,8 @@ class UsageWriter:
         finally:
             self._fail_waiters(UsageUnavailable("the usage writer closed before writing"))
             if self._spool is not None:
-                left = self._spool.close(self.written)
+                unwritten = [encode_record(record) for _, record in self._pending]
+                left = self._spool.close(self.written, unwritten)
                 if left:
                     logger.warning(
                         "%d usage row(s) stay in the spool %s; written at the next start",

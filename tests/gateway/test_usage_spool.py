@@ -123,6 +123,19 @@ def test_segments_go_only_once_written(tmp_path):
     assert [r.request_id for r in UsageSpool(tmp_path).open()] == ["chatcmpl-2"]
 
 
+def test_close_compacts_to_the_unwritten_records(tmp_path):
+    spool = UsageSpool(tmp_path, segment_bytes=600)
+    spool.open()
+    for i in range(0, 8, 2):
+        append(spool, [record(i), record(i + 1)], i + 1)
+    assert len(list(tmp_path.glob("*.spool"))) > 1
+    # records 1..5 are in the database; 6..8 are not
+    assert spool.close(5, [encode_record(record(i)) for i in range(5, 8)]) == 3
+    (segment,) = tmp_path.glob("*.spool")
+    assert [r.request_id for r in read_segment(segment)[0]] == [f"chatcmpl-{i}" for i in (5, 6, 7)]
+    assert [p.name for p in tmp_path.iterdir()] == [segment.name]  # no lock, no tmp left
+
+
 def test_files_are_private(tmp_path):
     directory = tmp_path / "spool"
     spool = UsageSpool(directory)
