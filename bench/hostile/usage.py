@@ -16,7 +16,9 @@ writer); a received response without its row is a row lost.
   ``LORAPLEX_BENCH_PG_URL`` or ``LORAPLEX_TEST_PG_URL`` (a database it may wipe); returns a note
   instead of a figure when none is reachable.
 
-Run: ``python -m bench.hostile.usage`` (prints a table, then one JSON line).
+Run: ``python -m bench.hostile.usage [--quick]`` (prints a table, then one JSON line). Each part
+takes under a minute once its server is up; a ``loraplex serve`` start (imports, the tiny model)
+is 15-30 s of that on 2 busy cores, so ``--quick`` kills once.
 """
 
 from __future__ import annotations
@@ -326,7 +328,13 @@ def db_outage_loss(
 
 def main() -> None:
     """Run both parts; print a table and one JSON line."""
-    figures = {**sigkill_loss(), **db_outage_loss()}
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one SIGKILL round only")
+    args = parser.parse_args()
+    budget = 0.0 if args.quick else 55.0
+    figures = {**sigkill_loss(budget_s=budget), **db_outage_loss()}
     width = max(len(k) for k in figures)
     for name, value in figures.items():
         print(f"{name:<{width}}  {value}")

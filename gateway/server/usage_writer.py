@@ -127,7 +127,7 @@ class UsageWriter:
         self._spool_wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._spool_task: asyncio.Task | None = None
-        self._spool_ok = spool is not None
+        self._spool_failing = False
         self._closing = False
         self.submitted = self.written = self.transactions = 0
         self.syncs = self.spooled = self.replayed = self.dead_lettered = 0
@@ -183,7 +183,7 @@ class UsageWriter:
         self._pending.append((seq, record))
         self._wake.set()
         durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._spool_ok and self._spool_task is not None and not self._spool_task.done():
+        if self._spool_task is not None and not self._spool_task.done():
             self._lines.append(encode_record(record))
             self._line_futures.append(durable)
             self._spool_wake.set()
@@ -280,10 +280,16 @@ class UsageWriter:
             self._lines, self._line_futures = [], []
             last = self.submitted  # every record since the last batch is in this one
             try:
-                await asyncio.to_thread(spool.append, b"".join(lines), last)
+                if spool.fsync:  # the sync blocks for milliseconds: off the event loop
+                    await asyncio.to_thread(spool.append, b"".join(lines), last)
+                else:  # a write into the page cache: microseconds
+                    spool.append(b"".join(lines), last)
             except OSError as exc:
                 self._spool_failed(exc, futures, last)
                 continue
+            if self._spool_failing:
+                self._spool_failing = False
+                logger.warning("usage spool writable again")
             self.syncs += 1
             self.spooled += len(lines)
             for future in futures:
@@ -293,12 +299,14 @@ class UsageWriter:
                 return
 
     def _spool_failed(self, exc: OSError, futures: list[asyncio.Future[None]], last: int) -> None:
-        """Those requests' durability now waits for the database (one log line)."""
-        logger.error(
-            "usage spool write failed (%s); %d request(s) wait for the database instead",
-            exc,
-            len(futures),
-        )
+        """Those requests' durability now waits for the database (one log line a failure)."""
+        if not self._spool_failing:
+            self._spool_failing = True
+            logger.error(
+                "usage spool write failed (%s); requests wait for the database instead until "
+                "it works again",
+                exc,
+            )
         self._db_durable.extend((last, f) for f in futures)
         self._urgent.set()
         self._wake.set()
@@ -348,7 +356,7 @@ class UsageWriter:
         if not is_unreachable(exc):  # a bug in this module, not the database
             logger.error("writing usage failed: %s", describe(exc), exc_info=exc)
         elif self.outage_since is None:
-            where = "in the spool" if self._spool_ok else "in memory only"
+            where = "in the spool" if self._spool is not None else "in memory only"
             logger.warning(
                 "usage database unreachable (%s): %d row(s) kept %s; retrying",
                 describe(exc),
