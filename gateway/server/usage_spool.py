@@ -88,8 +88,12 @@ def read_segment(path: Path) -> tuple[list[UsageRecord], int]:
 @dataclass
 class _Segment:
     path: Path
-    last_seq: int  # the sequence number of its last record (0: none)
-    size: int
+    last_seq: int = 0  # the highest sequence number in it (0: none)
+    size: int = 0
+    fd: int | None = None  # open while written to, or while a sync on it runs
+    syncing: int = 0  # syncs in flight on ``fd``
+    retired: bool = False  # no more writes: ``fd`` closes when the last sync ends
+    dir_synced: bool = False  # its directory entry is durable
 
 
 class UsageSpool:
@@ -115,8 +119,7 @@ class UsageSpool:
         self._next_number = 1
         self._closed: list[_Segment] = []  # full segments, oldest first
         self._current: _Segment | None = None
-        self._fd: int | None = None
-        self._mutex = threading.Lock()  # _closed is changed by append (a thread) and release
+        self._mutex = threading.Lock()  # segment lists and sync counts: loop and sync threads
         self.torn = 0  # torn or corrupt lines skipped at start-up
 
     # ------------------------------------------------------------------ start-up
@@ -203,51 +206,93 @@ class UsageSpool:
         return path
 
     def append(self, data: bytes, last_seq: int) -> None:
-        """Append encoded records and make them durable (blocking: call it from a thread).
+        """:meth:`write` then :meth:`sync` (blocking: call it from a thread).
+
+        Raises:
+            OSError: see :meth:`write` and :meth:`sync`.
+        """
+        self.sync(self.write(data, last_seq))
+
+    def write(self, data: bytes, last_seq: int) -> _Segment:
+        """Append encoded records to the current segment (the page cache: microseconds).
+
+        Writes happen in call order (one thread: the event loop's). Every call must be
+        followed by one :meth:`sync` of the segment it returns; several syncs may run at once
+        in other threads (each covers everything written before it began, so concurrent syncs
+        share the disk's flushes: group commit, pipelined).
 
         Args:
             data: Whole lines (:func:`encode_record`).
             last_seq: The sequence number of the last record in ``data``.
 
+        Returns:
+            The segment written to (for :meth:`sync`).
+
         Raises:
-            OSError: the write or the sync failed (disk full, I/O error); the segment is cut
-                back to its last whole record (or abandoned), so the next append is clean.
+            OSError: the write failed (disk full); the segment is cut back to its last whole
+                record (or abandoned), so the next write is clean.
         """
-        if self._fd is None or self._current is None or self._current.size >= self.segment_bytes:
-            self._rotate()
-        assert self._fd is not None and self._current is not None
-        before = self._current.size
+        segment = self._current
+        if segment is None or segment.fd is None or segment.size >= self.segment_bytes:
+            segment = self._rotate()
+        assert segment.fd is not None
+        before = segment.size
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(self._fd, view) :]
-            if self.fsync:
-                os.fdatasync(self._fd)
+                view = view[os.write(segment.fd, view) :]
         except OSError:
             try:
-                os.ftruncate(self._fd, before)
+                os.ftruncate(segment.fd, before)
             except OSError:  # cannot even cut it: never write to this segment again
-                self._current.size = self.segment_bytes
+                segment.size = self.segment_bytes
             raise
-        self._current.size = before + len(data)
-        self._current.last_seq = last_seq
-
-    def _rotate(self) -> None:
-        """Close the current segment (kept until released) and start a new one."""
         with self._mutex:
-            if self._current is not None and self._current.last_seq:
-                self._closed.append(self._current)
-            elif self._current is not None:
-                self._current.path.unlink(missing_ok=True)
-            self._current = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+            segment.size = before + len(data)
+            segment.last_seq = max(segment.last_seq, last_seq)
+            segment.syncing += 1
+        return segment
+
+    def sync(self, segment: _Segment) -> None:
+        """Make what was written to ``segment`` durable (``fdatasync``; blocking).
+
+        Raises:
+            OSError: the sync failed; the segment is never written to again (after a failed
+                ``fsync`` the kernel may have dropped the pages), and what it holds counts as
+                not durable.
+        """
+        try:
+            if self.fsync:
+                assert segment.fd is not None
+                os.fdatasync(segment.fd)
+                if not segment.dir_synced:  # a new segment: its name must survive too
+                    _fsync_dir(self.directory)
+                    segment.dir_synced = True
+        except OSError:
+            segment.size = self.segment_bytes
+            raise
+        finally:
+            with self._mutex:
+                segment.syncing -= 1
+                if segment.retired and segment.syncing == 0:
+                    _close_fd(segment)
+
+    def _rotate(self) -> _Segment:
+        """Retire the current segment (kept until released) and open a new one."""
         path = self._segment_path()
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-        self._current = _Segment(path, 0, 0)
-        if self.fsync:
-            _fsync_dir(self.directory)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        with self._mutex:
+            old = self._current
+            if old is not None:
+                old.retired = True
+                if old.syncing == 0:
+                    _close_fd(old)
+                if old.last_seq:
+                    self._closed.append(old)
+                else:
+                    old.path.unlink(missing_ok=True)
+            self._current = _Segment(path, fd=fd, dir_synced=not self.fsync)
+            return self._current
 
     # ----------------------------------------------------------------- releasing
     def releasable(self, written_seq: int) -> bool:
@@ -277,10 +322,9 @@ class UsageSpool:
         Returns:
             How many records (at most) the next start reads back.
         """
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
         current, self._current = self._current, None
+        for segment in (*self._closed, *([current] if current else [])):
+            _close_fd(segment)  # no sync runs now: the writer has stopped
         if current is not None:
             if current.last_seq <= written_seq:
                 current.path.unlink(missing_ok=True)
@@ -316,6 +360,12 @@ class UsageSpool:
             os.close(fd)
         os.rename(tmp, path)
         _fsync_dir(self.directory)
+
+
+def _close_fd(segment: _Segment) -> None:
+    if segment.fd is not None:
+        os.close(segment.fd)
+        segment.fd = None
 
 
 def _remove_if_unlocked(path: Path) -> None:

@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 2
 MAX_RETRY_DELAY_S = 5.0
 CLOSE_TIMEOUT_S = 30.0
+SYNCS_IN_FLIGHT = 4  # concurrent fdatasyncs of the spool (they share the disk's flushes)
 
 
 class UsageUnavailable(APIError):
@@ -266,27 +267,51 @@ class UsageWriter:
 
     # --------------------------------------------------------------- the spool
     async def _run_spool(self) -> None:
-        """Group commit: one append + fdatasync for everything submitted meanwhile."""
+        """Group commit: everything submitted since the last batch goes in one write + sync.
+
+        Up to ``SYNCS_IN_FLIGHT`` syncs run at once (each in a thread): a record written while
+        a sync runs does not wait for it to end before its own starts, and concurrent syncs
+        share the disk's flushes. Past that many, records gather for the next batch.
+        """
         spool = self._spool
         assert spool is not None
+        slots = asyncio.Semaphore(SYNCS_IN_FLIGHT)
+        running: set[asyncio.Task] = set()
         while True:
             await self._spool_wake.wait()
             self._spool_wake.clear()
-            if not self._lines:
-                if self._closing:
+            while self._lines:
+                await slots.acquire()
+                lines, futures = self._lines, self._line_futures
+                self._lines, self._line_futures = [], []
+                task = asyncio.create_task(self._commit(spool, lines, futures, slots))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if self._closing:
+                if running:
+                    await asyncio.wait(set(running))
+                if not self._lines:
                     return
-                continue
-            lines, futures = self._lines, self._line_futures
-            self._lines, self._line_futures = [], []
-            last = self.submitted  # every record since the last batch is in this one
+
+    async def _commit(
+        self,
+        spool: UsageSpool,
+        lines: list[bytes],
+        futures: list[asyncio.Future[None]],
+        slots: asyncio.Semaphore,
+    ) -> None:
+        """Write and sync one batch; complete its futures (or hand them to the database)."""
+        last = self.submitted  # every record since the previous batch is in this one
+        try:
             try:
+                segment = spool.write(b"".join(lines), last)
                 if spool.fsync:  # the sync blocks for milliseconds: off the event loop
-                    await asyncio.to_thread(spool.append, b"".join(lines), last)
-                else:  # a write into the page cache: microseconds
-                    spool.append(b"".join(lines), last)
+                    await asyncio.to_thread(spool.sync, segment)
+                else:  # written into the page cache: durable through a process crash
+                    spool.sync(segment)
             except OSError as exc:
                 self._spool_failed(exc, futures, last)
-                continue
+                return
             if self._spool_failing:
                 self._spool_failing = False
                 logger.warning("usage spool writable again")
@@ -295,8 +320,8 @@ class UsageWriter:
             for future in futures:
                 if not future.done():
                     future.set_result(None)
-            if self._closing and not self._lines:
-                return
+        finally:
+            slots.release()
 
     def _spool_failed(self, exc: OSError, futures: list[asyncio.Future[None]], last: int) -> None:
         """Those requests' durability now waits for the database (one log line a failure)."""

@@ -20,17 +20,17 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 def hold_spool(gw):
-    """Make the spool's append wait for the returned event; returns (event, calls)."""
+    """Make the spool's sync wait for the returned event; returns (event, calls)."""
     spool = gw.state.usage._spool
     release, calls = threading.Event(), []
-    append = spool.append
+    sync = spool.sync
 
-    def held(data, last_seq):
-        calls.append(last_seq)
+    def held(segment):
+        calls.append(segment.last_seq)
         release.wait(30)
-        append(data, last_seq)
+        sync(segment)
 
-    spool.append = held
+    spool.sync = held
     return release, calls
 
 
@@ -96,7 +96,7 @@ def test_no_durable_place_for_the_row_is_a_503_not_an_answer(tmp_path):
         def disk_full(data, last_seq):
             raise OSError(28, "No space left on device")
 
-        writer._spool.append = disk_full
+        writer._spool.write = disk_full
         writer._sessions = DeadSessions(ConnectionRefusedError("database down"))
         with gw.client(key) as c:
             r = c.post("/v1/chat/completions", json={"model": "instant", "messages": HI})

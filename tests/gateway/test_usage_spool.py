@@ -33,8 +33,8 @@ def append(spool, records, first_seq):
 
 def crash(spool):
     """What a SIGKILL leaves: files as they are, the lock released by the kernel."""
-    if spool._fd is not None:
-        os.close(spool._fd)
+    if spool._current is not None and spool._current.fd is not None:
+        os.close(spool._current.fd)
     os.close(spool._lock_fd)
 
 
@@ -134,6 +134,23 @@ def test_close_compacts_to_the_unwritten_records(tmp_path):
     (segment,) = tmp_path.glob("*.spool")
     assert [r.request_id for r in read_segment(segment)[0]] == [f"chatcmpl-{i}" for i in (5, 6, 7)]
     assert [p.name for p in tmp_path.iterdir()] == [segment.name]  # no lock, no tmp left
+
+
+def test_a_retired_segment_stays_open_for_its_syncs_in_flight(tmp_path):
+    """Syncs run in threads, several at once: rotating must not close an fd being synced."""
+    spool = UsageSpool(tmp_path, segment_bytes=1)  # every write after the first rotates
+    spool.open()
+    first = spool.write(encode_record(record(0)), 1)
+    second = spool.write(encode_record(record(1)), 2)  # rotates: first is retired
+    third = spool.write(encode_record(record(2)), 3)
+    assert first is not second and first.retired and first.fd is not None
+    spool.sync(second)
+    spool.sync(first)  # its fd was kept for this sync, then closed
+    assert first.fd is None and second.fd is None and third.fd is not None
+    spool.sync(third)
+    crash(spool)
+    back = UsageSpool(tmp_path).open()
+    assert [r.request_id for r in back] == [f"chatcmpl-{i}" for i in range(3)]
 
 
 def test_files_are_private(tmp_path):

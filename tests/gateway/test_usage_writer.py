@@ -346,7 +346,7 @@ def test_a_failed_spool_write_waits_for_the_database_instead(database_url, tmp_p
         def disk_full(data, last_seq):
             raise OSError(28, "No space left on device")
 
-        spool.append = disk_full
+        spool.write = disk_full
         await asyncio.wait_for(w.submit(_record(tenant_id, key_id, 0)), 5)
         rows = await _rows(sessions)  # durable because committed
         await w.close()
