@@ -3,7 +3,8 @@
 A response is only sent once its usage row is durable (``docs/usage.md``). Committing each row
 to the database first would cost a transaction per request and stop serving when the database
 is down; instead rows are appended here, and many requests share one ``write`` + ``fdatasync``
-(group commit, see ``UsageWriter``). The database writer drains the rows later; a segment whose
+(group commit, see ``UsageWriter``; several syncs may run at once, each covering what was
+written before it began). The database writer drains the rows later; a segment whose
 rows are all in the database is deleted. Rows still here when the process dies (SIGKILL, OOM,
 power loss) are read back at the next start and written again: ``INSERT ... ON CONFLICT
 (request_id) DO NOTHING`` makes that idempotent, ``request_id`` being the server's own id.

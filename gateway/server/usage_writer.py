@@ -4,10 +4,11 @@ A request hands its :class:`UsageRecord` to :meth:`UsageWriter.submit` and gets 
 completes once the row is durable; the chat route sends its last bytes only after that
 (``docs/usage.md``). Two tasks do the work:
 
-- the spool task (group commit): every record submitted while the previous ``fdatasync`` ran
-  is appended to the :class:`~gateway.server.usage_spool.UsageSpool` in one ``write`` and one
-  ``fdatasync``, then their futures complete. Under load a sync carries every request that
-  finished meanwhile, so the cost per request falls as the load rises;
+- the spool task (group commit): the records submitted since the last batch are appended to
+  the :class:`~gateway.server.usage_spool.UsageSpool` in one ``write`` and one ``fdatasync``
+  (in a thread; up to ``SYNCS_IN_FLIGHT`` at once, past which records gather for the next
+  batch), then their futures complete. Under load a sync carries every request that finished
+  meanwhile, so the cost per request falls as the load rises;
 - the database task: gathers records for ``flush_seconds`` after the first arrives, then
   inserts them (``max_batch`` per transaction; ``INSERT ... ON CONFLICT (request_id) DO
   NOTHING``, ``request_id`` being the server's id, so a record written twice, e.g. replayed
