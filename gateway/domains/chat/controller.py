@@ -2,8 +2,9 @@
 
 Order of checks, and what each failure leaves behind::
 
-    auth (401/403, middleware)           no usage row
+    auth (401/403, middleware)           no usage row (503 + Retry-After: database unreachable)
     draining or engine down (503)        no usage row
+    usage backlog full (503 + Retry-After)   no usage row (the usage database is unreachable)
     rate limits (429 + Retry-After)      no usage row; counted in loraplex_rate_limited_requests
     body: size (413), JSON and fields (400), model (404), messages and images (400),
           prompt + max_tokens vs max_model_len (400)      usage row "error", 0 tokens
