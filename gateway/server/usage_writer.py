@@ -4,11 +4,11 @@ A request hands its :class:`UsageRecord` to :meth:`UsageWriter.submit` and gets 
 completes once the row is durable; the chat route sends its last bytes only after that
 (``docs/usage.md``). Two tasks do the work:
 
-- the spool task (group commit): the records submitted since the last batch are appended to
-  the :class:`~gateway.server.usage_spool.UsageSpool` in one ``write`` and one ``fdatasync``
-  (in a thread; up to ``SYNCS_IN_FLIGHT`` at once, past which records gather for the next
-  batch), then their futures complete. Under load a sync carries every request that finished
-  meanwhile, so the cost per request falls as the load rises;
+- group commit (:class:`~gateway.server.usage_commit.GroupCommit`): the records submitted
+  since the last batch are appended to the :class:`~gateway.server.usage_spool.UsageSpool` in
+  one ``write`` and one ``fdatasync`` (in a sync thread; several at once), then their futures
+  complete. Under load a sync carries every request that finished meanwhile, so the cost per
+  request falls as the load rises;
 - the database task: gathers records for ``flush_seconds`` after the first arrives, then
   inserts them (``max_batch`` per transaction; ``INSERT ... ON CONFLICT (request_id) DO
   NOTHING``, ``request_id`` being the server's id, so a record written twice, e.g. replayed
@@ -56,6 +56,7 @@ from sqlalchemy import text
 from gateway.db.errors import describe, is_unreachable
 from gateway.db.types import utcnow
 from gateway.server.errors import APIError
+from gateway.server.usage_commit import GroupCommit
 from gateway.server.usage_spool import UsageSpool, encode_record
 from gateway.services.usage import UsageRecord, record_usage_batch
 
@@ -64,7 +65,6 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 2
 MAX_RETRY_DELAY_S = 5.0
 CLOSE_TIMEOUT_S = 30.0
-SYNCS_IN_FLIGHT = 4  # concurrent fdatasyncs of the spool (they share the disk's flushes)
 
 
 class UsageUnavailable(APIError):
@@ -96,8 +96,6 @@ class UsageWriter:
         written: Records done with, in order: in the database or set aside (a sequence number:
             every record up to it is done).
         transactions: Write transactions committed.
-        syncs: Spool appends (each one ``fdatasync``).
-        spooled: Records made durable in the spool.
         replayed: Records read back from the spool at start-up.
         dead_lettered: Records the database refused, set aside.
         outage_since: ``time.monotonic()`` when the database became unreachable, else None.
@@ -120,19 +118,15 @@ class UsageWriter:
         self._max_batch = max_batch
         self._backlog_limit = backlog_limit
         self._pending: list[tuple[int, UsageRecord]] = []  # not in the database yet
-        self._lines: list[bytes] = []  # encoded, not in the spool yet
-        self._line_futures: list[asyncio.Future[None]] = []
         self._db_durable: list[tuple[int, asyncio.Future[None]]] = []  # wait for the database
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []  # flush() calls
         self._wake = asyncio.Event()
         self._urgent = asyncio.Event()
-        self._spool_wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._spool_task: asyncio.Task | None = None
-        self._spool_failing = False
+        self._commit: GroupCommit | None = None
         self._closing = False
         self.submitted = self.written = self.transactions = 0
-        self.syncs = self.spooled = self.replayed = self.dead_lettered = 0
+        self.replayed = self.dead_lettered = 0
         self.outage_since: float | None = None
 
     # -------------------------------------------------------------- public side
@@ -149,7 +143,8 @@ class UsageWriter:
                 self.submitted += 1
                 self._pending.append((self.submitted, record))
             self.replayed = self.submitted
-            self._spool_task = asyncio.create_task(self._run_spool(), name="loraplex-usage-spool")
+            self._commit = GroupCommit(self._spool, self._spool_failed)
+            self._commit.start()
         self._task = asyncio.create_task(self._run(), name="loraplex-usage-writer")
         if self._pending:
             self._wake.set()
@@ -185,14 +180,22 @@ class UsageWriter:
         self._pending.append((seq, record))
         self._wake.set()
         durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._spool_task is not None and not self._spool_task.done():
-            self._lines.append(encode_record(record))
-            self._line_futures.append(durable)
-            self._spool_wake.set()
+        if self._commit is not None and self._commit.running:
+            self._commit.add(encode_record(record), durable, seq)
         else:
             self._db_durable.append((seq, durable))
             self._urgent.set()
         return durable
+
+    @property
+    def syncs(self) -> int:
+        """Spool batches made durable (each one ``fdatasync``)."""
+        return 0 if self._commit is None else self._commit.syncs
+
+    @property
+    def spooled(self) -> int:
+        """Records made durable in the spool."""
+        return 0 if self._commit is None else self._commit.spooled
 
     @property
     def pending(self) -> int:
@@ -237,17 +240,17 @@ class UsageWriter:
         next start) or, without a spool, are reported lost in one log line. Flushes still
         waiting fail with :class:`UsageUnavailable`.
         """
+        if self._commit is not None:
+            await self._commit.close()  # what is queued becomes durable first
         self._closing = True
         self._urgent.set()
         self._wake.set()
-        self._spool_wake.set()
-        for task in (self._spool_task, self._task):
-            if task is not None:
-                try:
-                    await asyncio.wait_for(asyncio.shield(task), CLOSE_TIMEOUT_S)
-                except TimeoutError:
-                    logger.error("usage writer did not finish; %d rows unwritten", self.pending)
-        self._task = self._spool_task = None
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                logger.error("usage writer did not finish; %d rows unwritten", self.pending)
+        self._task = None
         try:
             await self._write(len(self._pending))
         except Exception as exc:
@@ -266,73 +269,8 @@ class UsageWriter:
             elif self._pending:
                 logger.error("%d usage row(s) lost: no spool, database down", self.pending)
 
-    # --------------------------------------------------------------- the spool
-    async def _run_spool(self) -> None:
-        """Group commit: everything submitted since the last batch goes in one write + sync.
-
-        Up to ``SYNCS_IN_FLIGHT`` syncs run at once (each in a thread): a record written while
-        a sync runs does not wait for it to end before its own starts, and concurrent syncs
-        share the disk's flushes. Past that many, records gather for the next batch.
-        """
-        spool = self._spool
-        assert spool is not None
-        slots = asyncio.Semaphore(SYNCS_IN_FLIGHT)
-        running: set[asyncio.Task] = set()
-        while True:
-            await self._spool_wake.wait()
-            self._spool_wake.clear()
-            while self._lines:
-                await slots.acquire()
-                lines, futures = self._lines, self._line_futures
-                self._lines, self._line_futures = [], []
-                task = asyncio.create_task(self._commit(spool, lines, futures, slots))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            if self._closing:
-                if running:
-                    await asyncio.wait(set(running))
-                if not self._lines:
-                    return
-
-    async def _commit(
-        self,
-        spool: UsageSpool,
-        lines: list[bytes],
-        futures: list[asyncio.Future[None]],
-        slots: asyncio.Semaphore,
-    ) -> None:
-        """Write and sync one batch; complete its futures (or hand them to the database)."""
-        last = self.submitted  # every record since the previous batch is in this one
-        try:
-            try:
-                segment = spool.write(b"".join(lines), last)
-                if spool.fsync:  # the sync blocks for milliseconds: off the event loop
-                    await asyncio.to_thread(spool.sync, segment)
-                else:  # written into the page cache: durable through a process crash
-                    spool.sync(segment)
-            except OSError as exc:
-                self._spool_failed(exc, futures, last)
-                return
-            if self._spool_failing:
-                self._spool_failing = False
-                logger.warning("usage spool writable again")
-            self.syncs += 1
-            self.spooled += len(lines)
-            for future in futures:
-                if not future.done():
-                    future.set_result(None)
-        finally:
-            slots.release()
-
-    def _spool_failed(self, exc: OSError, futures: list[asyncio.Future[None]], last: int) -> None:
-        """Those requests' durability now waits for the database (one log line a failure)."""
-        if not self._spool_failing:
-            self._spool_failing = True
-            logger.error(
-                "usage spool write failed (%s); requests wait for the database instead until "
-                "it works again",
-                exc,
-            )
+    def _spool_failed(self, futures: list[asyncio.Future[None]], last: int) -> None:
+        """A batch the spool could not take: its requests wait for the database instead."""
         self._db_durable.extend((last, f) for f in futures)
         self._urgent.set()
         self._wake.set()
