@@ -23,6 +23,7 @@ line when the spool starts failing and one when it works again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -64,6 +65,7 @@ class GroupCommit:
         self._last = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._slots: asyncio.Semaphore | None = None
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._closing = False
@@ -114,49 +116,58 @@ class GroupCommit:
         self._threads = []
 
     async def _run(self) -> None:
-        slots = asyncio.Semaphore(self._in_flight)
-        running: set[asyncio.Task] = set()
+        slots = self._slots = asyncio.Semaphore(self._in_flight)
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._lines:
-                await slots.acquire()
+                await slots.acquire()  # released when the batch's sync has ended
                 lines, futures, last = self._lines, self._futures, self._last
                 self._lines, self._futures = [], []
-                task = asyncio.create_task(self._commit(lines, futures, last, slots))
-                running.add(task)
-                task.add_done_callback(running.discard)
+                self._commit(lines, futures, last)
             if self._closing:
-                if running:
-                    await asyncio.wait(set(running))
+                for _ in range(self._in_flight):  # every batch in flight has ended
+                    await slots.acquire()
+                for _ in range(self._in_flight):
+                    slots.release()
                 if not self._lines:
                     return
 
-    async def _commit(
+    def _commit(self, lines: list[bytes], futures: list[asyncio.Future[None]], last: int) -> None:
+        """Write one batch and start its sync; :meth:`_synced` runs when the sync ends."""
+        spool = self._spool
+        done = functools.partial(self._synced, futures, last, len(lines))
+        try:
+            segment = spool.write(b"".join(lines), last)
+        except OSError as exc:
+            done(exc)
+            return
+        if spool.fsync:  # blocks for milliseconds: in a sync thread
+            self._jobs.put((spool.sync, segment, done))
+            return
+        try:  # written into the page cache: durable through a process crash
+            spool.sync(segment)
+        except OSError as exc:
+            done(exc)
+            return
+        done(None)
+
+    def _synced(
         self,
-        lines: list[bytes],
         futures: list[asyncio.Future[None]],
         last: int,
-        slots: asyncio.Semaphore,
+        count: int,
+        error: BaseException | None,
     ) -> None:
-        """Write and sync one batch; complete its futures (or hand them to ``on_failure``)."""
-        spool = self._spool
+        """On the loop: complete a batch's futures, or hand them to ``on_failure``."""
         try:
-            try:
-                segment = spool.write(b"".join(lines), last)
-                if spool.fsync:  # blocks for milliseconds: in a sync thread
-                    synced: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                    self._jobs.put((spool.sync, segment, synced))
-                    await synced
-                else:  # written into the page cache: durable through a process crash
-                    spool.sync(segment)
-            except OSError as exc:
+            if error is not None:
                 if not self._failing:
                     self._failing = True
                     logger.error(
                         "usage spool write failed (%s); requests wait for the database "
                         "instead until it works again",
-                        exc,
+                        error,
                     )
                 self._on_failure(futures, last)
                 return
@@ -164,33 +175,24 @@ class GroupCommit:
                 self._failing = False
                 logger.warning("usage spool writable again")
             self.syncs += 1
-            self.spooled += len(lines)
+            self.spooled += count
             for future in futures:
                 if not future.done():
                     future.set_result(None)
         finally:
-            slots.release()
+            self._slots.release()
 
 
 def _sync_worker(jobs: queue.SimpleQueue, loop: asyncio.AbstractEventLoop) -> None:
-    """A sync thread: run each job, hand its outcome back to the loop; None ends it."""
+    """A sync thread: run each job, hand its outcome to its callback on the loop; None ends it."""
     while (job := jobs.get()) is not None:
         func, arg, done = job
         error: BaseException | None = None
         try:
             func(arg)
-        except BaseException as exc:  # handed to the awaiting coroutine
+        except BaseException as exc:  # handed to the callback
             error = exc
         try:
-            loop.call_soon_threadsafe(_settle, done, error)
+            loop.call_soon_threadsafe(done, error)
         except RuntimeError:  # the loop has closed: nobody waits any more
             return
-
-
-def _settle(done: asyncio.Future[None], error: BaseException | None) -> None:
-    if done.done():  # its awaiter was cancelled
-        return
-    if error is None:
-        done.set_result(None)
-    else:
-        done.set_exception(error)
