@@ -241,7 +241,10 @@ class UsageWriter:
         waiting fail with :class:`UsageUnavailable`.
         """
         if self._commit is not None:
-            await self._commit.close()  # what is queued becomes durable first
+            try:
+                await self._commit.close()  # what is queued becomes durable first
+            except Exception:  # a bug there; the rows are still in memory, written below
+                logger.exception("closing the usage spool's group commit failed")
         self._closing = True
         self._urgent.set()
         self._wake.set()
