@@ -4,8 +4,8 @@ Every datetime is timezone-aware UTC (``UTCDateTime``). Identifiers are random U
 so they can be shown to users and never reveal how many tenants or keys exist. Constraint names
 follow ``NAMING_CONVENTION`` so that Alembic's batch mode can find them again on SQLite.
 
-The migration ``migrations/versions/0001_initial.py`` must create exactly this schema; a test
-compares the two with Alembic's ``compare_metadata``.
+The migrations in ``migrations/versions/`` must create exactly this schema; a test compares the
+two with Alembic's ``compare_metadata``.
 """
 
 from __future__ import annotations
@@ -128,7 +128,12 @@ class Adapter(Base):
 
 
 class UsageEvent(Base):
-    """One request's usage, appended once per ``request_id`` (a retry is counted once).
+    """One executed request's usage, appended once per ``request_id``.
+
+    ``request_id`` is the server's own id of the request (the response id), so each executed
+    request is billed once and a usage write retried (after a crash or a database outage) is
+    not billed twice. ``client_request_id`` is the client's ``X-Request-Id``, recorded as sent
+    and never used to merge requests: two requests with the same one are two rows.
 
     Written for every outcome: ``status`` is ``ok``, ``error`` or ``aborted`` (client gone), and
     the token counts are whatever was processed, partial ones included. ``model`` is the name the
@@ -157,3 +162,4 @@ class UsageEvent(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     latency_ms: Mapped[float | None] = mapped_column(Float)
+    client_request_id: Mapped[str | None] = mapped_column(String(64))

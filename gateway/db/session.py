@@ -5,6 +5,10 @@ SQLite (the default, ``DATA_DIR/loraplex.db``) runs through ``aiosqlite``; Postg
 ``postgresql://`` or ``postgres://`` URL is given the async driver. An SQLite database file is
 created 0600 before SQLite opens it (SQLite gives its ``-wal`` and ``-shm`` files the database
 file's mode), and an existing one readable by others is tightened with them.
+
+A connection that cannot be opened raises :class:`gateway.db.errors.DatabaseUnavailable`
+(the driver's own ``OSError`` otherwise passes through SQLAlchemy unwrapped), within
+``PG_CONNECT_TIMEOUT_S`` on PostgreSQL, so a request path can answer 503 at once.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
+from gateway.db.errors import DatabaseUnavailable
+
 DB_FILENAME = "loraplex.db"
 ENV_DB_URL = "LORAPLEX_DB_URL"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+PG_CONNECT_TIMEOUT_S = 5.0  # asyncpg's default is 60 s: every request would hang that long
 
 _ASYNC_DRIVERS = {
     "sqlite": "sqlite+aiosqlite",
@@ -66,7 +73,10 @@ def make_engine(url: str, *, for_migrations: bool = False, **kwargs: Any) -> Asy
         for_migrations: Configure the engine for running Alembic migrations.
         **kwargs: Passed to ``create_async_engine``.
     """
+    if make_url(url).get_backend_name() == "postgresql":
+        kwargs["connect_args"] = {"timeout": PG_CONNECT_TIMEOUT_S, **kwargs.get("connect_args", {})}
     engine = create_async_engine(url, **kwargs)
+    event.listen(engine.sync_engine, "do_connect", _connect)
     if engine.dialect.name != "sqlite":
         return engine
     database = make_url(url).database
@@ -110,6 +120,18 @@ def private_sqlite_file(path: str | Path) -> None:
         journal = path.with_name(path.name + suffix)
         if journal.exists():
             private_file(journal)
+
+
+def _connect(dialect: Any, _record: Any, cargs: list, cparams: dict) -> Any:
+    """Open the DB-API connection; a driver's ``OSError`` becomes ``DatabaseUnavailable``.
+
+    Raises:
+        DatabaseUnavailable: the server cannot be reached (refused, unknown host, timeout).
+    """
+    try:
+        return dialect.connect(*cargs, **cparams)
+    except OSError as exc:  # ConnectionRefusedError, socket.gaierror, TimeoutError
+        raise DatabaseUnavailable(f"cannot connect to the database: {exc}") from exc
 
 
 def _enable_wal(cursor: Any) -> None:

@@ -29,6 +29,7 @@ from litestar.middleware import AbstractAuthenticationMiddleware, Authentication
 
 from gateway.auth.keys import hash_key
 from gateway.auth.secrets_store import verify_admin_key
+from gateway.db.errors import is_unreachable
 from gateway.server.auth_throttle import client_group
 from gateway.server.errors import APIError
 from gateway.services.keys import authenticate
@@ -77,12 +78,20 @@ class KeyCache:
     process) therefore stops working within ``ttl`` plus one read while it is in use; revoking
     through the admin API drops it from the cache at once.
 
+    When that read fails because the database is unreachable (``gateway.db.errors``), a key
+    verified within ``stale_if_error`` seconds is still served from the cache (RFC 5861's
+    stale-if-error): requests go on while their usage is spooled. Any other key's request gets
+    the failure (503 + ``Retry-After`` from the error handlers).
+
     Args:
         ttl: Seconds an entry is fresh (and then served stale, for as long again, while read).
+        stale_if_error: Seconds after its freshness ends that an entry still answers while the
+            database is unreachable.
     """
 
-    def __init__(self, ttl: float) -> None:
+    def __init__(self, ttl: float, stale_if_error: float = 0.0) -> None:
         self.ttl = ttl
+        self.stale_if_error = max(stale_if_error, ttl)
         self._entries: dict[str, tuple[float, TenantPrincipal]] = {}
         self._pending: dict[str, asyncio.Task[TenantPrincipal | None]] = {}
         self._generation = 0  # bumped by every forget: a read begun before must not cache
@@ -101,7 +110,8 @@ class KeyCache:
 
         Raises:
             Whatever ``load`` raises, to every request waiting on it (a failed background
-            refresh is logged; the stale entry serves until its window ends).
+            refresh is logged; the stale entry serves until its window ends), except that
+            an unreachable database serves an entry within ``stale_if_error``.
         """
         entry = self._entries.get(key_hash)
         if entry is not None:
@@ -112,9 +122,16 @@ class KeyCache:
             if now < fresh_until + self.ttl:  # stale: answer now, refresh in the background
                 self._read(key_hash, load)
                 return principal
-            self._entries.pop(key_hash, None)
-        # A waiter's cancellation (its client went away) must not cancel the others' read.
-        return await asyncio.shield(self._read(key_hash, load))
+            if now >= fresh_until + self.stale_if_error:
+                self._entries.pop(key_hash, None)
+                entry = None
+        try:
+            # A waiter's cancellation (its client went away) must not cancel the others' read.
+            return await asyncio.shield(self._read(key_hash, load))
+        except Exception as exc:
+            if entry is not None and is_unreachable(exc):
+                return entry[1]  # stale-if-error: verified recently, the database is down
+            raise
 
     def _read(
         self, key_hash: str, load: Callable[[], Awaitable[TenantPrincipal | None]]
@@ -173,8 +190,13 @@ class KeyCache:
 
 def _log_failed_read(task: asyncio.Task) -> None:
     """Retrieve a key read's failure (waiters get it too; a background refresh has none)."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.warning("reading an API key failed: %s", task.exception())
+    if task.cancelled() or task.exception() is None:
+        return
+    exc = task.exception()
+    if is_unreachable(exc):  # the request's 503 says it, once (gateway.server.errors)
+        logger.debug("reading an API key failed: %s", exc)
+    else:
+        logger.warning("reading an API key failed: %s", exc)
 
 
 def bearer_token(connection: ASGIConnection) -> str:

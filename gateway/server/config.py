@@ -35,8 +35,8 @@ class GatewayConfig:
         default_max_concurrent_requests: Per-key requests in flight (None: unlimited).
         auth_cache_seconds: How long a verified key stays cached (revocations through the admin
             API take effect at once; ``loraplex keys revoke`` from another process within this).
-        usage_flush_seconds: How long the usage writer gathers events into one transaction (the
-            longest an event waits in memory while the database keeps up; ``GET /v1/usage`` and
+        usage_flush_seconds: How long the usage writer gathers rows into one database
+            transaction (rows are durable in the spool meanwhile; ``GET /v1/usage`` and
             shutdown write what is queued first).
         shutdown_grace_seconds: On shutdown, how long in-flight requests may run before they
             are aborted.
@@ -68,6 +68,16 @@ class GatewayConfig:
         max_concurrent_uploads: Adapter uploads processed at once (read back or unpacked,
             validated, stored), server-wide; others wait holding only their spooled body on
             disk. Each holds at most the largest valid adapter for the served model.
+        usage_spool_dir: Where usage rows are made durable before a response ends (default
+            ``DATA/usage-spool``; ``docs/usage.md``). Rows not yet in the database when the
+            process dies are written from here at the next start.
+        usage_spool_fsync: ``fdatasync`` each group of spooled rows (durable through power
+            loss); False only writes them (durable through a process crash: SIGKILL, OOM).
+        usage_backlog_limit: Most usage rows waiting for an unreachable database; past it, chat
+            requests get 503 + ``Retry-After`` (bounds the memory and spool an outage takes).
+        auth_stale_if_error_seconds: While the database is unreachable, a key verified within
+            this many seconds keeps working (its cached verification is served); other keys
+            get 503 + ``Retry-After``.
     """
 
     data_dir: Path
@@ -102,11 +112,25 @@ class GatewayConfig:
     auth_throttle_max_clients: int = 65536
     forwarded_allow_ips: str | None = None
     max_concurrent_uploads: int = 2
+    usage_spool_dir: Path | None = None
+    usage_spool_fsync: bool = True
+    usage_backlog_limit: int = 100_000
+    auth_stale_if_error_seconds: float = 300.0
 
     @property
     def store_dir(self) -> Path:
         """Where uploaded adapters are stored."""
         return self.adapter_store_dir or self.data_dir / "adapters"
+
+    @property
+    def spool_dir(self) -> Path:
+        """The usage spool directory."""
+        return self.usage_spool_dir or self.data_dir / "usage-spool"
+
+    @property
+    def dead_letter_path(self) -> Path:
+        """Where usage rows the database refused are set aside (JSON lines)."""
+        return self.data_dir / "usage-dead-letter.jsonl"
 
     def replace(self, **changes: object) -> GatewayConfig:
         """A copy with ``changes`` applied."""

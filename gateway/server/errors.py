@@ -6,19 +6,28 @@ key, 404 unknown model or adapter, 409 name taken, 413 body too large, 429 rate 
 ``Retry-After``), 503 overloaded or engine unavailable. Litestar's default body never reaches a
 client: its HTTP exceptions (validation, 404 route, 405, 413 from the body limit) are
 mapped here too, and anything unexpected becomes a 500 without internals.
+
+A database failure on any route (key lookup in the auth middleware, model resolution, usage,
+admin, adapters) is not unexpected: an unreachable database (``gateway.db.errors``) answers
+503 + ``Retry-After``, a value the database refuses to store or compare (a NUL character on
+PostgreSQL) 400, each with one short log line (at most one a second, the rest counted), never
+a traceback per request.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
+from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.auth.redact import redact
+from gateway.db.errors import DatabaseUnavailable, describe, is_data_error, is_unreachable
 from gateway.services.errors import ConflictError, InvalidInputError, NotFoundError
 
 logger = logging.getLogger(__name__)
@@ -183,8 +192,61 @@ def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(HTTP_500_INTERNAL_SERVER_ERROR, "internal server error")
 
 
+DATABASE_RETRY_AFTER_S = 2
+
+
+class _ThrottledLog:
+    """One log line a second at most; the lines left out are counted in the next one."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self.last = -interval
+        self.suppressed = 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.suppressed += 1
+            return
+        extra = f" ({self.suppressed} more like it since)" if self.suppressed else ""
+        logger.warning(message + "%s", *args, extra)
+        self.last, self.suppressed = now, 0
+
+
+_database_log = _ThrottledLog()
+
+
+def _database_error(request: Request, exc: Exception) -> Response:
+    """503 for an unreachable database, 400 for a refused value, else the 500 handler."""
+    if is_unreachable(exc):
+        _database_log.warning(
+            "database unavailable on %s %s: %s", request.method, request.url.path, describe(exc)
+        )
+        return error_response(
+            503,
+            "the database is unavailable; retry later",
+            code="database_unavailable",
+            headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+        )
+    if is_data_error(exc):
+        _database_log.warning(
+            "database refused a value on %s %s: %s",
+            request.method,
+            request.url.path,
+            describe(exc),
+        )
+        return error_response(
+            400,
+            "the request holds a value that cannot be stored or looked up (e.g. a NUL character)",
+            code="invalid_value",
+        )
+    return _unexpected(request, exc)
+
+
 EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     APIError: _api_error,
+    SQLAlchemyError: _database_error,
+    DatabaseUnavailable: _database_error,
     NotFoundError: _service_error,
     ConflictError: _service_error,
     InvalidInputError: _service_error,

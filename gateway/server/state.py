@@ -16,6 +16,7 @@ from gateway.server.config import GatewayConfig
 from gateway.server.engine_client import EngineClient
 from gateway.server.metrics import GatewayMetrics
 from gateway.server.ratelimit import RateLimiter
+from gateway.server.usage_spool import UsageSpool
 from gateway.server.usage_writer import UsageWriter
 from gateway.services.tenants import TenantLimits
 
@@ -34,7 +35,7 @@ class GatewayState:
         store: The content-addressed adapter store.
         key_cache: Verified keys.
         limiter: Per-key rate limits.
-        usage: The background usage writer.
+        usage: The usage writer (spool, then database).
         metrics: Prometheus registry and counters.
         admission: Global bounds on outstanding requests and tokens.
         auth_throttle: Failed authentications per client address.
@@ -102,9 +103,17 @@ def build_state(
         secret=load_or_create_secret(config.data_dir),
         admin_key=admin_key,
         store=AdapterStore(config.store_dir),
-        key_cache=KeyCache(config.auth_cache_seconds),
+        key_cache=KeyCache(
+            config.auth_cache_seconds, stale_if_error=config.auth_stale_if_error_seconds
+        ),
         limiter=RateLimiter(),
-        usage=UsageWriter(sessions, flush_seconds=config.usage_flush_seconds),
+        usage=UsageWriter(
+            sessions,
+            spool=UsageSpool(config.spool_dir, fsync=config.usage_spool_fsync),
+            dead_letter=config.dead_letter_path,
+            flush_seconds=config.usage_flush_seconds,
+            backlog_limit=config.usage_backlog_limit,
+        ),
         metrics=GatewayMetrics(engine.stats),
         admission=AdmissionControl(
             config.max_outstanding_requests, config.max_outstanding_tokens, config.tenant_share

@@ -1,13 +1,21 @@
 """Usage: one append-only event per request, and the ``GET /v1/usage`` aggregate.
 
-An event is keyed by its ``request_id``; recording the same id again (a retried request, a
-finaliser running twice) is a no-op, done atomically by the database with
-``INSERT ... ON CONFLICT (request_id) DO NOTHING`` on SQLite and PostgreSQL alike.
+An event is keyed by its ``request_id``, an id the server makes for each executed request (the
+chat response id), never one a client sends: recording the same id again (a usage write
+retried after a crash or an outage, a finaliser running twice) is a no-op, done atomically by
+the database with ``INSERT ... ON CONFLICT (request_id) DO NOTHING`` on SQLite and PostgreSQL
+alike, while two different requests always get two rows. The client's ``X-Request-Id`` is kept
+in ``client_request_id``, for the client's own reconciliation only.
+
+Every string is made storable before it is written (:meth:`UsageRecord.safe`): PostgreSQL
+refuses a NUL character and a lone UTF-16 surrogate in any text column, and a string longer
+than its ``VARCHAR``; one such row must never fail the batch it travels in.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -23,6 +31,7 @@ from gateway.services.errors import InvalidInputError
 from gateway.services.keys import touch_key
 
 COUNTERS = ("prompt_tokens", "completion_tokens", "cached_tokens", "images")
+MAX_INT32 = 2**31 - 1  # the counters are INTEGER columns
 _ON_CONFLICT_INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
 
 
@@ -30,6 +39,8 @@ _ON_CONFLICT_INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert
 class UsageRecord:
     """What one request used. Token counts are partial for failed and aborted requests.
 
+    ``request_id`` is the server's id of the executed request (unique per row);
+    ``client_request_id`` the client's ``X-Request-Id``, if it sent one (not unique).
     ``model`` is the name the client asked for: the served base model or an adapter's name.
     ``created_at`` defaults to the time of recording.
     """
@@ -48,6 +59,32 @@ class UsageRecord:
     ttft_ms: float | None = None
     latency_ms: float | None = None
     created_at: datetime | None = None
+    client_request_id: str | None = None
+
+    def safe(self) -> UsageRecord:
+        """This record with every value storable in its column, on SQLite and PostgreSQL.
+
+        Strings: a NUL becomes U+FFFD, a lone surrogate ``?`` (both refused by PostgreSQL's
+        text types; the surrogate by any UTF-8 encoder), and the result is cut to the column's
+        length in characters. Counters are clamped to ``[0, 2**31 - 1]``; a NaN or infinite
+        time becomes None. Returns ``self`` when nothing needs changing (the usual case).
+        """
+        changes: dict[str, Any] = {}
+        for name, limit in _STRING_LIMITS:
+            value = getattr(self, name)
+            if value is not None:
+                fixed = storable_text(value, limit)
+                if fixed is not value:
+                    changes[name] = fixed
+        for name in COUNTERS:
+            value = getattr(self, name)
+            if type(value) is int and value > MAX_INT32:
+                changes[name] = MAX_INT32
+        for name in ("ttft_ms", "latency_ms"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                changes[name] = None
+        return dataclasses.replace(self, **changes) if changes else self
 
     def validate(self) -> None:
         """Raise ``InvalidInputError`` on an unknown status, a negative count or no id."""
@@ -59,6 +96,31 @@ class UsageRecord:
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise InvalidInputError(f"{name} must be a non-negative integer")
+
+
+def storable_text(value: str, limit: int | None) -> str:
+    """``value`` with NUL and lone surrogates replaced and cut to ``limit`` characters.
+
+    Returns ``value`` itself (the same object) when it is already storable.
+    """
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (JSON allows "\\ud800")
+            value = value.encode("utf-8", "replace").decode("utf-8")
+    if "\x00" in value:
+        value = value.replace("\x00", "\ufffd")
+    if limit is not None and len(value) > limit:
+        value = value[:limit]
+    return value
+
+
+_STRING_LIMITS = tuple(
+    (column.name, getattr(column.type, "length", None))
+    for column in UsageEvent.__table__.columns
+    if column.name in {f.name for f in dataclasses.fields(UsageRecord)}
+    and isinstance(column.type, String)
+)
 
 
 async def record_usage(
@@ -76,6 +138,7 @@ async def record_usage(
         record = UsageRecord(**fields)
     elif fields:
         record = dataclasses.replace(record, **fields)
+    record = record.safe()
     record.validate()
     values = dataclasses.asdict(record)
     values["created_at"] = as_utc(record.created_at or utcnow())
@@ -107,6 +170,8 @@ async def record_usage_batch(session: AsyncSession, records: list[UsageRecord]) 
     so a flush costs a few statements however many requests it carries. Other backends fall
     back to :func:`record_usage` per event.
 
+    Every record is made storable first (:meth:`UsageRecord.safe`).
+
     Returns:
         How many events the statement was given (duplicates included; they are no-ops).
 
@@ -115,6 +180,7 @@ async def record_usage_batch(session: AsyncSession, records: list[UsageRecord]) 
     """
     if not records:
         return 0
+    records = [record.safe() for record in records]
     for record in records:
         record.validate()
     dialect = session.get_bind().dialect.name

@@ -215,19 +215,29 @@ def test_unknown_fields_are_ignored_and_cache_salt_cannot_be_set(live):
     assert r.json()["choices"][0]["message"]["role"] == "assistant"
 
 
-def test_retried_request_id_is_counted_once(live):
+def test_each_executed_request_is_billed_whatever_its_x_request_id(live):
+    """Reusing one X-Request-Id for different requests never merges them (issue 13: 15
+    requests were billed as 2): one row each, keyed by the server's id, the client's id kept."""
     tenant = live.create_tenant("retry")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     rid = f"client-{uuid.uuid4().hex}"
+    seen = []
     with live.client(tenant["api_key"]) as c:
-        for _ in range(2):
-            r = c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": rid})
+        for n in (3, 2, 3):
+            r = c.post(
+                "/v1/chat/completions",
+                json={**body, "max_tokens": n},
+                headers={"X-Request-Id": rid},
+            )
             assert r.status_code == 200, r.text
-        c.post("/v1/chat/completions", json=body)  # another request: its own row
+            seen.append(r.json())
+        seen.append(c.post("/v1/chat/completions", json=body).json())  # no header
         totals = c.get("/v1/usage").json()["totals"]
-    assert totals["requests"] == 2
+    assert totals["requests"] == 4
+    assert totals["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in seen)
     rows = usage_events(live, tenant["api_key"])
-    assert [row.request_id for row in rows][0] == f"{tenant['id']}:{rid}"
+    assert [row.request_id for row in rows] == [s["id"] for s in seen]  # the response ids
+    assert [row.client_request_id for row in rows] == [rid, rid, rid, None]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,9 @@ class Recorder:
 
     def submit(self, record):
         self.records.append(record)
+        durable = asyncio.get_running_loop().create_future()
+        durable.set_result(None)
+        return durable
 
     def record_request(self, *args):
         self.requests.append(args)

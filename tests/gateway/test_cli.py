@@ -48,8 +48,10 @@ def _clean_env(monkeypatch):
 
 def test_db_upgrade_is_idempotent(tmp_path, capsys):
     data = str(tmp_path / "data")
+    from gateway.db.migrate import head_revision
+
     first = run_json(capsys, "db", "upgrade", "--data-dir", data)
-    assert first == {"revision": "0001", "backend": "sqlite"}
+    assert first == {"revision": head_revision(), "backend": "sqlite"}
     assert run_json(capsys, "db", "upgrade", "--data-dir", data) == first
     assert (tmp_path / "data" / "loraplex.db").exists()
 

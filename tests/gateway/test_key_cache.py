@@ -189,3 +189,28 @@ def test_a_request_after_a_revocation_does_not_join_a_read_begun_before_it():
 
     before, after, reads, cached = asyncio.run(main())
     assert before == PRINCIPAL and after is None and len(reads) == 2 and cached is None
+
+
+def test_an_unreachable_database_serves_a_recently_verified_key():
+    """stale-if-error: past its stale window an entry still answers while the database is
+    unreachable, within ``stale_if_error``; any other failure, or an older entry, fails."""
+    from gateway.db.errors import DatabaseUnavailable
+
+    async def main():
+        gate = asyncio.Event()
+        gate.set()
+        cache = KeyCache(0.02, stale_if_error=0.3)
+        cache.put("h", PRINCIPAL)
+        await asyncio.sleep(0.05)  # past fresh (0.02) and stale (0.02 more)
+        down = loader([], gate, DatabaseUnavailable("connection refused"))
+        served = await cache.resolve("h", down)
+        with pytest.raises(RuntimeError):  # not an outage: the failure goes to the request
+            await cache.resolve("h", loader([], gate, RuntimeError("a bug")))
+        with pytest.raises(DatabaseUnavailable):  # never verified: nothing to serve
+            await cache.resolve("other", down)
+        await asyncio.sleep(0.3)  # past stale_if_error
+        with pytest.raises(DatabaseUnavailable):
+            await cache.resolve("h", down)
+        return served
+
+    assert asyncio.run(main()) == PRINCIPAL

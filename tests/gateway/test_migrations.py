@@ -1,4 +1,5 @@
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
@@ -75,4 +76,44 @@ def test_concurrent_upgrades_agree(fresh_url):
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(upgrade, [fresh_url] * 4))
     assert run(current_revision(fresh_url)) == head_revision()
+    assert schema_diff(fresh_url, Base.metadata) == []
+
+
+WHEN = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def test_0002_copies_the_client_id_out_of_old_usage_keys(fresh_url):
+    """Rows keyed ``<tenant>:<X-Request-Id>`` before 0002 get that id in client_request_id."""
+    upgrade(fresh_url, "0001")
+    tenant = "a" * 32
+    old_keys = {
+        f"{tenant}:retry-1": "retry-1",  # the old client-id key
+        "chatcmpl-0123": None,  # a response id
+        f"{tenant}:" + "y" * 65: None,  # longer than a client id may be
+        f"{'b' * 32}:zzz": None,  # not this row's tenant
+    }
+
+    async def fill(sessions):
+        async with sessions.begin() as s:
+            await s.execute(
+                sa.text("INSERT INTO tenants (id, name, created_at) VALUES (:i, 'acme', :t)"),
+                {"i": tenant, "t": WHEN},
+            )
+            for key in old_keys:
+                await s.execute(
+                    sa.text(
+                        "INSERT INTO usage_events (request_id, tenant_id, model, status, "
+                        "created_at) VALUES (:r, :t, 'm', 'ok', :c)"
+                    ),
+                    {"r": key, "t": tenant, "c": WHEN},
+                )
+
+    async def read(sessions):
+        async with sessions() as s:
+            query = "SELECT request_id, client_request_id FROM usage_events"
+            return dict((await s.execute(sa.text(query))).all())
+
+    with_db(fresh_url, fill)
+    upgrade(fresh_url)
+    assert with_db(fresh_url, read) == old_keys
     assert schema_diff(fresh_url, Base.metadata) == []

@@ -1,4 +1,4 @@
-"""The migration and service tests again, on PostgreSQL.
+"""The migration, service and usage-writer tests again, on PostgreSQL.
 
 Set ``LORAPLEX_TEST_PG_URL`` (e.g. ``postgresql+asyncpg://loraplex:loraplex@127.0.0.1:5433/
 loraplex_test``) to a database these tests may wipe; skipped otherwise.
@@ -12,6 +12,7 @@ from gateway.db.session import db_url
 from tests.gateway.conftest import wipe_pg
 from tests.gateway.test_migrations import *  # noqa: F403
 from tests.gateway.test_services import *  # noqa: F403
+from tests.gateway.test_usage_writer import *  # noqa: F403
 
 PG_URL = os.environ.get("LORAPLEX_TEST_PG_URL")
 

@@ -32,6 +32,8 @@ class QueueRun:
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled: list[str] = []
+        self.durable_waits: list[bool] = []
+        self.not_durable: APIError | None = None
 
     async def next(self):
         item = await self.queue.get()
@@ -49,6 +51,11 @@ class QueueRun:
 
     def cancel(self, reason: str) -> None:
         self.cancelled.append(reason)
+
+    async def durable(self, strict: bool = True) -> None:
+        self.durable_waits.append(strict)
+        if self.not_durable is not None and strict:
+            raise self.not_durable
 
 
 META = StreamMeta("chatcmpl-1", 0, "m", 1, True, False, lambda ids: ["x"] * len(ids))
@@ -103,6 +110,32 @@ def test_ready_outputs_go_in_one_write_and_slow_ones_one_each():
     assert got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] == TOKENS
     assert got[-1] == "[DONE]"
     assert burst.cancelled == slow.cancelled == ["client_disconnected"]  # no-op on a done run
+    assert burst.durable_waits == slow.durable_waits == [True]  # before the last write
+
+
+def test_a_row_that_cannot_be_made_durable_ends_the_stream_with_an_error():
+    """The finish chunk is not the end: an error event says the answer is not complete."""
+
+    async def main():
+        outs = outputs()
+        run = QueueRun()
+        run.not_durable = APIError(503, "usage cannot be recorded", code="usage_unavailable")
+        for out in outs[1:]:
+            run.queue.put_nowait(out)
+        return await collect(run, outs[0]), run
+
+    chunks, run = asyncio.run(main())
+    got = events(b"".join(chunks))
+    assert got[-1] == "[DONE]"
+    assert got[-2] == {
+        "error": {
+            "message": "usage cannot be recorded",
+            "type": "service_unavailable",
+            "param": None,
+            "code": "usage_unavailable",
+        }
+    }
+    assert run.durable_waits == [True]
 
 
 def test_an_error_after_ready_outputs_follows_them():

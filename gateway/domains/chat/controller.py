@@ -2,9 +2,10 @@
 
 Order of checks, and what each failure leaves behind::
 
-    auth (401/403, middleware)           no usage row
+    auth (401/403, middleware)           no usage row (503 + Retry-After: database unreachable)
     draining or engine down (503)        no usage row
     body read: size (413), too slow (408, the transport's)   no usage row, no slot taken
+    usage backlog full (503 + Retry-After)   no usage row (the usage database is unreachable)
     rate limits (429 + Retry-After)      no usage row; counted in loraplex_rate_limited_requests
     admission control (503 + Retry-After: the server, or the tenant's share of it, is full)
                                          no usage row; counted there as limit="overloaded"
@@ -12,10 +13,14 @@ Order of checks, and what each failure leaves behind::
           prompt + max_tokens vs max_model_len (400)      usage row "error", 0 tokens
     engine run: see ``service.ChatRun``                    usage row "ok" / "error" / "aborted"
 
-Every request past the rate limiter writes exactly one usage row, keyed by
-``<tenant id>:<X-Request-Id>`` when the client sends that header (a retried request is counted
-once) and by the response id otherwise. The engine request's cache salt is always the tenant's
-id: no client field reaches it.
+Every request past the rate limiter writes exactly one usage row, keyed by its response id
+(the server's own id): every executed request is billed, and a usage write retried after a crash
+or a database outage is not billed twice. The client's ``X-Request-Id`` is recorded in the row
+(``client_request_id``) and never merges requests: two requests sending the same one are two
+rows. The response's last bytes (the JSON body; the final chunk and ``[DONE]`` of a stream) go
+out only once the row is durable (``ChatRun.durable``; ``docs/usage.md``); an error answer also
+waits for its row. The engine request's cache salt is always the tenant's id: no client field
+reaches it.
 
 The client is watched while the engine works (``ChatRun.watch_client``, one task per request):
 one that disconnects (before the answer, or mid-stream) gets its engine request aborted and its
@@ -57,7 +62,8 @@ async def chat_completions(request: Request) -> Response:
 
     Raises:
         APIError: 400 bad request, 404 unknown model, 413 body too large (Litestar's, mapped),
-            429 rate limited, 503 draining or engine unavailable; always OpenAI's error body.
+            429 rate limited, 503 draining, engine unavailable or usage unrecordable (the
+            usage database unreachable past the backlog limit); always OpenAI's error body.
     """
     state: GatewayState = request.app.state.gateway
     principal: TenantPrincipal = request.user
@@ -65,6 +71,7 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     if not state.engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_unavailable")
+    state.usage.admit()
     limits = principal.limits.or_defaults(state.default_limits)
     body = await request.body()  # first: a slowly sent body holds no concurrency slot
     try:
@@ -85,8 +92,7 @@ async def chat_completions(request: Request) -> Response:
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     client_id = request.headers.get(REQUEST_ID_HEADER)
     valid_id = client_id is not None and _REQUEST_ID.match(client_id) is not None
-    usage_id = f"{principal.tenant_id}:{client_id}" if valid_id else response_id
-    ledger = UsageLedger(state, principal, ticket, usage_id)
+    ledger = UsageLedger(state, principal, ticket, response_id, client_id if valid_id else None)
     ledger.admission = admission
     run: ChatRun | None = None
     try:
@@ -108,10 +114,17 @@ async def chat_completions(request: Request) -> Response:
             return await _stream(state, run, chat, response_id)
         return await _complete(state, run, chat, response_id)
     except BaseException as exc:
+        if isinstance(exc, asyncio.CancelledError):
+            if run is None:
+                ledger.close("error", _error_type(exc))
+            else:
+                run.cancel("shutdown")
+            raise
         if run is None:
             ledger.close("error", _error_type(exc))
-        elif isinstance(exc, asyncio.CancelledError):
-            run.cancel("shutdown")
+            await ledger.wait_durable(strict=False)
+        else:
+            await run.durable(strict=False)
         raise
 
 
@@ -172,6 +185,7 @@ async def _complete(
 ) -> Response:
     """Wait for the whole answer (or the client leaving) and return ``chat.completion``."""
     out = await _unless_client_left(run, run.final())
+    await run.durable()  # 503 if the row could not be made durable
     body = completion_body(
         out,
         response_id=response_id,

@@ -17,6 +17,11 @@ The run lives in its own task so that the HTTP side (JSON or SSE) only reads a q
 that disconnects cancels the run, which closes the engine's stream, which aborts the engine
 request (its KV blocks are freed at the next step boundary); graceful shutdown waits for the
 same tasks.
+
+The usage row is submitted when the run ends (``UsageLedger.close``) and becomes durable a
+moment later (the usage spool's group commit); the HTTP side awaits :meth:`ChatRun.durable`
+before it sends the response's last bytes, so a client never holds a whole answer whose row a
+crash could lose.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine.async_llm import EngineDeadError, RequestFailedError
 from engine.request import EngineRequest, RequestOutput
+from gateway.db.types import utcnow
+from gateway.domains.adapters.upload import NAME_RE
 from gateway.server.errors import APIError, not_found
 from gateway.services.adapters import find_adapter
 from gateway.services.usage import UsageRecord
@@ -50,6 +57,9 @@ _MAX_MODEL_COLUMN = 256
 async def resolve_model(state: GatewayState, tenant_id: str, model: str) -> str | None:
     """The adapter digest ``model`` names for this tenant; None for the base model.
 
+    A name that no adapter may have (``NAME_RE``: NUL or other control characters, too long)
+    gets the same 404 without a database lookup.
+
     Raises:
         APIError: 404 ``model_not_found`` for an unknown name or another tenant's adapter
             (the same answer, so a name's existence never leaks across tenants).
@@ -57,7 +67,7 @@ async def resolve_model(state: GatewayState, tenant_id: str, model: str) -> str 
     if model == state.engine.model_name:
         return None
     row = None
-    if len(model) <= _MAX_ADAPTER_NAME:
+    if NAME_RE.fullmatch(model):
         async with state.sessions() as session:
             row = await find_adapter(session, tenant_id, model)
     if row is None:
@@ -77,16 +87,29 @@ class UsageLedger:
         state: The gateway.
         principal: The caller.
         ticket: The rate limiter's admission, released with the tokens used.
-        usage_id: The usage row's key (``tenant:X-Request-Id`` or the response id).
+        usage_id: The usage row's key: the server's id of this request (its response id),
+            unique per executed request.
+        client_request_id: The client's ``X-Request-Id`` (recorded, never a key).
+
+    Attributes:
+        durable: Completes once the row is durable (None until :meth:`close`, or when the row
+            could not be queued).
     """
 
     def __init__(
-        self, state: GatewayState, principal: TenantPrincipal, ticket: Ticket, usage_id: str
+        self,
+        state: GatewayState,
+        principal: TenantPrincipal,
+        ticket: Ticket,
+        usage_id: str,
+        client_request_id: str | None = None,
     ) -> None:
         self.state = state
         self.principal = principal
         self.ticket = ticket
         self.usage_id = usage_id
+        self.client_request_id = client_request_id
+        self.durable: asyncio.Future[None] | None = None
         self.started = time.perf_counter()
         self.model = "(invalid request)"  # replaced as soon as the body names a model
         self.adapter_digest: str | None = None
@@ -127,7 +150,7 @@ class UsageLedger:
         self._take_counts()
         tenant = self.principal.tenant_id
         try:
-            self.state.usage.submit(
+            self.durable = self.state.usage.submit(
                 UsageRecord(
                     request_id=self.usage_id,
                     tenant_id=tenant,
@@ -142,6 +165,8 @@ class UsageLedger:
                     error_type=error_type if status != "ok" else None,
                     ttft_ms=None if self.ttft is None else self.ttft * 1000.0,
                     latency_ms=(time.perf_counter() - self.started) * 1000.0,
+                    created_at=utcnow(),
+                    client_request_id=self.client_request_id,
                 )
             )
             self.state.metrics.record_request(
@@ -158,6 +183,26 @@ class UsageLedger:
             self.ticket.release(self.prompt_tokens + self.completion_tokens)
             if self.admission is not None:
                 self.admission.release()
+
+    async def wait_durable(self, strict: bool = True) -> None:
+        """Return once the row is durable (at once if it was never queued).
+
+        Args:
+            strict: Raise when the row could not be made durable; False: return anyway (for
+                an error answer, which gives the client nothing it could be billed for).
+
+        Raises:
+            APIError: 503 ``usage_unavailable`` + ``Retry-After`` (``strict`` only) when
+                neither the spool nor the database could take the row (it stays queued for
+                the database).
+        """
+        if self.durable is None:
+            return
+        try:
+            await self.durable
+        except APIError:
+            if strict:
+                raise
 
 
 class _Cancelled(Exception):
@@ -257,6 +302,19 @@ class ChatRun:
             out = await self.next()
             if out.finished:
                 return out
+
+    async def durable(self, strict: bool = True) -> None:
+        """Wait until the run has ended and its usage row is durable.
+
+        Args:
+            strict: See :meth:`UsageLedger.wait_durable`.
+
+        Raises:
+            APIError: 503 ``usage_unavailable`` (``strict`` only).
+        """
+        if not self.ledger.closed:
+            await asyncio.wait((self.task,))
+        await self.ledger.wait_durable(strict)
 
     def cancel(self, reason: str) -> None:
         """Stop the run (the engine request is aborted); its usage row says ``aborted``."""

@@ -11,6 +11,9 @@
 
 A failure after the headers went out (engine death, shutdown) is sent as
 ``data: {"error": {...}}`` before ``[DONE]``, which the ``openai`` SDK raises as an APIError.
+The last write (the final chunks and ``[DONE]``) waits until the request's usage row is
+durable (``ChatRun.durable``); if it cannot be made durable, an error event (503
+``usage_unavailable``) goes before ``[DONE]``.
 When the client goes away, the run's client watcher (``ChatRun.watch_client``) cancels the run,
 which aborts the engine request and records the usage as ``aborted``; the generator then ends
 with the error event, which nobody reads. If the generator is closed early (the server shutting
@@ -174,12 +177,15 @@ async def chunk_stream(
     engine, or a burst of outputs) go out in one write instead of one each; the client sees
     the same events.
 
+    The last write, with the finish chunks and ``data: [DONE]``, waits for ``run.durable()``.
+
     Yields:
         Encoded ``data:`` events (one or more per chunk), ending with ``data: [DONE]``.
     """
     logprobs_sent: dict[int, int] = {}
     finished: set[int] = set()
     pending: list[bytes] = []  # encoded events not yet written
+    failed: APIError | None = None
     encoder = ChunkEncoder(meta)
     try:
         for i in range(meta.n):
@@ -209,12 +215,17 @@ async def chunk_stream(
             body["usage"] = usage_body(out)
             pending.append(sse(body))
     except APIError as exc:
+        failed = exc
         pending.append(sse(error_body(exc.status, exc.message, exc.param, exc.code)))
     except Exception:  # a bug encoding this stream: it ends with an error event, alone
         logger.exception("streaming %s failed", meta.response_id)
         pending.append(sse(error_body(500, "internal server error", None, "internal_error")))
     finally:
         run.cancel("client_disconnected")  # a no-op once the run has finished
+    try:
+        await run.durable(strict=failed is None)
+    except APIError as exc:  # not durable: the client must not take the answer as complete
+        pending.append(sse(error_body(exc.status, exc.message, exc.param, exc.code)))
     pending.append(DONE)
     yield FinalChunk(b"".join(pending))
 

@@ -12,6 +12,8 @@ from gateway.server.errors import bad_request
 from gateway.services.errors import InvalidInputError
 from gateway.services.usage import parse_time, usage_summary
 
+FLUSH_TIMEOUT_S = 10.0
+
 
 @get("/v1/usage")
 async def get_usage(
@@ -21,11 +23,13 @@ async def get_usage(
 ) -> dict[str, Any]:
     """``{"object": "usage", "tenant", "totals", "by_model"}`` over ``[since, until)``.
 
-    Usage still queued in memory is written first, so a request's usage shows as soon as its
+    Usage not yet in the database is written first, so a request's usage shows as soon as its
     response has been read. Only the caller's tenant's rows are ever read.
 
     Raises:
-        APIError: 400 when ``since`` or ``until`` is not ISO 8601.
+        APIError: 400 when ``since`` or ``until`` is not ISO 8601; 503 + ``Retry-After`` when
+            the usage database is unreachable or the rows before this call are not written
+            within ``FLUSH_TIMEOUT_S`` (the totals would be incomplete).
     """
     state = request.app.state.gateway
     principal: TenantPrincipal = request.user
@@ -35,6 +39,6 @@ async def get_usage(
             bounds[name] = parse_time(value)
         except InvalidInputError as exc:
             raise bad_request(f"'{name}': {exc}", param=name) from None
-    await state.usage.flush()
+    await state.usage.flush(timeout=FLUSH_TIMEOUT_S)
     async with state.sessions() as session:
         return await usage_summary(session, principal.tenant_id, **bounds)
