@@ -37,11 +37,15 @@ class EngineConfig:
         max_model_len: Longest prompt + output, in tokens; None for the model's own limit.
         max_num_seqs: Most sequences in one step.
         max_num_batched_tokens: Token budget of one step (prefill chunks + decodes).
-        long_prefill_token_threshold: In a step that also decodes, a prefill advances by at
-            most this many tokens, so one long prompt (another tenant's) cannot make every
-            decoding sequence's next token wait for thousands of prefill tokens (Sarathi-Serve's
-            stall-free batching; vLLM's flag of the same name). A prefill alone in its step
-            takes the whole budget. None: ``max_num_batched_tokens // 4``; 0: no cap.
+        long_prefill_token_threshold: In a step that also decodes, the step's prefills do at
+            most this much work, in token-equivalents (a token at context position ``p`` costs
+            ``1 + p / alpha``, ``alpha`` from the model's shapes: attention grows with the
+            context), so long prompts cannot make every decoding sequence's next token wait for
+            thousands of prefill tokens (Sarathi-Serve's stall-free batching; vLLM has a flag of
+            the same name). None: ``max_num_batched_tokens // 4``; 0: no cap.
+        tenant_prefill_tokens: While more than one tenant has work, the step's prefills do at
+            most this much work (token-equivalents): what another tenant's long prompts may add
+            to a step a tenant waits for. None: ``max_num_batched_tokens // 16``; 0: no cap.
         enable_prefix_caching: Automatic prefix caching.
         prefix_hash: Block hash algorithm, ``"sha256"`` or ``"xxhash"``.
         mm_hash: Image key mode: ``"exact"`` (default: SHA-256 of the decoded pixels) or
@@ -76,6 +80,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int | None = None
+    tenant_prefill_tokens: int | None = None
     enable_prefix_caching: bool = True
     prefix_hash: Literal["sha256", "xxhash"] = "sha256"
     mm_hash: Literal["perceptual", "exact"] = "exact"
@@ -111,6 +116,10 @@ class EngineConfig:
             (
                 self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
                 "long_prefill_token_threshold must be >= 0",
+            ),
+            (
+                self.tenant_prefill_tokens is None or self.tenant_prefill_tokens >= 0,
+                "tenant_prefill_tokens must be >= 0",
             ),
             (
                 self.max_model_len is None or self.max_model_len > 0,

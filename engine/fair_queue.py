@@ -17,7 +17,7 @@ deque, as before.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from engine.request import Sequence
 
@@ -64,11 +64,17 @@ class FairQueue:
         self._queue(tenant_of(seq)).appendleft(seq)
         self._len += 1
 
-    def peek(self) -> Sequence | None:
-        """The next sequence to admit: its tenant has the lowest counter (ties: the oldest)."""
+    def peek(self, skip: set[str] | frozenset[str] = frozenset()) -> Sequence | None:
+        """The next sequence to admit: its tenant has the lowest counter (ties: the oldest).
+
+        Args:
+            skip: Tenants not to consider (their turn in this step is over).
+        """
         best: Sequence | None = None
         best_key: tuple[float, float] | None = None
         for tenant, queue in self._queues.items():
+            if tenant in skip:
+                continue
             head = queue[0]
             key = (self.counters.get(tenant, 0.0), head.request.arrival_time)
             if best_key is None or key < best_key:
@@ -115,6 +121,12 @@ class FairQueue:
     def waiting_tenants(self) -> list[str]:
         """Tenants with at least one waiting sequence."""
         return list(self._queues)
+
+    def demand(self, limit: int, cost: Callable[[Sequence], float]) -> dict[str, float]:
+        """Each waiting tenant's work, ``cost`` summed over its first ``limit`` sequences."""
+        return {
+            t: sum(cost(q[i]) for i in range(min(limit, len(q)))) for t, q in self._queues.items()
+        }
 
     # ---------------------------------------------------------------------- counters
     def charge(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:

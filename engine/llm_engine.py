@@ -120,6 +120,12 @@ class LLMEngine:
                 if config.long_prefill_token_threshold is None
                 else config.long_prefill_token_threshold
             ),
+            tenant_prefill_tokens=(
+                config.max_num_batched_tokens // 16
+                if config.tenant_prefill_tokens is None
+                else config.tenant_prefill_tokens
+            ),
+            attention_cost=attention_cost(model),
             max_loras=config.max_loras,
             preemption=config.preemption,
             cpu_pool=CpuBlockPool(num_cpu_blocks) if num_cpu_blocks else None,
@@ -548,6 +554,21 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_tokens or 0,
             ttft=ttft,
         )
+
+
+def attention_cost(model: Any) -> float:
+    """``1 / alpha``: a token's attention work per context position over its other work.
+
+    Per token and layer, the projections cost ``2 * in * out`` FLOPs each (q, k, v, o, gate,
+    up, down), and attention costs ``4 * num_heads * head_dim`` per position it attends to (the
+    ``q.k`` and ``p.v`` products). For the tiny LLaVA ``alpha`` is ~350 positions; for an
+    8B Llama ~30,000: context length weighs on small models far more.
+    """
+    layer0 = [shape for (layer, _), shape in target_shapes(model).items() if layer == 0]
+    linear = sum(2 * fan_in * fan_out for fan_in, fan_out in layer0)
+    if not linear:
+        return 0.0
+    return 4.0 * model.num_heads * model.head_dim / linear
 
 
 def _error_output(state: _RequestState) -> RequestOutput:

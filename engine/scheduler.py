@@ -24,6 +24,11 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
    the running sequences, and so every step, never hold more distinct adapters than slots;
    and since nothing overtakes, requests waiting for a slot are served in that order across
    adapters (no starvation).
+   Prefill tokens are shared between tenants within each step: while some sequence decodes,
+   the step carries at most ``long_prefill_token_threshold`` prefill tokens (Sarathi-Serve's
+   stall-free batching: another tenant's 4,000-token prompt cannot stretch every decoder's
+   step), and a step's prefill tokens are split max-min fairly between the tenants that want
+   some, so a newcomer's short prompt is computed in the step it is admitted.
 3. The step's sequences are put in batch order grouped by adapter (a stable sort, base model
    first), so every adapter's tokens form one contiguous segment of the flattened batch:
    Punica's SGMV layout, where each segment's LoRA shrink/expand works on a view of the
@@ -33,6 +38,7 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,8 +115,13 @@ class Scheduler:
         kv: The KV cache manager.
         max_num_seqs: Most sequences running at once.
         max_num_batched_tokens: Token budget of a step.
-        long_prefill_token_threshold: Most tokens a prefill advances by in a step that also
-            decodes (0: no cap).
+        long_prefill_token_threshold: Most prefill work (token-equivalents, see
+            ``attention_cost``) a step carries while a sequence decodes (0: no cap).
+        tenant_prefill_tokens: Most prefill work a step carries while more than one tenant
+            has work (0: no cap): the latency another tenant's long prompts may add to a step.
+        attention_cost: Cost of attending to one context position, relative to the rest of a
+            token's forward pass (``1 / alpha``; 0: every token costs 1): a prefill token at
+            position ``p`` costs ``1 + p * attention_cost``.
         max_loras: Most distinct adapters in one step.
         lora_manager: Acquires and releases adapter slots (``adapters.manager.LoRAManager``);
             None when the engine serves no adapters.
@@ -125,6 +136,8 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int = 0,
+        tenant_prefill_tokens: int = 0,
+        attention_cost: float = 0.0,
         max_loras: int,
         preemption: str = "recompute",
         cpu_pool: CpuBlockPool | None = None,
@@ -136,6 +149,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.tenant_prefill_tokens = tenant_prefill_tokens
+        self.attention_cost = attention_cost
         self.max_loras = max_loras
         self.preemption = preemption
         self.cpu_pool = cpu_pool
@@ -249,19 +264,30 @@ class Scheduler:
     def _schedule(self, out: SchedulerOutput) -> SchedulerOutput:
         made_room = len(out.preempted)  # by fairness preemption: for the head, admit it now
         budget = self.max_num_batched_tokens
-        chunk = self._prefill_chunk()
+        allowance, shared = self._prefill_allowance()
+        prefilling: set[str] = set()  # tenants with a prefill chunk in this step
         step_loras: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, chunk)
-            if num_new <= 0:  # nothing to compute (cannot happen between steps; be safe)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            tenant = tenant_of(seq)
+            num_new = min(remaining, budget)
+            start = seq.num_computed_tokens
+            if remaining > 1:  # a prefill (or recompute) chunk: within its tenant's allowance
+                num_new = self._tokens_within(start, num_new, allowance.get(tenant, 0.0))
+                if shared and tenant in prefilling:  # one chunk per tenant while shared
+                    num_new = 0
+            if num_new <= 0:  # no allowance left this step (or nothing to compute)
                 i += 1
                 continue
             alloc = self._allocate_or_preempt(seq, num_new, out)
             if alloc is None:  # the sequence itself was preempted, or capped (finished)
                 break
             self._record(out, seq, num_new, alloc)
+            if remaining > 1:
+                allowance[tenant] -= self._cost(start, num_new)
+                prefilling.add(tenant)
             if seq.request.lora_digest is not None:
                 step_loras.add(seq.request.lora_digest)
             budget -= num_new
@@ -269,8 +295,15 @@ class Scheduler:
         if len(out.preempted) > made_room:  # the pool is short: admit nothing new
             return out
 
+        done: set[str] = set()  # tenants whose prefill turn in this step is over
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.peek()
+            seq = self.waiting.peek(done)
+            if seq is None:
+                break
+            tenant = tenant_of(seq)
+            if allowance.get(tenant, 0.0) <= 0 or (shared and tenant in prefilling):
+                done.add(tenant)  # its allowance (or its one chunk) is used: the next tenant
+                continue
             lora = seq.request.lora_digest
             if lora is not None and lora not in step_loras and len(step_loras) >= self.max_loras:
                 break
@@ -284,14 +317,22 @@ class Scheduler:
                 if not got:
                     break
             if seq.swapped:
-                if not self._swap_in(seq, budget, out):
+                room = self._tokens_within(
+                    seq.num_computed_tokens,
+                    min(budget, seq.num_tokens - seq.num_computed_tokens),
+                    allowance.get(tenant, 0.0),
+                )
+                if not self._swap_in(seq, room, out):
                     self._release_lora(seq)
                     if self._cap_if_alone(seq, out):
                         continue
                     break
             else:
                 match = self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
-                num_new = min(seq.num_tokens - match.num_cached_tokens, budget, chunk)
+                start = match.num_cached_tokens
+                num_new = self._tokens_within(
+                    start, min(seq.num_tokens - start, budget), allowance.get(tenant, 0.0)
+                )
                 alloc = self.kv.allocate_slots(
                     seq.seq_id,
                     num_new,
@@ -314,19 +355,81 @@ class Scheduler:
             self.waiting.started(seq)
             if lora is not None:
                 step_loras.add(lora)
-            budget -= out.scheduled[-1].num_new_tokens
+            item = out.scheduled[-1]
+            allowance[tenant] -= self._cost(item.start, item.num_new_tokens)
+            prefilling.add(tenant)
+            budget -= item.num_new_tokens
         return out
 
-    def _prefill_chunk(self) -> int:
-        """The most tokens one sequence may compute this step (see the config's threshold).
+    def _prefill_allowance(self) -> tuple[dict[str, float], bool]:
+        """Prefill work (token-equivalents) each tenant may do this step, and whether shared.
 
-        Capped only when a running sequence decodes (its next token waits for the step) and
-        the cap is on.
+        A step's prefill work is the whole token budget; at most
+        ``long_prefill_token_threshold`` while a running sequence decodes (its next token waits
+        for the step); and at most ``tenant_prefill_tokens`` while more than one tenant has
+        work (another tenant's long prompts add at most that much to a step). It is shared
+        max-min fairly between the tenants that want some (running prefills, and the prompts
+        of each waiting tenant's first ``max_num_seqs`` sequences): a tenant wanting less than
+        an equal share gets all it wants, the others split the rest (water-filling). While
+        shared, a tenant's work is one chunk of one sequence per step: each chunk gathers its
+        whole context, so many small chunks of long prompts cost more than their tokens say.
+
+        Returns:
+            ``tenant -> allowance`` and whether more than one tenant has work.
         """
-        cap = self.long_prefill_token_threshold
-        if cap and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
-            return cap
-        return self.max_num_batched_tokens
+        demand: dict[str, float] = {}
+        for s in self.running:
+            remaining = s.num_tokens - s.num_computed_tokens
+            if remaining > 1:
+                t = tenant_of(s)
+                demand[t] = demand.get(t, 0.0) + self._cost(s.num_computed_tokens, remaining)
+        waiting = self.waiting.demand(self.max_num_seqs, lambda q: self._cost(0, q.num_tokens))
+        for t, work in waiting.items():
+            demand[t] = demand.get(t, 0.0) + work
+        total = float(self.max_num_batched_tokens)
+        caps = []
+        if any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
+            caps.append(self.long_prefill_token_threshold)
+        shared = bool(self.tenant_prefill_tokens) and (
+            len(demand.keys() | self.waiting.running.keys()) > 1
+        )
+        if shared:
+            caps.append(self.tenant_prefill_tokens)
+        for cap in caps:
+            if cap:
+                total = min(total, float(cap))
+        allowance: dict[str, float] = {}
+        left = total
+        ordered = sorted(demand.items(), key=lambda kv: kv[1])
+        for k, (t, want) in enumerate(ordered):
+            give = min(want, left / (len(ordered) - k))
+            allowance[t] = give
+            left -= give
+        return allowance, shared
+
+    def _cost(self, start: int, n: int) -> float:
+        """Work of computing positions ``[start, start + n)``: ``n`` plus their attention."""
+        return n + self.attention_cost * (n * start + n * (n + 1) / 2)
+
+    def _tokens_within(self, start: int, most: int, allowance: float) -> int:
+        """The most tokens from ``start`` (up to ``most``) whose work fits ``allowance``.
+
+        At least one when the allowance covers half a token's work, so a prefill far into a
+        long context still advances under a small cap.
+        """
+        if allowance <= 0 or most <= 0:
+            return 0
+        a = self.attention_cost
+        if a == 0.0:
+            n = int(allowance)
+        else:  # a/2 n^2 + (1 + a (start + 1/2)) n <= allowance
+            b = 1.0 + a * (start + 0.5)
+            n = int((math.sqrt(b * b + 2.0 * a * allowance) - b) / a)
+        if self._cost(start, n + 1) <= allowance * (1 + 1e-9):  # the root's rounding
+            n += 1
+        if n == 0 and allowance >= self._cost(start, 1) / 2:
+            n = 1
+        return min(most, n)
 
     def _cap_if_alone(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Finish the waiting head with ``"length"`` if it cannot fit even in an idle pool.

@@ -34,8 +34,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--long-prefill-token-threshold",
         type=int,
         default=None,
-        help="in a step that also decodes, a prefill advances by at most this many tokens "
-        "(default: max-num-batched-tokens / 4; 0: no cap)",
+        help="while a sequence decodes, a step's prefills do at most this much work, in "
+        "token-equivalents (default: max-num-batched-tokens / 4; 0: no cap)",
+    )
+    g.add_argument(
+        "--tenant-prefill-tokens",
+        type=int,
+        default=None,
+        help="while more than one tenant has work, a step's prefills do at most this much "
+        "work, in token-equivalents (default: max-num-batched-tokens / 16; 0: no cap)",
     )
     g.add_argument(
         "--enable-prefix-caching",
@@ -76,6 +83,7 @@ def config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        tenant_prefill_tokens=args.tenant_prefill_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_hash=args.prefix_hash,
         mm_hash=args.mm_hash,

@@ -5,6 +5,8 @@ as the engine does after the forward pass.
 """
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
@@ -17,9 +19,9 @@ from hashing.request_hasher import RequestBlockHasher
 BLOCK = 4
 
 
-def make_seq(seq_id: str, prompt_len: int, max_tokens: int = 1000) -> Sequence:
+def make_seq(seq_id: str, prompt_len: int, max_tokens: int = 1000, first: int = 1) -> Sequence:
     request = EngineRequest(
-        seq_id, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens)
+        seq_id, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens)
     )
     hasher = RequestBlockHasher(BLOCK)
     hasher.extend(request.prompt_token_ids)
@@ -111,8 +113,8 @@ def test_an_explicit_length_the_pool_cannot_hold_is_refused(tiny_text_dir):
 
 
 # ----------------------------------------------------------------------- fairness (VTC)
-def tenant_seq(seq_id: str, tenant: str, prompt_len: int = 6) -> Sequence:
-    seq = make_seq(seq_id, prompt_len)
+def tenant_seq(seq_id: str, tenant: str, prompt_len: int = 6, first: int = 1) -> Sequence:
+    seq = make_seq(seq_id, prompt_len, first=first)
     seq.request.tenant = tenant
     return seq
 
@@ -243,3 +245,66 @@ def test_a_long_prefill_advances_by_the_threshold_while_others_decode():
     assert all(c["short"] == 1 for c in chunks)
     # 4 tokens are a prefix hit on "short"'s first block; the other 96 go 16 at a time.
     assert [c["long"] for c in chunks] == [16] * 6
+
+
+def cost_scheduler(**kw) -> Scheduler:
+    args = dict(max_num_seqs=8, max_num_batched_tokens=256, max_loras=1)
+    args.update(kw)
+    return Scheduler(KVCacheManager(2048, BLOCK), **args)
+
+
+def test_prefill_work_is_shared_max_min_between_tenants():
+    s = cost_scheduler(tenant_prefill_tokens=64)
+    s.add(tenant_seq("big", "a", prompt_len=400))
+    s.add(tenant_seq("small", "b", prompt_len=5, first=1000))
+    out = run_step(s)
+    # b wants 5 (all of it), a gets the other 59 of the 64 the two tenants share.
+    assert {i.seq.seq_id: i.num_new_tokens for i in out.scheduled} == {"big": 59, "small": 5}
+    alone = cost_scheduler(tenant_prefill_tokens=64)
+    alone.add(tenant_seq("big", "a", prompt_len=400))
+    assert [i.num_new_tokens for i in run_step(alone).scheduled] == [256]  # one tenant: all
+
+
+def test_while_shared_a_tenant_prefills_one_sequence_per_step():
+    s = cost_scheduler(tenant_prefill_tokens=128)
+    for i in range(3):
+        s.add(tenant_seq(f"a{i}", "a", prompt_len=200, first=1000 * i))
+    s.add(tenant_seq("b0", "b", prompt_len=200, first=5000))
+    out = run_step(s)
+    assert sorted(i.seq.seq_id for i in out.scheduled) == ["a0", "b0"]
+    assert sum(i.num_new_tokens for i in out.scheduled) == 128
+
+
+@given(
+    start=st.integers(0, 100_000),
+    most=st.integers(1, 8192),
+    allowance=st.floats(0.0, 100_000.0),
+    cost=st.sampled_from([0.0, 1 / 350, 1 / 30_000]),
+)
+def test_tokens_within_is_the_largest_chunk_whose_work_fits(start, most, allowance, cost):
+    s = cost_scheduler(attention_cost=cost)
+    n = s._tokens_within(start, most, allowance)
+    assert 0 <= n <= most
+    if n > 1 or (n == 1 and s._cost(start, 1) <= allowance):
+        assert s._cost(start, n) <= allowance * (1 + 1e-9)
+    if n < most and allowance > 0:
+        assert s._cost(start, n + 1) > allowance * (1 - 1e-9)
+
+
+def test_a_long_context_token_costs_more():
+    s = cost_scheduler(attention_cost=1 / 350, tenant_prefill_tokens=64)
+    s.add(tenant_seq("decoder", "b", prompt_len=3))
+    run_step(s)  # b decodes from now on
+    deep = tenant_seq("deep", "a", prompt_len=4000)
+    deep.num_computed_tokens = 0
+    s.add(deep)
+    chunks = []
+    for _ in range(1000):
+        out = run_step(s)
+        chunks.append(next((i for i in out.scheduled if i.seq is deep), None))
+        assert chunks[-1] is not None
+        if deep.num_computed_tokens > 3500:
+            break
+    first, last = chunks[0], chunks[-1]
+    # 64 token-equivalents: 63 tokens at the start of the context, 5 near position 3,500.
+    assert first.num_new_tokens >= 55 and last.num_new_tokens <= 6
