@@ -65,18 +65,25 @@ class FairQueue:
         self._len += 1
 
     def peek(self, skip: set[str] | frozenset[str] = frozenset()) -> Sequence | None:
-        """The next sequence to admit: its tenant has the lowest counter (ties: the oldest).
+        """The next sequence to admit: its tenant has the lowest counter.
+
+        Ties (a tenant lifted to the lowest counter ties with it) go to the tenant running
+        fewer sequences, then to the oldest head.
 
         Args:
             skip: Tenants not to consider (their turn in this step is over).
         """
         best: Sequence | None = None
-        best_key: tuple[float, float] | None = None
+        best_key: tuple[float, int, float] | None = None
         for tenant, queue in self._queues.items():
             if tenant in skip:
                 continue
             head = queue[0]
-            key = (self.counters.get(tenant, 0.0), head.request.arrival_time)
+            key = (
+                self.counters.get(tenant, 0.0),
+                self.running.get(tenant, 0),
+                head.request.arrival_time,
+            )
             if best_key is None or key < best_key:
                 best, best_key = head, key
         return best
