@@ -3,28 +3,28 @@
 Starts ``loraplex serve`` (the built-in tiny LLaVA, SQLite) on loopback in its own process, then:
 
 1. sends every hostile request of :mod:`bench.hostile.attacks` and counts 500s; checks the engine
-   still serves afterwards;
-2. measures a bystander tenant's latency idle and while another tenant sends the most expensive
-   requests the API accepts (:mod:`bench.hostile.latency`);
-3. measures the bystander's TTFT idle and while another tenant holds 1,000 streams (200 with
-   ``--quick``);
-4. runs the parts that need their own servers: hostile uploads (peak RSS), adapter-config
-   patterns (validation time), slow transports, and usage durability under SIGKILL and a
-   database outage, each where its module is present.
+   still serves afterwards (``status_500_count``, ``engine_survived``);
+2. measures a bystander tenant's chat latency idle and while another tenant sends the most
+   expensive requests the API accepts (``bystander_latency_ratio``, :mod:`.latency`);
+3. measures the bystander's TTFT idle and while another tenant holds 1,000 streams (100 with
+   ``--quick``; ``fair_share_ttft_ratio``);
+4. three concurrent hostile adapter uploads (``peak_rss_mb_hostile_uploads``, :mod:`.uploads`)
+   and slowloris heads and dribbled bodies (:mod:`.transport`) against the same server;
+5. hostile adapter-config patterns, validated in process (``max_pattern_ms``, :mod:`.patterns`);
+6. full run only: usage rows lost when a server is SIGKILLed at random moments of a load, and
+   when its PostgreSQL goes away (``usage_rows_lost_sigkill``, ``usage_rows_lost_db_outage``,
+   :mod:`.usage`; the outage needs ``LORAPLEX_BENCH_PG_URL`` or ``LORAPLEX_TEST_PG_URL``).
 
 The hostile tenant gets limits an operator would give a big customer (no rate limit, 10,000
 concurrent requests), and the server admits up to 4,096 outstanding requests with no per-tenant
-share, so the engine's own fairness is what is measured. Prints a table, then one JSON line
-with ``bystander_latency_ratio``, ``usage_rows_lost_sigkill``, ``usage_rows_lost_db_outage``,
-``peak_rss_mb_hostile_uploads``, ``fair_share_ttft_ratio``, ``status_500_count`` and
-``engine_survived``.
+share, so what is measured is the engine's and the gateway's own fairness. Prints a table, then
+one JSON line with every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import random
 import resource
@@ -34,9 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.hostile import attacks, latency
+from bench.hostile import attacks, latency, patterns, transport, uploads, usage
 from bench.hostile.live import ADMIN_KEY, LiveServer, init_tiny
 
+MODEL = "tiny-llava"
 BIG_CUSTOMER = {
     "requests_per_minute": 1_000_000,
     "tokens_per_minute": 1_000_000_000,
@@ -67,49 +68,36 @@ def long_prompt(model_dir: Path, tokens: int) -> str:
     return tok.decode(ids)
 
 
-def optional_parts(quick: bool, work: Path) -> dict[str, Any]:
-    """The parts in their own modules (uploads, patterns, transport, usage), where present."""
-    figures: dict[str, Any] = {}
-    for module, call in (
-        ("bench.hostile.uploads", "main_figures"),
-        ("bench.hostile.patterns", "main_figures"),
-        ("bench.hostile.transport", "main_figures"),
-        ("bench.hostile.usage", "main_figures"),
-    ):
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        fn = getattr(mod, call, None)
-        if fn is None:
-            continue
-        t0 = time.perf_counter()
-        try:
-            out = fn(quick=quick, work=work / module.rsplit(".", 1)[1])
-        except Exception as exc:  # a part that fails is reported, the others still run
-            out = {"error": f"{type(exc).__name__}: {exc}"}
-        out[f"{module.rsplit('.', 1)[1]}_seconds"] = round(time.perf_counter() - t0, 1)
-        figures.update(out)
-    return figures
+def timed(name: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run one part; its figures plus ``<name>_seconds``, or its error (the others still run)."""
+    t0 = time.perf_counter()
+    try:
+        out = dict(fn(*args, **kwargs))
+    except Exception as exc:
+        out = {f"{name}_error": f"{type(exc).__name__}: {exc}"}
+    out[f"{name}_seconds"] = round(time.perf_counter() - t0, 1)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples and streams")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one server, fewer samples and streams, no SIGKILL or database-outage rounds",
+    )
     args = parser.parse_args()
     raise_fd_limit()
-    streams = 200 if args.quick else 1000
-    samples = 8 if args.quick else 30
+    streams = 100 if args.quick else 1000
+    samples = 6 if args.quick else 30
     work = Path(tempfile.mkdtemp(prefix="loraplex-hostile-"))
     model = init_tiny(work / "model")
-    server = LiveServer(
-        work / "server",
-        model,
-        ["--served-model-name", "tiny-llava", "--max-outstanding-requests", "4096"]
-        + ["--tenant-share", "1"],
-    )
+    flags = ["--served-model-name", MODEL, "--max-outstanding-requests", "4096"]
+    flags += ["--tenant-share", "1"]
+    if args.quick:  # the transport part waits for the server's deadlines
+        flags += ["--header-timeout", "4", "--body-timeout", "4"]
     results: dict[str, Any] = {}
-    with server:
+    with LiveServer(work / "server", model, flags) as server:
         hostile = server.create_tenant("hostile")
         bystander = server.create_tenant("bystander")
         server.set_limits(hostile["id"], **BIG_CUSTOMER)
@@ -131,6 +119,7 @@ def main() -> None:
                 bodies,
                 samples=samples,
                 workers=4,
+                warmup=1.0 if args.quick else 2.0,
             )
         )
         results["bystander_latency_ratio"] = round(load["bystander_latency_ratio"], 2)
@@ -145,31 +134,50 @@ def main() -> None:
             )
         )
         results["fair_share_ttft_ratio"] = round(fair["fair_share_ttft_ratio"], 2)
-        results["engine_survived"] = results["engine_survived"] and server.alive
+        bomb = (64 << 20) if args.quick else uploads.BOMB_BYTES  # both far past the caps
+        results.update(timed("uploads", uploads.run, server, hostile["api_key"], bomb))
+        moved = timed(
+            "transport",
+            transport.run,
+            server,
+            bystander["api_key"],
+            k=20 if args.quick else transport.K,
+            samples=5 if args.quick else transport.SAMPLES,
+        )
+        results.update(
+            {f"transport_{k}" if "transport" not in k else k: v for k, v in moved.items()}
+        )
+        alive = server.alive
+        with server.client() as c:
+            alive = alive and c.get("/health").status_code == 200
+        results["engine_survived"] = results["engine_survived"] and alive
         rss, peak = server.rss_mb()
+    results.update(timed("patterns", patterns.run))
+    if args.quick:
+        note = "full run only (python -m bench.hostile): each round restarts a server"
+        results.update(usage_rows_lost_sigkill=None, usage_rows_lost_db_outage=None)
+        results["usage_note"] = note
+    else:
+        results.update(timed("sigkill", usage.sigkill_loss, data_dir=work / "sigkill"))
+        results.update(timed("db_outage", usage.db_outage_loss, data_dir=work / "outage"))
     print("\nbystander chat latency, idle vs expensive load (4 hostile clients):")
-    print(f"  idle   p50 {load['idle']['p50_ms']:8.1f} ms  p90 {load['idle']['p90_ms']:8.1f} ms")
-    print(
-        f"  loaded p50 {load['loaded']['p50_ms']:8.1f} ms  p90 {load['loaded']['p90_ms']:8.1f} ms"
-    )
+    for phase in ("idle", "loaded"):
+        f = load[phase]
+        print(f"  {phase:<6} p50 {f['p50_ms']:8.1f} ms  p90 {f['p90_ms']:8.1f} ms")
     print(f"  hostile statuses: {load['hostile_statuses']}")
     print(
         f"bystander TTFT, idle vs {streams} hostile streams "
         f"({fair['hostile_streams_started']} had their first token):"
     )
-    print(f"  idle   p50 {fair['idle']['p50_ms']:8.1f} ms  p90 {fair['idle']['p90_ms']:8.1f} ms")
-    print(
-        f"  loaded p50 {fair['loaded']['p50_ms']:8.1f} ms  p90 {fair['loaded']['p90_ms']:8.1f} ms"
-    )
+    for phase in ("idle", "loaded"):
+        f = fair[phase]
+        print(f"  {phase:<6} p50 {f['p50_ms']:8.1f} ms  p90 {f['p90_ms']:8.1f} ms")
     print(f"server RSS {rss:.0f} MiB (peak {peak:.0f} MiB)")
-    results.update(optional_parts(args.quick, work))
-    for key in (
-        "usage_rows_lost_sigkill",
-        "usage_rows_lost_db_outage",
-        "peak_rss_mb_hostile_uploads",
-    ):
-        results.setdefault(key, None)
-    print(json.dumps(results, sort_keys=True))
+    figures = {k: v for k, v in results.items() if not isinstance(v, dict | list)}
+    width = max(len(k) for k in figures)
+    for key in sorted(figures):
+        print(f"{key:<{width}}  {figures[key]}")
+    print(json.dumps(figures, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -125,6 +125,7 @@ async def bystander_under_expensive_load(
     *,
     samples: int,
     workers: int,
+    warmup: float = 2.0,
 ) -> dict[str, Any]:
     """Bystander latency idle, then with ``workers`` hostile clients looping ``bodies``."""
     idle = await _measure(host, port, bystander, samples, stream=False)
@@ -139,7 +140,7 @@ async def bystander_under_expensive_load(
             k += 1
 
     tasks = [asyncio.create_task(hostile_worker(i)) for i in range(workers)]
-    await asyncio.sleep(2.0)  # let the load build up
+    await asyncio.sleep(warmup)  # let the load build up
     loaded = await _measure(host, port, bystander, samples, stream=False)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -99,18 +99,19 @@ def _status(path: Path) -> dict[str, int]:
     return fields
 
 
-def run(server: LiveServer, key: str) -> dict[str, Any]:
+def run(server: LiveServer, key: str, bomb_bytes: int = BOMB_BYTES) -> dict[str, Any]:
     """Send the three uploads at once; report the server's peak RSS growth in MiB.
 
     Args:
         server: A running server.
         key: A tenant key.
+        bomb_bytes: What each bomb inflates to (1 GiB; compressing it takes seconds here).
     """
     assert server.proc is not None
     pid = server.proc.pid
     uploads = {
-        "zip": [("archive", ("a.zip", zip_bomb(), "application/zip"))],
-        "tar.gz": [("archive", ("a.tar.gz", tar_gz_bomb(), "application/gzip"))],
+        "zip": [("archive", ("a.zip", zip_bomb(bomb_bytes), "application/zip"))],
+        "tar.gz": [("archive", ("a.tar.gz", tar_gz_bomb(bomb_bytes), "application/gzip"))],
         "header": [
             ("files", ("adapter_config.json", CONFIG, "application/json")),
             ("files", ("adapter_model.safetensors", many_entry_header(64 * 1024))),
