@@ -62,6 +62,21 @@ def register(subparsers) -> None:
         help="fraction of each bound one tenant may hold (default %(default)s)",
     )
     add_transport_args(p, d)
+    u = p.add_argument_group("usage ledger")
+    u.add_argument(
+        "--usage-fsync",
+        action=argparse.BooleanOptionalAction,
+        default=d.usage_spool_fsync,
+        help="fdatasync each group of usage rows before the responses end: durable through a "
+        "power loss; without it, through a process crash only (default %(default)s)",
+    )
+    u.add_argument(
+        "--usage-backlog-limit",
+        type=int,
+        default=d.usage_backlog_limit,
+        help="usage rows that may wait for an unreachable database; past it, chat requests get "
+        "503 (default %(default)s)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--no-access-log",
@@ -153,6 +168,8 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
     for flag in ("max_outstanding_requests", "max_outstanding_tokens"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be 0 (no bound) or positive")
+    if args.usage_backlog_limit < 1:
+        raise ValueError("--usage-backlog-limit must be at least 1")
     if args.max_concurrent_uploads < 1:
         raise ValueError("--max-concurrent-uploads must be at least 1")
     if not 0.0 < args.tenant_share <= 1.0:
@@ -185,6 +202,8 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         max_outstanding_tokens=args.max_outstanding_tokens or None,
         tenant_share=args.tenant_share,
         max_concurrent_uploads=args.max_concurrent_uploads,
+        usage_spool_fsync=args.usage_fsync,
+        usage_backlog_limit=args.usage_backlog_limit,
         max_header_bytes=args.max_header_bytes,
         max_headers=args.max_headers,
         header_timeout_seconds=args.header_timeout,

@@ -78,8 +78,11 @@ def test_serve_flags_set_the_bounds(tmp_path):
     assert (defaults.max_outstanding_requests, defaults.tenant_share) == (1024, 0.5)
     c = config("--max-outstanding-requests", "0", "--max-outstanding-tokens", "500")
     assert (c.max_outstanding_requests, c.max_outstanding_tokens) == (None, 500)
-    c = config("--tenant-share", "1", "--max-concurrent-uploads", "5")
-    assert (c.tenant_share, c.max_concurrent_uploads) == (1.0, 5)
+    c = config("--tenant-share", "1", "--max-concurrent-uploads", "5", "--no-usage-fsync")
+    assert (c.tenant_share, c.max_concurrent_uploads, c.usage_spool_fsync) == (1.0, 5, False)
+    assert (
+        defaults.usage_spool_fsync and config("--usage-backlog-limit", "9").usage_backlog_limit == 9
+    )
     for bad in (
         ["--tenant-share", "0"],
         ["--tenant-share", "1.5"],
