@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from adapters.errors import AdapterError
+from loraplex.adapters.errors import AdapterError
 
 AdapterLoader = Callable[[str], Any]
 """``digest -> LoraAdapter`` (reads the store; raises AdapterError or KeyError)."""

@@ -40,7 +40,7 @@ from typing import Any
 
 import re2
 
-from adapters.errors import AdapterError
+from loraplex.adapters.errors import AdapterError
 
 MAX_PATTERN_CHARS = 1000
 """Longest client pattern accepted; PEFT's own text spliced around it adds at most

@@ -24,8 +24,8 @@ from typing import Any
 
 from peft import LoraConfig
 
-from adapters.errors import AdapterError
-from adapters.patterns import MAX_PATTERN_CHARS, is_plain_name
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.patterns import MAX_PATTERN_CHARS, is_plain_name
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(LoraConfig))
 # Keys with a truthy value that changes what the adapter computes, and why we refuse them.

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from re import _constants as C  # type: ignore[attr-defined]
 from typing import Any
 
-from adapters.patterns import (
+from loraplex.adapters.patterns import (
     ANY_BUT_NEWLINE,
     Compiled,
     PatternBudget,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters.errors import AdapterError
+from loraplex.adapters.errors import AdapterError
 
 DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2}
 """Accepted tensor dtypes and their item sizes in bytes."""

@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from adapters.base_model import BaseModelInfo
-from adapters.errors import AdapterError
-from adapters.validation import (
+from loraplex.adapters.base_model import BaseModelInfo
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.validation import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     LoraAdapter,

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from peft import LoraConfig
 
-from adapters.base_model import CURRENT_LAYOUT, LAYOUTS, PROJECTIONS, BaseModelInfo, Layout
-from adapters.errors import AdapterError
-from adapters.patterns import PatternBudget
-from adapters.peft_match import TargetMatcher, dot_suffixes
+from loraplex.adapters.base_model import CURRENT_LAYOUT, LAYOUTS, PROJECTIONS, BaseModelInfo, Layout
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.patterns import PatternBudget
+from loraplex.adapters.peft_match import TargetMatcher, dot_suffixes
 
 _KEY_RE = re.compile(r"base_model\.model\.(?P<module>.+)\.(?P<ab>lora_[AB])(?:\.default)?\.weight")
 ModuleKey = tuple[int, str]

@@ -29,17 +29,17 @@ from pathlib import Path
 
 import torch
 
-from adapters.base_model import BaseModelInfo
-from adapters.errors import AdapterError
-from adapters.peft_config import parse_lora_config
-from adapters.safetensors_io import PICKLE_SUFFIXES, load_tensors, read_header
-from adapters.sizes import (
+from loraplex.adapters.base_model import BaseModelInfo
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.peft_config import parse_lora_config
+from loraplex.adapters.safetensors_io import PICKLE_SUFFIXES, load_tensors, read_header
+from loraplex.adapters.sizes import (
     MAX_METADATA_ENTRIES,
     max_header_bytes,
     max_header_tensors,
     max_weights_bytes,
 )
-from adapters.targets import ModuleKey, TargetSpec, map_tensor_names, resolve_targets
+from loraplex.adapters.targets import ModuleKey, TargetSpec, map_tensor_names, resolve_targets
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"

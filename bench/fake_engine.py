@@ -15,9 +15,9 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.inputs import ProcessedPrompt
-from engine.request import CompletionOutput, EngineRequest, RequestOutput
-from gateway.server.engine_client import AdapterLimits, InputLimits
+from loraplex.engine.inputs import ProcessedPrompt
+from loraplex.engine.request import CompletionOutput, EngineRequest, RequestOutput
+from loraplex.gateway.server.engine_client import AdapterLimits, InputLimits
 
 CHARS_PER_TOKEN = 4
 TOKEN_ID = 42

@@ -51,8 +51,8 @@ import httpx
 
 from bench.fake_engine import InstantEngine
 from bench.http_client import LeanHTTPClient
-from engine.request import EngineRequest
-from engine.sampling.params import SamplingParams
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
 
 CONCURRENCY = (1, 32, 256)
 MODEL = "instant"
@@ -72,9 +72,9 @@ def build_fake(data_dir: str, admin_key: str, port: int = 8000) -> tuple[Any, An
     Returns:
         ``(app, state, engine)`` from ``build_gateway`` (the database migrated).
     """
-    from gateway.db.session import db_url
-    from gateway.server.build import build_gateway
-    from gateway.server.config import GatewayConfig
+    from loraplex.gateway.db.session import db_url
+    from loraplex.gateway.server.build import build_gateway
+    from loraplex.gateway.server.config import GatewayConfig
 
     config = GatewayConfig(
         data_dir=Path(data_dir),
@@ -92,10 +92,10 @@ def build_fake(data_dir: str, admin_key: str, port: int = 8000) -> tuple[Any, An
 
 def serve_fake(port: int, data_dir: str) -> None:
     """The child process: ``loraplex serve``'s app and uvicorn settings, the instant engine."""
-    from gateway.auth.redact import RedactingFilter
-    from gateway.server.access_log import AccessLog
-    from gateway.server.graceful import GracefulServer
-    from gateway.server.transport import uvicorn_config
+    from loraplex.gateway.auth.redact import RedactingFilter
+    from loraplex.gateway.server.access_log import AccessLog
+    from loraplex.gateway.server.graceful import GracefulServer
+    from loraplex.gateway.server.transport import uvicorn_config
 
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().addFilter(RedactingFilter())

@@ -27,8 +27,8 @@ import sys
 import time
 import zlib
 
-from hashing.errors import InvalidImageError
-from hashing.image_decode import DEFAULT_MAX_ASPECT_RATIO, check_image_header
+from loraplex.hashing.errors import InvalidImageError
+from loraplex.hashing.image_decode import DEFAULT_MAX_ASPECT_RATIO, check_image_header
 
 # (width, height, run through the processor at S = 64, at S = 336)
 SHAPES = (

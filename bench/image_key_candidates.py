@@ -24,7 +24,7 @@ import imagehash
 import numpy as np
 from PIL import Image, ImageFilter
 
-from hashing import image_keys as ik
+from loraplex.hashing import image_keys as ik
 
 Key = Callable[[Image.Image], str]
 

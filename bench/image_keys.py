@@ -46,8 +46,8 @@ from skimage import data as skdata
 
 from bench.image_key_candidates import Key, candidates
 from bench.near_duplicates import images_of, near_duplicate_set
-from engine.config import EngineConfig
-from hashing import image_keys as ik
+from loraplex.engine.config import EngineConfig
+from loraplex.hashing import image_keys as ik
 
 PHOTOS = (
     "astronaut", "brick", "camera", "cat", "coffee", "coins", "grass", "gravel",

@@ -121,7 +121,7 @@ def paged_problem(batch, context, new, cfg, dtype, device):
 
 
 def bench_decode(p, device, time_fn, copy_bps, kernels, budget) -> list[dict]:
-    from kernels.paged_attention_ref import paged_attention_ref
+    from loraplex.kernels.paged_attention_ref import paged_attention_ref
 
     cfg, dtype, rows = p["attn"], p["dtype"], []
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -139,7 +139,7 @@ def bench_decode(p, device, time_fn, copy_bps, kernels, budget) -> list[dict]:
             kw = {"max_query_len": 1, "max_seq_len": context}
             scale = cfg["head_dim"] ** -0.5
             if kernels:
-                from kernels.triton_attention import paged_attention
+                from loraplex.kernels.triton_attention import paged_attention
 
                 if not rows:  # the first shape doubles as a correctness check
                     torch.testing.assert_close(
@@ -161,7 +161,7 @@ def bench_decode(p, device, time_fn, copy_bps, kernels, budget) -> list[dict]:
 
 
 def bench_prefill(p, device, time_fn, kernels) -> list[dict]:
-    from kernels.paged_attention_ref import paged_attention_ref
+    from loraplex.kernels.paged_attention_ref import paged_attention_ref
 
     cfg, dtype, rows = p["attn"], p["dtype"], []
     heads, kv_heads, dim = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
@@ -183,7 +183,7 @@ def bench_prefill(p, device, time_fn, kernels) -> list[dict]:
         row["sdpa_tflops"] = flops / time_fn(sdpa) / 1e12
         row["reference_tflops"] = None
         if kernels:
-            from kernels.triton_attention import paged_attention
+            from loraplex.kernels.triton_attention import paged_attention
 
             out = paged_attention(*args, dim**-0.5, **kw)
             ref = sdpa().transpose(1, 2).reshape(out.shape)
@@ -207,14 +207,14 @@ def torch_loop(y, x, a, b, scales, groups):
 
 def triton_lora(y, x, a, b, scales, batch):
     """One Triton shrink and one expand launch for every adapter of the step."""
-    from kernels.lora_ops import lora_expand, lora_shrink
+    from loraplex.kernels.lora_ops import lora_expand, lora_shrink
 
     return lora_expand(y, lora_shrink(x, a, batch), b, scales, batch)
 
 
 def reference_lora(y, x, a, b, scales, slots):
     """The float32 references of the shrink and the expand (the CPU path of the dispatcher)."""
-    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+    from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 
     token_slots = torch.tensor(slots, device=x.device)
     return lora_expand_ref(y, lora_shrink_ref(x, a, token_slots), b, scales, token_slots)
@@ -245,7 +245,7 @@ def bench_lora(p, device, time_fn, kernels) -> list[dict]:
         if device.type == "cpu":  # what the dispatcher runs on CPU: kernels.lora_ref
             row["reference_us"] = time_fn(partial(reference_lora, y, x, a, b, scales, slots)) * 1e6
         if kernels:
-            from kernels.lora_ops import make_lora_batch
+            from loraplex.kernels.lora_ops import make_lora_batch
 
             batch = make_lora_batch(slots, device)  # once per step, not per projection
             if not rows:  # the first shape doubles as a correctness check

@@ -22,9 +22,9 @@ import time
 
 import xxhash
 
-from engine.kv_cache import KVCacheManager
-from hashing.block_hash import pack_token_ids
-from hashing.request_hasher import RequestBlockHasher
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.hashing.block_hash import pack_token_ids
+from loraplex.hashing.request_hasher import RequestBlockHasher
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 2048

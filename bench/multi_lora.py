@@ -27,11 +27,11 @@ import torch
 from safetensors.torch import save_file
 
 from bench.throughput import padded_generate
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.request import EngineRequest
-from engine.sampling.params import SamplingParams
-from gateway.settings import data_dir
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm import LLM
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.gateway.settings import data_dir
 
 RANK = 16
 PROJ = {
@@ -47,7 +47,7 @@ PROJ = {
 
 def model_dir(quick: bool) -> Path:
     """The small text model: the tiny one for ``--quick``, the 26M ``bench`` preset otherwise."""
-    from engine.tiny_model import init_tiny
+    from loraplex.engine.tiny_model import init_tiny
 
     name = "tiny-text" if quick else "tiny-text-bench"
     target = data_dir() / "bench" / name

@@ -20,10 +20,10 @@ import time
 import torch
 
 from bench.throughput import model_dir
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.request import EngineRequest
-from engine.sampling.params import SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm import LLM
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
 
 SHARED = 1024
 UNIQUE = 64

@@ -15,9 +15,9 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.request import EngineRequest, RequestOutput
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.request import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -19,16 +19,16 @@ import jinja2
 import jinja2.nodes
 import torch
 
-from engine.request import ImageInput
-from hashing.errors import InvalidImageError
-from hashing.extra_keys import MMPlaceholder
-from hashing.image_decode import (
+from loraplex.engine.request import ImageInput
+from loraplex.hashing.errors import InvalidImageError
+from loraplex.hashing.extra_keys import MMPlaceholder
+from loraplex.hashing.image_decode import (
     DEFAULT_MAX_IMAGES,
     DEFAULT_MAX_REQUEST_IMAGE_PIXELS,
     check_image_header,
 )
-from hashing.image_header import ImageHeader
-from hashing.image_keys import (
+from loraplex.hashing.image_header import ImageHeader
+from loraplex.hashing.image_keys import (
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_PIXELS,
     decode_image,

@@ -6,10 +6,10 @@ import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.request import EngineRequest, RequestOutput
-from engine.sampling.params import SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm_engine import LLMEngine
+from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.engine.sampling.params import SamplingParams
 
 
 class LLM:

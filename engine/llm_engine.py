@@ -14,28 +14,28 @@ from typing import Any
 
 import torch
 
-from adapters.errors import AdapterError
-from adapters.manager import LoRAManager
-from engine.attention import get_attention_backend
-from engine.config import EngineConfig
-from engine.kv_cache import KVCacheManager
-from engine.lora import LoRAStepContext, install_lora, target_shapes
-from engine.model_runner import ModelRunner, kv_block_bytes
-from engine.models.loader import load_model
-from engine.processing import load_processor
-from engine.request import (
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.manager import LoRAManager
+from loraplex.engine.attention import get_attention_backend
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.lora import LoRAStepContext, install_lora, target_shapes
+from loraplex.engine.model_runner import ModelRunner, kv_block_bytes
+from loraplex.engine.models.loader import load_model
+from loraplex.engine.processing import load_processor
+from loraplex.engine.request import (
     CompletionOutput,
     EngineRequest,
     RequestOutput,
     Sequence,
 )
-from engine.sampling.detokenizer import IncrementalDetokenizer
-from engine.sampling.sampler import Sampler, make_generator
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.step_isolation import execute_isolating, sample_rows_isolating
-from engine.swap import CpuBlockPool
-from engine.vision_cache import VisionCache
-from hashing.request_hasher import RequestBlockHasher
+from loraplex.engine.sampling.detokenizer import IncrementalDetokenizer
+from loraplex.engine.sampling.sampler import Sampler, make_generator
+from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.step_isolation import execute_isolating, sample_rows_isolating
+from loraplex.engine.swap import CpuBlockPool
+from loraplex.engine.vision_cache import VisionCache
+from loraplex.hashing.request_hasher import RequestBlockHasher
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class LLMEngine:
         return self.lora_manager.remove(digest)
 
     def _read_adapter_dir(self, path: str) -> Any:
-        from adapters.validation import load_adapter_dir
+        from loraplex.adapters.validation import load_adapter_dir
 
         return load_adapter_dir(
             path,

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from adapters.manager import slot_view
+from loraplex.adapters.manager import slot_view
 
 if TYPE_CHECKING:
-    from kernels.lora_ops import LoRABatch
+    from loraplex.kernels.lora_ops import LoRABatch
 
 
 @dataclass
@@ -114,7 +114,7 @@ class LoRAStepContext:
                 in ``bench.multi_lora``).
         """
         if self.use_triton:
-            from kernels.lora_ops import make_lora_batch
+            from loraplex.kernels.lora_ops import make_lora_batch
 
             self.kernel_batch = make_lora_batch(token_slots, device)
             batched = False
@@ -215,7 +215,7 @@ def add_lora(
     if batch is not None:  # Triton: one shrink and one expand launch for every adapter
         if not any(buffers.ranks[s] for s in batch.slots):
             return y  # no adapter of the step targets this projection
-        from kernels.lora_ops import lora_expand, lora_shrink
+        from loraplex.kernels.lora_ops import lora_expand, lora_shrink
 
         ranks = context.device_ranks(buffers.ranks, x.device)
         h = lora_shrink(x, buffers.lora_a, batch, ranks)

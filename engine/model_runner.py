@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.kv_cache import KVCacheManager
-from engine.lora import LoRAStepContext
-from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.vision_cache import VisionCache
+from loraplex.engine.attention import AttentionBackend, AttentionMetadata
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.lora import LoRAStepContext
+from loraplex.engine.scheduler import ScheduledSeq, SchedulerOutput
+from loraplex.engine.vision_cache import VisionCache
 
 
 def kv_block_bytes(

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hashing.extra_keys import MMPlaceholder
-from hashing.request_hasher import RequestBlockHasher
+from loraplex.hashing.extra_keys import MMPlaceholder
+from loraplex.hashing.request_hasher import RequestBlockHasher
 
 if TYPE_CHECKING:
-    from engine.sampling.detokenizer import IncrementalDetokenizer
-    from engine.sampling.params import SamplingParams
+    from loraplex.engine.sampling.detokenizer import IncrementalDetokenizer
+    from loraplex.engine.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.fair_queue import FairQueue, tenant_of
-from engine.kv_cache import KVCacheManager, SlotAllocation
-from engine.request import Sequence, SequenceStatus
-from engine.swap import CpuBlockPool
+from loraplex.engine.fair_queue import FairQueue, tenant_of
+from loraplex.engine.kv_cache import KVCacheManager, SlotAllocation
+from loraplex.engine.request import Sequence, SequenceStatus
+from loraplex.engine.swap import CpuBlockPool
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from loraplex.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

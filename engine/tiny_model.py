@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.models.tiny_tokenizer import (
+from loraplex.engine.models.tiny_tokenizer import (
     BOS_ID,
     DEFAULT_VOCAB_SIZE,
     EOS_ID,

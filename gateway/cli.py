@@ -10,7 +10,7 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from gateway.commands import db, generate, keys, model, serve, tenants
+from loraplex.gateway.commands import db, generate, keys, model, serve, tenants
 
 
 def _version() -> str:

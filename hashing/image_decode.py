@@ -13,8 +13,8 @@ import io
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from hashing.errors import InvalidImageError
-from hashing.image_header import ImageHeader, read_image_header
+from loraplex.hashing.errors import InvalidImageError
+from loraplex.hashing.image_header import ImageHeader, read_image_header
 
 __all__ = [
     "ACCEPTED_FORMATS",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from hashing.errors import InvalidImageError
+from loraplex.hashing.errors import InvalidImageError
 
 __all__ = ["ImageHeader", "read_image_header"]
 

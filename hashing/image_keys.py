@@ -34,14 +34,14 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
-from hashing.image_decode import (
+from loraplex.hashing.image_decode import (
     ACCEPTED_FORMATS,
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_PIXELS,
     MAX_SIDE,
     decode_image,
 )
-from hashing.image_decode import to_rgb as _to_rgb
+from loraplex.hashing.image_decode import to_rgb as _to_rgb
 
 __all__ = [  # the decoding names are re-exported: callers import them from here
     "ACCEPTED_FORMATS",

@@ -16,14 +16,14 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
-from hashing.block_hash import (
+from loraplex.hashing.block_hash import (
     BlockEncoder,
     BlockHash,
     HashAlgorithm,
     encode_extra_keys,
     pack_token_ids,
 )
-from hashing.extra_keys import (
+from loraplex.hashing.extra_keys import (
     LORA,
     MM,
     SALT,

@@ -18,8 +18,8 @@ from typing import Literal
 
 import torch
 
-from kernels import lora_ops, lora_ref, paged_attention_ref, triton_attention, triton_cache
-from kernels.lora_ops import LoRABatch, make_lora_batch
+from loraplex.kernels import lora_ops, lora_ref, paged_attention_ref, triton_attention, triton_cache
+from loraplex.kernels.lora_ops import LoRABatch, make_lora_batch
 
 Backend = Literal["torch", "triton"] | None
 

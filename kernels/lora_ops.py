@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.lora_ref import TensorOrList, as_slices, slice_offsets
-from kernels.triton_lora import lora_expand_kernel, lora_shrink_kernel
+from loraplex.kernels.lora_ref import TensorOrList, as_slices, slice_offsets
+from loraplex.kernels.triton_lora import lora_expand_kernel, lora_shrink_kernel
 
 SHRINK_BLOCK_K = 128  # input features per step of the shrink's reduction
 EXPAND_BLOCK_N = 128  # output columns per expand program

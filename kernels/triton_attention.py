@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_split_kv import merge_splits, num_kv_splits
+from loraplex.kernels.triton_split_kv import merge_splits, num_kv_splits
 
 LOG2E = 1.4426950408889634
 TILE_N = 64  # key positions per tile (whole cache blocks; at least one block)

@@ -12,8 +12,8 @@ import asyncio
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from gateway.db.models import Base
-from gateway.db.session import make_engine
+from loraplex.gateway.db.models import Base
+from loraplex.gateway.db.session import make_engine
 
 config = context.config
 target_metadata = Base.metadata

@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from engine.tiny_model import init_tiny  # noqa: E402
+from loraplex.engine.tiny_model import init_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")

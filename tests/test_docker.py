@@ -16,8 +16,8 @@ import pytest
 import yaml
 from sqlalchemy.engine import make_url
 
-from gateway.cli import build_parser
-from gateway.commands.serve import gateway_config_from_args
+from loraplex.gateway.cli import build_parser
+from loraplex.gateway.commands.serve import gateway_config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 _VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")

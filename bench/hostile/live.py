@@ -32,7 +32,7 @@ def free_port() -> int:
 def init_tiny(directory: Path, *, text_only: bool = False) -> Path:
     """The built-in tiny model written to ``directory`` (once; later calls reuse it)."""
     if not (directory / "config.json").exists():
-        cmd = [sys.executable, "-m", "gateway.cli", "model", "init-tiny", str(directory)]
+        cmd = [sys.executable, "-m", "loraplex.gateway.cli", "model", "init-tiny", str(directory)]
         if text_only:
             cmd.append("--text-only")
         subprocess.run(cmd, check=True, capture_output=True)
@@ -75,7 +75,7 @@ class LiveServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
         env.update(self.extra_env)
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(self.model)]
+        cmd = [sys.executable, "-m", "loraplex.gateway.cli", "serve", "--model", str(self.model)]
         cmd += ["--data-dir", str(self.data_dir), "--port", str(self.port)]
         cmd += ["--admin-key", ADMIN_KEY, "--log-level", "warning", *self.args]
         log = open(self.log_path, "a")  # noqa: SIM115 (the child holds it)

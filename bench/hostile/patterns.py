@@ -22,15 +22,15 @@ import json
 import time
 from typing import Any
 
-from adapters.base_model import LAYOUTS, PROJECTIONS, BaseModelInfo
-from adapters.errors import AdapterError
-from adapters.peft_config import (
+from loraplex.adapters.base_model import LAYOUTS, PROJECTIONS, BaseModelInfo
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.peft_config import (
     MAX_PATTERN_KEYS,
     MAX_REGEX_CHARS,
     REGEX_PATTERN_COST,
     parse_lora_config,
 )
-from adapters.targets import resolve_targets
+from loraplex.adapters.targets import resolve_targets
 
 NUM_LAYERS = 32
 CATASTROPHIC = [

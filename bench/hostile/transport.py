@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from bench.hostile.live import LiveServer, init_tiny
-from gateway.server.config import GatewayConfig
+from loraplex.gateway.server.config import GatewayConfig
 
 K = 150  # slowloris connections, and as many slow bodies
 SAMPLES = 25  # bystander chats per phase (idle before, hostile, idle after)

@@ -132,8 +132,8 @@ def stored_rows(url: str, tenant_id: str) -> dict[str, int]:
     """``request_id -> completion_tokens`` of the tenant's usage rows, read from the database."""
     from sqlalchemy import select
 
-    from gateway.db.models import UsageEvent
-    from gateway.db.session import make_engine
+    from loraplex.gateway.db.models import UsageEvent
+    from loraplex.gateway.db.session import make_engine
 
     async def main() -> dict[str, int]:
         engine = make_engine(url)
@@ -230,7 +230,7 @@ def sigkill_loss(
 
 def _pg_url() -> str | None:
     """The PostgreSQL database the bench may wipe, if one answers."""
-    from gateway.db.session import db_url
+    from loraplex.gateway.db.session import db_url
 
     raw = os.environ.get("LORAPLEX_BENCH_PG_URL") or os.environ.get("LORAPLEX_TEST_PG_URL")
     if not raw:
@@ -246,7 +246,7 @@ def _pg_url() -> str | None:
 def _wipe(url: str) -> None:
     from sqlalchemy import text
 
-    from gateway.db.session import make_engine
+    from loraplex.gateway.db.session import make_engine
 
     async def main() -> None:
         engine = make_engine(url)

@@ -4,8 +4,12 @@
 :func:`get_attention_backend` so that importing the engine never imports the Triton kernels.
 """
 
-from engine.attention.backend import AttentionBackend, TorchAttentionBackend, get_attention_backend
-from engine.attention.metadata import AttentionMetadata
+from loraplex.engine.attention.backend import (
+    AttentionBackend,
+    TorchAttentionBackend,
+    get_attention_backend,
+)
+from loraplex.engine.attention.metadata import AttentionMetadata
 
 __all__ = [
     "AttentionBackend",

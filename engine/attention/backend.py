@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
-from kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_ref
+from loraplex.engine.attention.metadata import AttentionMetadata
+from loraplex.kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_ref
 
 
 class AttentionBackend(Protocol):
@@ -112,7 +112,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        from engine.attention.triton_backend import TritonAttentionBackend
+        from loraplex.engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")

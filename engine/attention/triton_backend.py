@@ -6,9 +6,9 @@ the kernels are imported), which is how the tests check it token for token again
 
 from __future__ import annotations
 
-from engine.attention.backend import PagedKernelBackend
-from kernels.triton_attention import paged_attention
-from kernels.triton_cache import reshape_and_cache
+from loraplex.engine.attention.backend import PagedKernelBackend
+from loraplex.kernels.triton_attention import paged_attention
+from loraplex.kernels.triton_cache import reshape_and_cache
 
 
 class TritonAttentionBackend(PagedKernelBackend):

@@ -4,11 +4,11 @@ Pure Python (no torch): the tensors live in the model runner; this package decid
 physical block holds which tokens.
 """
 
-from engine.kv_cache.block import FreeBlockQueue, KVCacheBlock
-from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.block_table import BlockTable
-from engine.kv_cache.manager import BlockCopy, KVCacheManager, PrefixMatch, SlotAllocation
-from engine.kv_cache.stats import HitCounts, PrefixCacheStats
+from loraplex.engine.kv_cache.block import FreeBlockQueue, KVCacheBlock
+from loraplex.engine.kv_cache.block_pool import BlockPool
+from loraplex.engine.kv_cache.block_table import BlockTable
+from loraplex.engine.kv_cache.manager import BlockCopy, KVCacheManager, PrefixMatch, SlotAllocation
+from loraplex.engine.kv_cache.stats import HitCounts, PrefixCacheStats
 
 __all__ = [
     "BlockCopy",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine.kv_cache.block import FreeBlockQueue, KVCacheBlock
+from loraplex.engine.kv_cache.block import FreeBlockQueue, KVCacheBlock
 
 
 class BlockPool:

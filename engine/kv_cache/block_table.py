@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.kv_cache.manager import SlotAllocation
+from loraplex.engine.kv_cache.manager import SlotAllocation
 
 
 class BlockTable:

@@ -19,9 +19,9 @@ from functools import partial
 from itertools import takewhile
 from operator import is_not
 
-from engine.kv_cache.block import KVCacheBlock
-from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.stats import PrefixCacheStats
+from loraplex.engine.kv_cache.block import KVCacheBlock
+from loraplex.engine.kv_cache.block_pool import BlockPool
+from loraplex.engine.kv_cache.stats import PrefixCacheStats
 
 _is_block = partial(is_not, None)
 

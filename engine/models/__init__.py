@@ -10,11 +10,11 @@ plus ``embed_tokens``, ``num_layers``, ``num_kv_heads``, ``head_dim``, ``hidden_
 ``num_image_tokens``.
 """
 
-from engine.models.config import DecoderConfig, VisionConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.models.llava import LlavaForConditionalGeneration
-from engine.models.loader import load_config, load_model
-from engine.models.registry import SUPPORTED_ARCHITECTURES, architecture_of, is_multimodal
+from loraplex.engine.models.config import DecoderConfig, VisionConfig
+from loraplex.engine.models.llama import LlamaForCausalLM
+from loraplex.engine.models.llava import LlavaForConditionalGeneration
+from loraplex.engine.models.loader import load_config, load_model
+from loraplex.engine.models.registry import SUPPORTED_ARCHITECTURES, architecture_of, is_multimodal
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

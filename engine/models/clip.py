@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.config import VisionConfig
-from engine.models.layers import get_activation
+from loraplex.engine.models.config import VisionConfig
+from loraplex.engine.models.layers import get_activation
 
 
 class CLIPVisionEmbeddings(nn.Module):

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.models.config import DecoderConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from loraplex.engine.attention import AttentionBackend, AttentionMetadata
+from loraplex.engine.models.config import DecoderConfig
+from loraplex.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.models.clip import CLIPVisionTower
-from engine.models.config import DecoderConfig, VisionConfig
-from engine.models.layers import get_activation
-from engine.models.llama import KVCaches, LlamaForCausalLM
+from loraplex.engine.attention import AttentionBackend, AttentionMetadata
+from loraplex.engine.models.clip import CLIPVisionTower
+from loraplex.engine.models.config import DecoderConfig, VisionConfig
+from loraplex.engine.models.layers import get_activation
+from loraplex.engine.models.llama import KVCaches, LlamaForCausalLM
 
 
 class LlavaMultiModalProjector(nn.Module):

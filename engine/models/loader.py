@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.registry import build_model, is_multimodal
-from engine.models.weights import read_tensors, weight_files
+from loraplex.engine.models.registry import build_model, is_multimodal
+from loraplex.engine.models.weights import read_tensors, weight_files
 
 _LLAVA_PREFIXES = (
     ("model.language_model.", "language_model.model."),

@@ -6,9 +6,9 @@ from typing import Any
 
 from torch import nn
 
-from engine.models.config import DecoderConfig, VisionConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.models.llava import LlavaForConditionalGeneration
+from loraplex.engine.models.config import DecoderConfig, VisionConfig
+from loraplex.engine.models.llama import LlamaForCausalLM
+from loraplex.engine.models.llava import LlavaForConditionalGeneration
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)

@@ -14,17 +14,17 @@ Public API::
     LogprobFormatter(tokenizer).entry(token_id, logprob, top) -> OpenAI logprob dict
 """
 
-from engine.sampling.detokenizer import IncrementalDetokenizer, TextStream
-from engine.sampling.logprobs import LogprobFormatter, TopLogprobs, gather_logprobs
-from engine.sampling.params import SamplingParams
-from engine.sampling.sampler import (
+from loraplex.engine.sampling.detokenizer import IncrementalDetokenizer, TextStream
+from loraplex.engine.sampling.logprobs import LogprobFormatter, TopLogprobs, gather_logprobs
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.engine.sampling.sampler import (
     Sampler,
     SamplerOutput,
     exponential_race,
     filter_probs,
     make_generator,
 )
-from engine.sampling.stop import StopChecker
+from loraplex.engine.sampling.stop import StopChecker
 
 __all__ = [
     "IncrementalDetokenizer",

@@ -37,8 +37,8 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from engine.sampling.params import SamplingParams
-from engine.sampling.stop import StopChecker
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.engine.sampling.stop import StopChecker
 
 _USE_TOKENIZER_EOS = object()
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.logprobs import TopLogprobs, gather_logprobs
-from engine.sampling.params import SamplingParams
+from loraplex.engine.sampling.logprobs import TopLogprobs, gather_logprobs
+from loraplex.engine.sampling.params import SamplingParams
 
 _Q_MIN = torch.finfo(torch.float32).tiny  # exponential_ may return 0; p / 0 would be inf or nan
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 
-from gateway.auth.keys import DISPLAY_PREFIX_LEN
+from loraplex.gateway.auth.keys import DISPLAY_PREFIX_LEN
 
 MASK = "***"
 _KEY_RE = re.compile(r"lpx-[A-Za-z0-9_-]+")

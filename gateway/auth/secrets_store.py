@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.settings import PRIVATE_FILE_MODE, private_dir, private_file
+from loraplex.gateway.settings import PRIVATE_FILE_MODE, private_dir, private_file
 
 SECRET_FILENAME = "secret.key"
 ADMIN_KEY_FILENAME = "admin.key"

@@ -17,10 +17,10 @@ from pathlib import Path
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.db.migrate import current_revision, upgrade_async
-from gateway.db.session import db_url, is_sqlite, make_engine, session_factory
-from gateway.services.errors import ServiceError
-from gateway.settings import data_dir
+from loraplex.gateway.db.migrate import current_revision, upgrade_async
+from loraplex.gateway.db.session import db_url, is_sqlite, make_engine, session_factory
+from loraplex.gateway.services.errors import ServiceError
+from loraplex.gateway.settings import data_dir
 
 
 def add_db_args(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import EngineConfig
+from loraplex.engine.config import EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.commands.engine_args import add_engine_args, config_from_args
-from gateway.settings import data_dir, resolve_model
+from loraplex.gateway.commands.engine_args import add_engine_args, config_from_args
+from loraplex.gateway.settings import data_dir, resolve_model
 
 _FIELDS = {"messages", "adapter", "max_tokens", "temperature", "top_p", "seed", "n"}
 
@@ -44,8 +44,8 @@ def run(args: argparse.Namespace) -> int:
     Lines that fail validation are reported as ``{"index": i, "error": {...}}`` in the output
     and the command exits 1; the valid ones still run.
     """
-    from engine.llm import LLM
-    from engine.sampling.params import SamplingParams
+    from loraplex.engine.llm import LLM
+    from loraplex.engine.sampling.params import SamplingParams
 
     lines = [ln for ln in Path(args.input).read_text().splitlines() if ln.strip()]
     llm = LLM(config_from_args(args, resolve_model(args.model, data_dir(args.data_dir))))

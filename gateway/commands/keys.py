@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import json
 
-from gateway.auth.secrets_store import load_or_create_secret
-from gateway.commands.db import CLI_ERRORS, add_db_args, fail, migrated_session, resolve
-from gateway.services.keys import create_key, revoke_key
+from loraplex.gateway.auth.secrets_store import load_or_create_secret
+from loraplex.gateway.commands.db import CLI_ERRORS, add_db_args, fail, migrated_session, resolve
+from loraplex.gateway.services.keys import create_key, revoke_key
 
 
 def register(subparsers) -> None:

@@ -6,8 +6,8 @@ import argparse
 import logging
 import sys
 
-from gateway.commands.engine_args import add_engine_args, config_from_args
-from gateway.server.config import GatewayConfig
+from loraplex.gateway.commands.engine_args import add_engine_args, config_from_args
+from loraplex.gateway.server.config import GatewayConfig
 
 logger = logging.getLogger("loraplex.serve")
 
@@ -157,8 +157,8 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
     Raises:
         ValueError: a limit that is not positive.
     """
-    from gateway.db.session import db_url
-    from gateway.settings import data_dir
+    from loraplex.gateway.db.session import db_url
+    from loraplex.gateway.settings import data_dir
 
     directory = data_dir(args.data_dir)
     for flag in ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests"):
@@ -218,13 +218,13 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
 
 def run(args: argparse.Namespace) -> int:
     """Migrate, load the model, print where the admin key is, serve until SIGINT/SIGTERM."""
-    from gateway.auth.redact import RedactingFilter
-    from gateway.auth.secrets_store import load_or_create_admin_key
-    from gateway.server.access_log import AccessLog
-    from gateway.server.build import build_gateway, served_name, start_engine
-    from gateway.server.graceful import GracefulServer
-    from gateway.server.transport import uvicorn_config
-    from gateway.settings import data_dir, resolve_model
+    from loraplex.gateway.auth.redact import RedactingFilter
+    from loraplex.gateway.auth.secrets_store import load_or_create_admin_key
+    from loraplex.gateway.server.access_log import AccessLog
+    from loraplex.gateway.server.build import build_gateway, served_name, start_engine
+    from loraplex.gateway.server.graceful import GracefulServer
+    from loraplex.gateway.server.transport import uvicorn_config
+    from loraplex.gateway.settings import data_dir, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().addFilter(RedactingFilter())

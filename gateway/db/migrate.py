@@ -15,8 +15,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 
-import migrations
-from gateway.db.session import make_engine
+from loraplex import migrations
+from loraplex.gateway.db.session import make_engine
 
 # Serialises concurrent upgrades on PostgreSQL (SQLite does it with BEGIN IMMEDIATE).
 _PG_LOCK_ID = 0x6C70785F6D6967  # "lpx_mig"

@@ -22,7 +22,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-from gateway.db.errors import DatabaseUnavailable
+from loraplex.gateway.db.errors import DatabaseUnavailable
 
 DB_FILENAME = "loraplex.db"
 ENV_DB_URL = "LORAPLEX_DB_URL"
@@ -112,7 +112,7 @@ def private_sqlite_file(path: str | Path) -> None:
     Raises:
         OSError: the file cannot be made (its directory is missing or not writable).
     """
-    from gateway.settings import private_file
+    from loraplex.gateway.settings import private_file
 
     path = Path(path)
     private_file(path)

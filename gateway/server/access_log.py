@@ -25,7 +25,7 @@ import time
 from typing import Any, TextIO
 from urllib.parse import unquote_plus
 
-from gateway.auth.redact import redact
+from loraplex.gateway.auth.redact import redact
 
 Scope = dict[str, Any]
 

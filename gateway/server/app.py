@@ -11,12 +11,12 @@ from litestar.datastructures import State
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 
-from gateway.auth.redact import RedactingFilter
-from gateway.domains import adapters, admin, chat, system, usage
-from gateway.server.auth import KeyAuthMiddleware
-from gateway.server.engine_watch import watch_engine
-from gateway.server.errors import EXCEPTION_HANDLERS
-from gateway.server.state import GatewayState
+from loraplex.gateway.auth.redact import RedactingFilter
+from loraplex.gateway.domains import adapters, admin, chat, system, usage
+from loraplex.gateway.server.auth import KeyAuthMiddleware
+from loraplex.gateway.server.engine_watch import watch_engine
+from loraplex.gateway.server.errors import EXCEPTION_HANDLERS
+from loraplex.gateway.server.state import GatewayState
 
 logger = logging.getLogger(__name__)
 

@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING
 from litestar.connection import ASGIConnection
 from litestar.middleware import AbstractAuthenticationMiddleware, AuthenticationResult
 
-from gateway.auth.keys import hash_key
-from gateway.auth.secrets_store import verify_admin_key
-from gateway.db.errors import is_unreachable
-from gateway.server.auth_throttle import client_group
-from gateway.server.errors import APIError
-from gateway.services.keys import authenticate
-from gateway.services.tenants import TenantLimits, limits_of
+from loraplex.gateway.auth.keys import hash_key
+from loraplex.gateway.auth.secrets_store import verify_admin_key
+from loraplex.gateway.db.errors import is_unreachable
+from loraplex.gateway.server.auth_throttle import client_group
+from loraplex.gateway.server.errors import APIError
+from loraplex.gateway.services.keys import authenticate
+from loraplex.gateway.services.tenants import TenantLimits, limits_of
 
 if TYPE_CHECKING:
-    from gateway.server.state import GatewayState
+    from loraplex.gateway.server.state import GatewayState
 
 AUTH_HEADER = "authorization"
 KEY_AREA = "key_area"  # route handler ``opt`` key: which keys the route takes

@@ -10,11 +10,11 @@ from typing import Any
 
 from litestar import Litestar
 
-from engine.config import EngineConfig
-from gateway.server.app import create_app
-from gateway.server.config import GatewayConfig
-from gateway.server.engine_client import EngineClient, LocalEngineClient
-from gateway.server.state import GatewayState, build_state
+from loraplex.engine.config import EngineConfig
+from loraplex.gateway.server.app import create_app
+from loraplex.gateway.server.config import GatewayConfig
+from loraplex.gateway.server.engine_client import EngineClient, LocalEngineClient
+from loraplex.gateway.server.state import GatewayState, build_state
 
 
 def served_name(engine_config: EngineConfig) -> str:
@@ -28,9 +28,9 @@ def start_engine(engine_config: EngineConfig, store_root: Path) -> LocalEngineCl
     Raises:
         ValueError: the model or config is unusable.
     """
-    from adapters.store import AdapterStore
-    from engine.async_llm import AsyncLLM
-    from engine.llm_engine import LLMEngine
+    from loraplex.adapters.store import AdapterStore
+    from loraplex.engine.async_llm import AsyncLLM
+    from loraplex.engine.llm_engine import LLMEngine
 
     store = AdapterStore(store_root)
     holder: dict[str, Any] = {}
@@ -62,9 +62,9 @@ def build_gateway(
     Raises:
         sqlalchemy.exc.SQLAlchemyError: the database is unreachable or cannot be migrated.
     """
-    from gateway.db.migrate import upgrade
-    from gateway.domains.adapters.orphans import collect_orphans_at_start
-    from gateway.settings import private_dir
+    from loraplex.gateway.db.migrate import upgrade
+    from loraplex.gateway.domains.adapters.orphans import collect_orphans_at_start
+    from loraplex.gateway.settings import private_dir
 
     private_dir(gateway_config.data_dir)
     upgrade(gateway_config.db_url)

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.inputs import ProcessedPrompt
-from engine.processing import max_token_bytes
-from engine.request import EngineRequest, RequestOutput
-from gateway.server.fair_pool import FairWorkerPool, default_workers
+from loraplex.engine.inputs import ProcessedPrompt
+from loraplex.engine.processing import max_token_bytes
+from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.gateway.server.fair_pool import FairWorkerPool, default_workers
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.server.state import GatewayState
+    from loraplex.gateway.server.state import GatewayState
 
 logger = logging.getLogger(__name__)
 

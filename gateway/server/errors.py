@@ -26,9 +26,9 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.auth.redact import redact
-from gateway.db.errors import DatabaseUnavailable, describe, is_data_error, is_unreachable
-from gateway.services.errors import ConflictError, InvalidInputError, NotFoundError
+from loraplex.gateway.auth.redact import redact
+from loraplex.gateway.db.errors import DatabaseUnavailable, describe, is_data_error, is_unreachable
+from loraplex.gateway.services.errors import ConflictError, InvalidInputError, NotFoundError
 
 logger = logging.getLogger(__name__)
 

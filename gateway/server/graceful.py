@@ -9,7 +9,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.server.access_log import AccessLog
+from loraplex.gateway.server.access_log import AccessLog
 
 
 class GracefulServer(uvicorn.Server):

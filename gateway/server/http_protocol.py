@@ -17,10 +17,10 @@ import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from gateway.server.errors import error_body
+from loraplex.gateway.server.errors import error_body
 
 if TYPE_CHECKING:
-    from gateway.server.transport import ConnectionTable, TransportLimits
+    from loraplex.gateway.server.transport import ConnectionTable, TransportLimits
 
 _IDLE, _HEAD, _BODY = 0, 1, 2  # between requests; reading a head; reading a body
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.services.tenants import TenantLimits
+from loraplex.gateway.services.tenants import TenantLimits
 
 
 class RateLimitExceeded(Exception):

@@ -8,17 +8,17 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
-from adapters.store import AdapterStore
-from gateway.server.admission import AdmissionControl
-from gateway.server.auth import KeyCache
-from gateway.server.auth_throttle import AuthThrottle
-from gateway.server.config import GatewayConfig
-from gateway.server.engine_client import EngineClient
-from gateway.server.metrics import GatewayMetrics
-from gateway.server.ratelimit import RateLimiter
-from gateway.server.usage_spool import UsageSpool
-from gateway.server.usage_writer import UsageWriter
-from gateway.services.tenants import TenantLimits
+from loraplex.adapters.store import AdapterStore
+from loraplex.gateway.server.admission import AdmissionControl
+from loraplex.gateway.server.auth import KeyCache
+from loraplex.gateway.server.auth_throttle import AuthThrottle
+from loraplex.gateway.server.config import GatewayConfig
+from loraplex.gateway.server.engine_client import EngineClient
+from loraplex.gateway.server.metrics import GatewayMetrics
+from loraplex.gateway.server.ratelimit import RateLimiter
+from loraplex.gateway.server.usage_spool import UsageSpool
+from loraplex.gateway.server.usage_writer import UsageWriter
+from loraplex.gateway.services.tenants import TenantLimits
 
 
 @dataclass
@@ -88,9 +88,9 @@ def build_state(
 
     The database must already be migrated (``gateway.db.migrate.upgrade``).
     """
-    from gateway.auth.secrets_store import load_or_create_secret
-    from gateway.db.session import make_engine, session_factory
-    from gateway.settings import private_dir
+    from loraplex.gateway.auth.secrets_store import load_or_create_secret
+    from loraplex.gateway.db.session import make_engine, session_factory
+    from loraplex.gateway.settings import private_dir
 
     private_dir(config.data_dir)
     db = make_engine(config.db_url)

@@ -48,8 +48,8 @@ from typing import Any
 
 import uvicorn
 
-from gateway.server.config import GatewayConfig
-from gateway.server.http_protocol import LimitedHttpProtocol, PauseClock
+from loraplex.gateway.server.config import GatewayConfig
+from loraplex.gateway.server.http_protocol import LimitedHttpProtocol, PauseClock
 
 __all__ = [
     "ConnectionTable",

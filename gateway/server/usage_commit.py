@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from gateway.server.usage_spool import UsageSpool
+from loraplex.gateway.server.usage_spool import UsageSpool
 
 logger = logging.getLogger(__name__)
 

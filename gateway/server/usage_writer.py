@@ -53,12 +53,12 @@ from typing import Any
 import msgspec
 from sqlalchemy import text
 
-from gateway.db.errors import describe, is_unreachable
-from gateway.db.types import utcnow
-from gateway.server.errors import APIError
-from gateway.server.usage_commit import GroupCommit
-from gateway.server.usage_spool import UsageSpool, encode_record
-from gateway.services.usage import UsageRecord, record_usage_batch
+from loraplex.gateway.db.errors import describe, is_unreachable
+from loraplex.gateway.db.types import utcnow
+from loraplex.gateway.server.errors import APIError
+from loraplex.gateway.server.usage_commit import GroupCommit
+from loraplex.gateway.server.usage_spool import UsageSpool, encode_record
+from loraplex.gateway.services.usage import UsageRecord, record_usage_batch
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.db.models import Adapter
-from gateway.db.types import utcnow
-from gateway.services.errors import ConflictError, NotFoundError
+from loraplex.gateway.db.models import Adapter
+from loraplex.gateway.db.types import utcnow
+from loraplex.gateway.services.errors import ConflictError, NotFoundError
 
 
 @dataclass(frozen=True)

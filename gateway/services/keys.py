@@ -17,10 +17,16 @@ from typing import NamedTuple
 from sqlalchemy import or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth.keys import KEY_PREFIX, MAX_KEY_LEN, display_prefix, generate_key, hash_key
-from gateway.db.models import ApiKey, Tenant
-from gateway.db.types import utcnow
-from gateway.services.errors import NotFoundError
+from loraplex.gateway.auth.keys import (
+    KEY_PREFIX,
+    MAX_KEY_LEN,
+    display_prefix,
+    generate_key,
+    hash_key,
+)
+from loraplex.gateway.db.models import ApiKey, Tenant
+from loraplex.gateway.db.types import utcnow
+from loraplex.gateway.services.errors import NotFoundError
 
 TOUCH_INTERVAL = timedelta(seconds=60)
 

@@ -9,9 +9,9 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.db.models import Tenant
-from gateway.services.errors import ConflictError, InvalidInputError, NotFoundError
-from gateway.services.keys import IssuedKey, create_key
+from loraplex.gateway.db.models import Tenant
+from loraplex.gateway.services.errors import ConflictError, InvalidInputError, NotFoundError
+from loraplex.gateway.services.keys import IssuedKey, create_key
 
 MAX_NAME_LEN = 128
 MAX_LIMIT = 2**31 - 1

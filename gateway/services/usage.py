@@ -25,10 +25,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.db.models import USAGE_STATUSES, UsageEvent
-from gateway.db.types import as_utc, utcnow
-from gateway.services.errors import InvalidInputError
-from gateway.services.keys import touch_key
+from loraplex.gateway.db.models import USAGE_STATUSES, UsageEvent
+from loraplex.gateway.db.types import as_utc, utcnow
+from loraplex.gateway.services.errors import InvalidInputError
+from loraplex.gateway.services.keys import touch_key
 
 COUNTERS = ("prompt_tokens", "completion_tokens", "cached_tokens", "images")
 MAX_INT32 = 2**31 - 1  # the counters are INTEGER columns

@@ -14,9 +14,13 @@ from peft import LoraConfig, get_peft_model
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from adapters.base_model import base_model_info, num_layers_from_config, target_shapes_from_config
-from adapters.errors import AdapterError
-from adapters.store import AdapterStore
+from loraplex.adapters.base_model import (
+    base_model_info,
+    num_layers_from_config,
+    target_shapes_from_config,
+)
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.store import AdapterStore
 
 MAX_RANK = 16
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from peft.tuners.lora import LoraLayer
 
-from adapters.base_model import PROJECTIONS, target_shapes_from_config
-from adapters.validation import load_adapter_dir
+from loraplex.adapters.base_model import PROJECTIONS, target_shapes_from_config
+from loraplex.adapters.validation import load_adapter_dir
 from tests.adapters.conftest import make_adapter
 
 _MODULE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)")
@@ -145,7 +145,7 @@ def test_bf16_weights_are_loaded_as_float32(text_base, text_kw, tmp_path):
 def test_target_shapes_agree_with_engine_models(which, text_dir, llava_dir):
     from transformers import AutoConfig
 
-    from engine.models import load_model
+    from loraplex.engine.models import load_model
 
     model_dir = text_dir if which == "text" else llava_dir
     model = load_model(model_dir, torch.float32, "cpu")[0]

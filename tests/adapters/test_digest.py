@@ -8,7 +8,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from adapters.validation import load_adapter_dir
+from loraplex.adapters.validation import load_adapter_dir
 from tests.adapters.conftest import edit_config, edit_tensors, make_adapter
 
 ATTN = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from adapters.errors import AdapterError
-from adapters.manager import LoRAManager, lora_scale
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.manager import LoRAManager, lora_scale
 
 SHAPES = {(0, "q_proj"): (8, 8), (0, "down_proj"): (12, 8), (1, "q_proj"): (8, 8)}
 

@@ -18,11 +18,11 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils.other import get_pattern_key
 
-from adapters.base_model import LAYOUTS, PROJECTIONS, BaseModelInfo
-from adapters.errors import AdapterError
-from adapters.patterns import FOLDS_TO_ASCII, PatternBudget, char_mask, compile_pattern
-from adapters.peft_match import PatternKeys, TargetMatcher
-from adapters.targets import MAX_PATTERN_EVALUATIONS, resolve_targets
+from loraplex.adapters.base_model import LAYOUTS, PROJECTIONS, BaseModelInfo
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.patterns import FOLDS_TO_ASCII, PatternBudget, char_mask, compile_pattern
+from loraplex.adapters.peft_match import PatternKeys, TargetMatcher
+from loraplex.adapters.targets import MAX_PATTERN_EVALUATIONS, resolve_targets
 
 # ------------------------------------------------------------------ strategies
 _ATOMS = [
@@ -331,7 +331,7 @@ def no_python_regex_on(monkeypatch):
     ["target_modules", "exclude_modules", "rank_pattern", "alpha_pattern", "layers_pattern"],
 )
 def test_hostile_patterns_never_reach_python_re(pattern, field, no_python_regex_on):
-    from adapters.peft_config import parse_lora_config
+    from loraplex.adapters.peft_config import parse_lora_config
 
     layout = LAYOUTS[0]
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}

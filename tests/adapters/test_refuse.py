@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from adapters.store import AdapterStore
+from loraplex.adapters.store import AdapterStore
 from tests.adapters.conftest import assert_refused, edit_config, edit_tensors, make_adapter
 
 ATTN = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

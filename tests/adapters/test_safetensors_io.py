@@ -11,9 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from adapters.errors import AdapterError
-from adapters.safetensors_io import json_members, load_tensors, looks_like_pickle, read_header
-from adapters.validation import load_adapter_files
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.safetensors_io import (
+    json_members,
+    load_tensors,
+    looks_like_pickle,
+    read_header,
+)
+from loraplex.adapters.validation import load_adapter_files
 
 
 def build(header: dict, data: bytes, pad: bytes = b"") -> bytes:
@@ -145,7 +150,7 @@ def test_json_members_counts_object_members_outside_strings(value):
 
 
 def test_many_entry_header_is_refused_before_it_is_parsed(monkeypatch):
-    import adapters.safetensors_io as io_mod
+    import loraplex.adapters.safetensors_io as io_mod
 
     header = b"{" + b",".join(b'"%d":0' % i for i in range(5000)) + b"}"
     data = struct.pack("<Q", len(header)) + header

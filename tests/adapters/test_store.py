@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from adapters.errors import AdapterError
-from adapters.store import AdapterStore
+from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.store import AdapterStore
 from tests.adapters.conftest import make_adapter, store_snapshot
 
 ATTN = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

@@ -6,12 +6,12 @@ import shutil
 
 import pytest
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.request import EngineRequest
-from engine.sampling.params import SamplingParams
-from gateway.cli import main as cli_main
+from loraplex.engine.async_llm import AsyncLLM
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm import LLM
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.gateway.cli import main as cli_main
 
 from .conftest import long_text, photo, user
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.sampling.params import SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm import LLM
+from loraplex.engine.sampling.params import SamplingParams
 
 from .conftest import long_text, photo, user
 

@@ -1,10 +1,10 @@
 """Fair sharing between tenants on the real engine: a newcomer starts within a few steps while
 another tenant holds every slot, and the preemptions that make room change no token."""
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.request import EngineRequest
-from engine.sampling.params import SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm import LLM
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

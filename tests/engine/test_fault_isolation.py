@@ -10,12 +10,12 @@ import asyncio
 
 import pytest
 
-from engine.async_llm import AsyncLLM, EngineDeadError
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import MAX_FAILING_STEPS, EngineFaultError
-from engine.request import EngineRequest
-from engine.sampling.params import SamplingParams
+from loraplex.engine.async_llm import AsyncLLM, EngineDeadError
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm import LLM
+from loraplex.engine.llm_engine import MAX_FAILING_STEPS, EngineFaultError
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -78,7 +78,7 @@ def test_blocks_a_failed_step_was_filling_leave_the_prefix_cache(llm):
 
 
 def _hashes(llm, prompt):
-    from hashing.request_hasher import RequestBlockHasher
+    from loraplex.hashing.request_hasher import RequestBlockHasher
 
     hasher = RequestBlockHasher(llm.engine.kv.block_size)
     hasher.extend(prompt)

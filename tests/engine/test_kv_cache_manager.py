@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.kv_cache import BlockCopy, BlockTable, KVCacheManager
-from hashing.extra_keys import MMPlaceholder
-from hashing.request_hasher import RequestBlockHasher
+from loraplex.engine.kv_cache import BlockCopy, BlockTable, KVCacheManager
+from loraplex.hashing.extra_keys import MMPlaceholder
+from loraplex.hashing.request_hasher import RequestBlockHasher
 
 BS = 4
 

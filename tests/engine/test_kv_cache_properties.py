@@ -32,7 +32,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine.kv_cache import (
+from loraplex.engine.kv_cache import (
     BlockCopy,
     BlockTable,
     FreeBlockQueue,
@@ -40,7 +40,7 @@ from engine.kv_cache import (
     KVCacheManager,
     PrefixMatch,
 )
-from hashing.request_hasher import RequestBlockHasher
+from loraplex.hashing.request_hasher import RequestBlockHasher
 
 # A tiny vocabulary and a few shared prefixes, so prompts share blocks often.
 PREFIXES: tuple[tuple[int, ...], ...] = (

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.lora import LoRASlotBuffers, LoRAStepContext, add_lora
+from loraplex.engine.lora import LoRASlotBuffers, LoRAStepContext, add_lora
 
 
 @pytest.mark.parametrize("layout", ["scattered", "grouped"])

@@ -8,9 +8,9 @@ and images, in one continuous batch.
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.sampling.params import SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm import LLM
+from loraplex.engine.sampling.params import SamplingParams
 
 from .conftest import long_text, photo, user
 from .test_engine_parity import hf_greedy
@@ -160,7 +160,7 @@ def test_unknown_and_removed_adapters(tiny_llava_dir, adapter_dirs):
 def test_generate_cli_with_adapter_dirs(tiny_llava_dir, adapter_dirs, peft_oracle, tmp_path):
     import json
 
-    from gateway.cli import main as cli_main
+    from loraplex.gateway.cli import main as cli_main
 
     lines = [
         {
@@ -231,7 +231,7 @@ def test_slots_bound_each_step_and_waiting_adapters_keep_fifo(tiny_llava_dir, ad
 def test_hot_add_and_remove_while_serving(tiny_llava_dir, adapter_dirs):
     import asyncio
 
-    from engine.async_llm import AsyncLLM
+    from loraplex.engine.async_llm import AsyncLLM
 
     llm = LLM(EngineConfig(model=tiny_llava_dir, max_lora_rank=16))
     adapter = llm.engine._read_adapter_dir(adapter_dirs["mlp-r8"])

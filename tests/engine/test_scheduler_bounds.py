@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.kv_cache import KVCacheManager
-from engine.llm import LLM
-from engine.request import EngineRequest, Sequence, SequenceStatus
-from engine.sampling.params import SamplingParams
-from engine.scheduler import Scheduler
-from hashing.request_hasher import RequestBlockHasher
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.llm import LLM
+from loraplex.engine.request import EngineRequest, Sequence, SequenceStatus
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.engine.scheduler import Scheduler
+from loraplex.hashing.request_hasher import RequestBlockHasher
 
 BLOCK = 4
 
@@ -46,7 +46,7 @@ def scheduler(num_blocks: int, **kw) -> Scheduler:
 
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
 def test_a_sequence_that_outgrows_the_pool_finishes_with_length(policy):
-    from engine.swap import CpuBlockPool
+    from loraplex.engine.swap import CpuBlockPool
 
     s = scheduler(4, preemption=policy, cpu_pool=CpuBlockPool(8) if policy == "swap" else None)
     seq = make_seq("a", 6)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.request import EngineRequest
-from engine.sampling.params import SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm import LLM
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

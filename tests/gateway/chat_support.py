@@ -16,9 +16,9 @@ from PIL import Image
 from skimage import data as skdata
 from sqlalchemy import select
 
-from engine.request import EngineRequest
-from engine.sampling.params import SamplingParams
-from gateway.db.models import Adapter, UsageEvent
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.gateway.db.models import Adapter, UsageEvent
 from tests.gateway.conftest import with_db
 
 BLOCK_SIZE = 16

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.db.migrate import upgrade
-from gateway.db.session import make_engine, session_factory
+from loraplex.gateway.db.migrate import upgrade
+from loraplex.gateway.db.session import make_engine, session_factory
 
 SECRET = b"s" * 32
 PG_TABLES = "usage_events, adapters, api_keys, tenants, alembic_version"
@@ -69,8 +69,8 @@ def adapter_store_dir(llava_dir):
 @pytest.fixture(scope="session")
 def engine_client(llava_dir):
     """One engine (the tiny LLaVA, float32, CPU) shared by every live-gateway test."""
-    from engine.config import EngineConfig
-    from gateway.server.build import start_engine
+    from loraplex.engine.config import EngineConfig
+    from loraplex.gateway.server.build import start_engine
 
     client = start_engine(
         EngineConfig(

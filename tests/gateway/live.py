@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from gateway.db.session import db_url
-from gateway.server.build import build_gateway
-from gateway.server.config import GatewayConfig
-from gateway.server.transport import uvicorn_config
+from loraplex.gateway.db.session import db_url
+from loraplex.gateway.server.build import build_gateway
+from loraplex.gateway.server.config import GatewayConfig
+from loraplex.gateway.server.transport import uvicorn_config
 
 ADMIN_KEY = "lpx-admin-test-key-0123456789abcdef0123456789"
 

@@ -105,7 +105,7 @@ def archive_part(blob: bytes, filename="adapter.zip") -> list:
 
 
 def digest_of(adapter_dir: Path, live) -> str:
-    from adapters.validation import load_adapter_dir
+    from loraplex.adapters.validation import load_adapter_dir
 
     limits = live.state.engine.adapter_limits
     return load_adapter_dir(
@@ -526,9 +526,9 @@ def peft_reference(llava_dir, good_dir):
     from peft import PeftModel
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from engine.config import EngineConfig
-    from engine.llm import LLM
-    from engine.sampling.params import SamplingParams
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.llm import LLM
+    from loraplex.engine.sampling.params import SamplingParams
     from tests.engine.conftest import photo, user
     from tests.engine.test_engine_parity import hf_greedy
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from bench.fake_engine import InstantEngine
-from gateway.server.admission import AdmissionControl, OverloadedError
+from loraplex.gateway.server.admission import AdmissionControl, OverloadedError
 from tests.gateway.live import NO_LIMITS, LiveGateway
 
 
@@ -67,8 +67,8 @@ def test_the_gateway_answers_503_past_the_bound_and_another_tenant_still_gets_in
 
 
 def test_serve_flags_set_the_bounds(tmp_path):
-    from gateway.cli import build_parser
-    from gateway.commands.serve import gateway_config_from_args
+    from loraplex.gateway.cli import build_parser
+    from loraplex.gateway.commands.serve import gateway_config_from_args
 
     def config(*flags):
         args = build_parser().parse_args(["serve", "--data-dir", str(tmp_path), *flags])

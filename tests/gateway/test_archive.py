@@ -12,7 +12,7 @@ import zipfile
 
 import pytest
 
-from gateway.domains.adapters.archive import (
+from loraplex.gateway.domains.adapters.archive import (
     CHUNK,
     TAR_HEADER_BYTES,
     ArchiveError,

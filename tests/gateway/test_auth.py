@@ -5,7 +5,7 @@ from hashlib import sha256
 
 import pytest
 
-from gateway.auth.keys import (
+from loraplex.gateway.auth.keys import (
     KEY_PREFIX,
     display_prefix,
     generate_key,
@@ -13,8 +13,8 @@ from gateway.auth.keys import (
     looks_like_key,
     verify_key,
 )
-from gateway.auth.redact import RedactingFilter, redact
-from gateway.auth.secrets_store import (
+from loraplex.gateway.auth.redact import RedactingFilter, redact
+from loraplex.gateway.auth.secrets_store import (
     ADMIN_KEY_PREFIX,
     load_or_create_admin_key,
     load_or_create_secret,
@@ -51,7 +51,7 @@ def test_verify_uses_constant_time_compare(monkeypatch):
     calls = []
     real = hmac.compare_digest
     monkeypatch.setattr(
-        "gateway.auth.keys.hmac.compare_digest", lambda a, b: calls.append(1) or real(a, b)
+        "loraplex.gateway.auth.keys.hmac.compare_digest", lambda a, b: calls.append(1) or real(a, b)
     )
     assert verify_key(key, digest, SECRET)
     assert not verify_key(generate_key(), digest, SECRET)

@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import pytest
 
 from bench.fake_engine import InstantEngine
-from engine.request import EngineRequest
-from engine.sampling.params import SamplingParams
-from gateway.domains.chat.service import ChatRun, UsageLedger
-from gateway.server.auth import TenantPrincipal
-from gateway.server.errors import APIError
-from gateway.server.ratelimit import RateLimiter
-from gateway.services.tenants import TenantLimits
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger
+from loraplex.gateway.server.auth import TenantPrincipal
+from loraplex.gateway.server.errors import APIError
+from loraplex.gateway.server.ratelimit import RateLimiter
+from loraplex.gateway.services.tenants import TenantLimits
 
 LIMITS = TenantLimits(None, None, None)
 

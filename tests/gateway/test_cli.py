@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from gateway.auth.secrets_store import load_or_create_secret
-from gateway.commands import db, keys, tenants
-from gateway.db.session import db_url
-from gateway.services.keys import authenticate
+from loraplex.gateway.auth.secrets_store import load_or_create_secret
+from loraplex.gateway.commands import db, keys, tenants
+from loraplex.gateway.db.session import db_url
+from loraplex.gateway.services.keys import authenticate
 from tests.gateway.conftest import with_db
 
 
@@ -48,7 +48,7 @@ def _clean_env(monkeypatch):
 
 def test_db_upgrade_is_idempotent(tmp_path, capsys):
     data = str(tmp_path / "data")
-    from gateway.db.migrate import head_revision
+    from loraplex.gateway.db.migrate import head_revision
 
     first = run_json(capsys, "db", "upgrade", "--data-dir", data)
     assert first == {"revision": head_revision(), "backend": "sqlite"}
@@ -107,12 +107,12 @@ def test_env_data_dir_and_db_url(tmp_path, capsys, monkeypatch):
 
 
 def test_installed_cli_when_registered(tmp_path):
-    from gateway.cli import build_parser
+    from loraplex.gateway.cli import build_parser
 
     choices = build_parser()._subparsers._group_actions[0].choices
     if "tenants" not in choices:
         pytest.skip("gateway/cli.py does not register the tenants command yet")
-    cmd = [sys.executable, "-m", "gateway.cli"]
+    cmd = [sys.executable, "-m", "loraplex.gateway.cli"]
     data = ["--data-dir", str(tmp_path)]
     out = subprocess.run(cmd + ["tenants", "create", "acme"] + data, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

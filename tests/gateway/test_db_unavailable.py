@@ -12,7 +12,7 @@ import logging
 import pytest
 from sqlalchemy import exc as sa_exc
 
-from gateway.db.errors import DatabaseUnavailable, describe, is_data_error, is_unreachable
+from loraplex.gateway.db.errors import DatabaseUnavailable, describe, is_data_error, is_unreachable
 from tests.gateway.live import instant_gateway
 from tests.gateway.test_app_basics import assert_openai_error
 
@@ -87,13 +87,13 @@ class DeadSessions:
     ],
 )
 def test_every_route_answers_503_while_the_database_is_unreachable(tmp_path, error, monkeypatch):
-    from gateway.server import errors
+    from loraplex.gateway.server import errors
 
     monkeypatch.setattr(errors, "_database_log", errors._ThrottledLog())  # a fresh second
     lines = []
     handler = logging.Handler()
     handler.emit = lines.append
-    gateway_log = logging.getLogger("gateway")
+    gateway_log = logging.getLogger("loraplex.gateway")
     gateway_log.addHandler(handler)
     try:
         with instant_gateway(tmp_path / "data") as gw:

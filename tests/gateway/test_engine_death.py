@@ -7,12 +7,12 @@ import time
 import httpx
 import uvicorn
 
-from engine.config import EngineConfig
-from engine.llm_engine import MAX_FAILING_STEPS
-from gateway.db.session import db_url
-from gateway.server.build import build_gateway, start_engine
-from gateway.server.config import GatewayConfig
-from gateway.server.graceful import GracefulServer
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm_engine import MAX_FAILING_STEPS
+from loraplex.gateway.db.session import db_url
+from loraplex.gateway.server.build import build_gateway, start_engine
+from loraplex.gateway.server.config import GatewayConfig
+from loraplex.gateway.server.graceful import GracefulServer
 from tests.gateway.live import ADMIN_KEY, free_port
 
 

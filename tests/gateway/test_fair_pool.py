@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from gateway.server.fair_pool import FairWorkerPool, PoolBusyError
+from loraplex.gateway.server.fair_pool import FairWorkerPool, PoolBusyError
 
 
 class Gate:

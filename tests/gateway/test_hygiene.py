@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth.secrets_store import load_or_create_admin_key
-from gateway.db.session import db_url, make_engine, session_factory
-from gateway.domains.adapters import service as adapter_service
-from gateway.domains.adapters.orphans import remove_if_unused
-from gateway.services.adapters import AdapterFacts, create_adapter
-from gateway.services.tenants import MAX_LIMIT
+from loraplex.gateway.auth.secrets_store import load_or_create_admin_key
+from loraplex.gateway.db.session import db_url, make_engine, session_factory
+from loraplex.gateway.domains.adapters import service as adapter_service
+from loraplex.gateway.domains.adapters.orphans import remove_if_unused
+from loraplex.gateway.services.adapters import AdapterFacts, create_adapter
+from loraplex.gateway.services.tenants import MAX_LIMIT
 from tests.adapters.conftest import make_adapter
 from tests.gateway.live import LiveGateway
 from tests.gateway.test_adapters_api import GOOD, OTHER, read, upload_dir
@@ -89,7 +89,7 @@ def test_files_and_directories_are_private_whatever_the_umask(
 def test_orphans_are_collected_at_start_up(engine_client, adapters, tmp_path, monkeypatch):
     """Weights whose removal the engine refused (a request was using them) survive the process
     that deferred them; the next start removes them and keeps every referenced one."""
-    from adapters.store import AdapterStore
+    from loraplex.adapters.store import AdapterStore
 
     data, store_dir = tmp_path / "data", tmp_path / "store"
     with LiveGateway(engine_client, data, adapter_store_dir=store_dir) as gw:

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from gateway.server.auth import KeyCache, TenantPrincipal
-from gateway.services.tenants import TenantLimits
+from loraplex.gateway.server.auth import KeyCache, TenantPrincipal
+from loraplex.gateway.services.tenants import TenantLimits
 
 PRINCIPAL = TenantPrincipal("t1", "acme", "k1", TenantLimits(None, None, None))
 
@@ -194,7 +194,7 @@ def test_a_request_after_a_revocation_does_not_join_a_read_begun_before_it():
 def test_an_unreachable_database_serves_a_recently_verified_key():
     """stale-if-error: past its stale window an entry still answers while the database is
     unreachable, within ``stale_if_error``; any other failure, or an older entry, fails."""
-    from gateway.db.errors import DatabaseUnavailable
+    from loraplex.gateway.db.errors import DatabaseUnavailable
 
     async def main():
         gate = asyncio.Event()

@@ -5,8 +5,8 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from gateway.db.migrate import current_revision, head_revision, upgrade, upgrade_async
-from gateway.db.models import Base
+from loraplex.gateway.db.migrate import current_revision, head_revision, upgrade, upgrade_async
+from loraplex.gateway.db.models import Base
 from tests.gateway.conftest import run, with_db
 
 TABLES = {"tenants", "api_keys", "adapters", "usage_events"}

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from gateway.db.session import db_url
+from loraplex.gateway.db.session import db_url
 from tests.gateway.conftest import wipe_pg
 from tests.gateway.test_migrations import *  # noqa: F403
 from tests.gateway.test_services import *  # noqa: F403

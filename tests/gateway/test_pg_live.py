@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.db.session import db_url
+from loraplex.gateway.db.session import db_url
 from tests.gateway.chat_support import data_url, image_part, photo, user
 from tests.gateway.conftest import adapter_store_dir, wipe_pg
 from tests.gateway.live import LiveGateway

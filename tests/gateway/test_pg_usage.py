@@ -16,8 +16,8 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from bench.hostile.tcp_proxy import TcpProxy
-from gateway.db.models import UsageEvent
-from gateway.db.session import db_url
+from loraplex.gateway.db.models import UsageEvent
+from loraplex.gateway.db.session import db_url
 from tests.gateway.conftest import adapter_store_dir, wipe_pg, with_db
 from tests.gateway.live import LiveGateway
 from tests.gateway.test_app_basics import assert_openai_error
@@ -76,7 +76,7 @@ class Lines(logging.Handler):
         self.records.append(record)
 
     def __enter__(self):
-        self.logger = logging.getLogger("gateway")
+        self.logger = logging.getLogger("loraplex.gateway")
         self.level = self.logger.level
         self.logger.setLevel(logging.INFO)
         self.logger.addHandler(self)

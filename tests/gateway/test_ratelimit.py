@@ -5,9 +5,9 @@ import threading
 import openai
 import pytest
 
-from gateway.server.errors import rate_limited
-from gateway.server.ratelimit import RateLimiter, RateLimitExceeded
-from gateway.services.tenants import TenantLimits
+from loraplex.gateway.server.errors import rate_limited
+from loraplex.gateway.server.ratelimit import RateLimiter, RateLimitExceeded
+from loraplex.gateway.services.tenants import TenantLimits
 from tests.gateway.live import instant_gateway
 from tests.gateway.test_app_basics import assert_openai_error
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from gateway.db.models import UsageEvent
-from gateway.db.session import db_url
+from loraplex.gateway.db.models import UsageEvent
+from loraplex.gateway.db.session import db_url
 from tests.gateway.conftest import with_db
 from tests.gateway.live import free_port
 
@@ -32,7 +32,7 @@ class Serve:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         exe = shutil.which("loraplex")
-        cmd = [exe] if exe else [sys.executable, "-m", "gateway.cli"]
+        cmd = [exe] if exe else [sys.executable, "-m", "loraplex.gateway.cli"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
@@ -83,7 +83,7 @@ def serve_factory(llava_dir, tmp_path):
 
 
 async def _tenant_ids(sessions):
-    from gateway.db.models import Tenant
+    from loraplex.gateway.db.models import Tenant
 
     async with sessions() as session:
         return list(await session.scalars(select(Tenant.id)))

@@ -6,11 +6,11 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
-from gateway.auth.keys import generate_key, hash_key
-from gateway.db.models import Adapter, ApiKey, UsageEvent
-from gateway.services.errors import ConflictError, InvalidInputError, NotFoundError
-from gateway.services.keys import authenticate, create_key, get_key, list_keys, revoke_key
-from gateway.services.tenants import (
+from loraplex.gateway.auth.keys import generate_key, hash_key
+from loraplex.gateway.db.models import Adapter, ApiKey, UsageEvent
+from loraplex.gateway.services.errors import ConflictError, InvalidInputError, NotFoundError
+from loraplex.gateway.services.keys import authenticate, create_key, get_key, list_keys, revoke_key
+from loraplex.gateway.services.tenants import (
     TenantLimits,
     create_tenant,
     create_tenant_with_key,
@@ -19,7 +19,7 @@ from gateway.services.tenants import (
     list_tenants,
     set_limits,
 )
-from gateway.services.usage import UsageRecord, parse_time, record_usage, usage_summary
+from loraplex.gateway.services.usage import UsageRecord, parse_time, record_usage, usage_summary
 from tests.gateway.conftest import SECRET, with_db
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
@@ -268,7 +268,7 @@ def test_adapter_names_unique_among_live_rows(database_url):
 
 
 def test_adapter_service_create_replace_delete(database_url):
-    from gateway.services.adapters import (
+    from loraplex.gateway.services.adapters import (
         AdapterFacts,
         create_adapter,
         delete_adapter,

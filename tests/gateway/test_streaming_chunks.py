@@ -3,9 +3,9 @@
 import asyncio
 import json
 
-from engine.request import CompletionOutput, RequestOutput
-from gateway.domains.chat.streaming import StreamMeta, chunk_stream
-from gateway.server.errors import APIError
+from loraplex.engine.request import CompletionOutput, RequestOutput
+from loraplex.gateway.domains.chat.streaming import StreamMeta, chunk_stream
+from loraplex.gateway.server.errors import APIError
 
 TOKENS = 4
 
@@ -154,7 +154,7 @@ def test_an_error_after_ready_outputs_follows_them():
 
 
 def test_chunk_encoder_gives_the_bytes_of_the_plain_encoding():
-    from gateway.domains.chat.streaming import ChunkEncoder, chunk_body, sse
+    from loraplex.gateway.domains.chat.streaming import ChunkEncoder, chunk_body, sse
 
     choices = [
         {

@@ -73,9 +73,9 @@ def test_when_every_connection_runs_a_request_a_newcomer_gets_503(tmp_path):
 
 # ------------------------------------------------------------------------ configuration
 def test_serve_flags_reach_the_uvicorn_configuration(tmp_path):
-    from gateway.cli import build_parser
-    from gateway.commands.serve import gateway_config_from_args
-    from gateway.server.transport import LimitedHttpProtocol, uvicorn_config
+    from loraplex.gateway.cli import build_parser
+    from loraplex.gateway.commands.serve import gateway_config_from_args
+    from loraplex.gateway.server.transport import LimitedHttpProtocol, uvicorn_config
 
     argv = ["serve", "--data-dir", str(tmp_path), "--max-header-bytes", "2048"]
     argv += ["--max-headers", "12", "--header-timeout", "3", "--body-timeout", "7"]
@@ -115,15 +115,15 @@ def test_serve_flags_reach_the_uvicorn_configuration(tmp_path):
     ],
 )
 def test_serve_refuses_limits_out_of_range(flags):
-    from gateway.cli import build_parser
-    from gateway.commands.serve import gateway_config_from_args
+    from loraplex.gateway.cli import build_parser
+    from loraplex.gateway.commands.serve import gateway_config_from_args
 
     with pytest.raises(ValueError, match=flags[0]):
         gateway_config_from_args(build_parser().parse_args(["serve", *flags]), "m")
 
 
 def test_the_connection_cap_fits_the_open_files_limit(monkeypatch):
-    import gateway.server.transport as transport
+    import loraplex.gateway.server.transport as transport
 
     limits = {"now": (400, 800)}
     monkeypatch.setattr(transport.resource, "getrlimit", lambda _: limits["now"])
@@ -145,7 +145,7 @@ def test_time_the_server_itself_stops_reading_a_body_is_not_the_clients():
 
     import uvicorn
 
-    from gateway.server.transport import TransportLimits, limited_protocol
+    from loraplex.gateway.server.transport import TransportLimits, limited_protocol
     from tests.gateway.live import free_port
 
     async def late_reader(scope, receive, send):

@@ -19,12 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapters.peft_config import MAX_CONFIG_BYTES
-from adapters.sizes import max_header_bytes, max_weights_bytes
-from gateway.domains.adapters import controller as adapter_controller
-from gateway.domains.adapters.form import MAX_PARTS, TEXT_FIELD_BYTES
-from gateway.domains.adapters.limits import UploadLimits
-from gateway.domains.adapters.service import registry_of
+from loraplex.adapters.peft_config import MAX_CONFIG_BYTES
+from loraplex.adapters.sizes import max_header_bytes, max_weights_bytes
+from loraplex.gateway.domains.adapters import controller as adapter_controller
+from loraplex.gateway.domains.adapters.form import MAX_PARTS, TEXT_FIELD_BYTES
+from loraplex.gateway.domains.adapters.limits import UploadLimits
+from loraplex.gateway.domains.adapters.service import registry_of
 from tests.adapters.conftest import make_adapter, store_snapshot
 from tests.gateway.live import LiveGateway
 from tests.gateway.test_adapters_api import (

@@ -12,11 +12,11 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-from gateway.db.models import UsageEvent
-from gateway.server.usage_spool import UsageSpool, read_segment
-from gateway.server.usage_writer import UsageUnavailable, UsageWriter
-from gateway.services.tenants import create_tenant_with_key
-from gateway.services.usage import UsageRecord
+from loraplex.gateway.db.models import UsageEvent
+from loraplex.gateway.server.usage_spool import UsageSpool, read_segment
+from loraplex.gateway.server.usage_writer import UsageUnavailable, UsageWriter
+from loraplex.gateway.services.tenants import create_tenant_with_key
+from loraplex.gateway.services.usage import UsageRecord
 from tests.gateway.conftest import SECRET, with_db
 
 
@@ -205,7 +205,7 @@ def test_an_outage_keeps_rows_fails_flushes_fast_and_writes_them_after(
         await w.close()
         return info.value, outage, rows, slow.fail, w.outage_since
 
-    with caplog.at_level(logging.WARNING, logger="gateway.server.usage_writer"):
+    with caplog.at_level(logging.WARNING, logger="loraplex.gateway.server.usage_writer"):
         error, outage, rows, left, after = with_db(database_url, body)
     assert error.status == 503 and error.headers["Retry-After"] == "2"
     assert outage and rows == 3 and left == 0 and after is None
@@ -234,7 +234,7 @@ def test_a_refused_row_is_set_aside_and_never_blocks_the_others(database_url, tm
         await w.close()
         return rows, w.dead_lettered
 
-    with caplog.at_level(logging.ERROR, logger="gateway.server.usage_writer"):
+    with caplog.at_level(logging.ERROR, logger="loraplex.gateway.server.usage_writer"):
         rows, dead = with_db(database_url, body)
     assert rows == [f"req-{i}" for i in range(11) if i not in (3, 7)]
     assert dead == 2
@@ -352,7 +352,7 @@ def test_a_failed_spool_write_waits_for_the_database_instead(database_url, tmp_p
         await w.close()
         return rows
 
-    with caplog.at_level(logging.ERROR, logger="gateway.server.usage_writer"):
+    with caplog.at_level(logging.ERROR, logger="loraplex.gateway.server.usage_writer"):
         assert with_db(database_url, body) == 1
     assert any("spool write failed" in r.getMessage() for r in caplog.records)
 
@@ -378,7 +378,7 @@ def test_the_backlog_limit_refuses_new_work(database_url, tmp_path):
 
 
 def test_a_malformed_record_is_refused_at_submit(database_url, tmp_path):
-    from gateway.services.errors import InvalidInputError
+    from loraplex.gateway.services.errors import InvalidInputError
 
     async def body(sessions):
         w = writer(sessions, tmp_path)

@@ -8,9 +8,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hashing.block_hash import encode_block, hash_block, pack_token_ids, seed_hash
-from hashing.extra_keys import MMPlaceholder, block_extra_keys, validate_placeholders
-from hashing.request_hasher import RequestBlockHasher
+from loraplex.hashing.block_hash import encode_block, hash_block, pack_token_ids, seed_hash
+from loraplex.hashing.extra_keys import MMPlaceholder, block_extra_keys, validate_placeholders
+from loraplex.hashing.request_hasher import RequestBlockHasher
 
 
 def test_seed_is_a_fixed_constant():

@@ -14,14 +14,14 @@ import pytest
 from PIL import Image, ImageFile, WebPImagePlugin
 from skimage import data as skdata
 
-from hashing.errors import InvalidImageError
-from hashing.image_decode import (
+from loraplex.hashing.errors import InvalidImageError
+from loraplex.hashing.image_decode import (
     DEFAULT_MAX_ASPECT_RATIO,
     MAX_SIDE,
     check_image_header,
     decode_image,
 )
-from hashing.image_header import read_image_header
+from loraplex.hashing.image_header import read_image_header
 
 
 def encode(image: Image.Image, fmt: str, **params) -> bytes:

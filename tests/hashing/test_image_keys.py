@@ -18,8 +18,8 @@ import pytest
 from PIL import Image, ImageFile
 from skimage import data as skdata
 
-from hashing.errors import InvalidImageError
-from hashing.image_keys import (
+from loraplex.hashing.errors import InvalidImageError
+from loraplex.hashing.image_keys import (
     DEFAULT_MAX_PIXELS,
     decode_image,
     exact_image_key,

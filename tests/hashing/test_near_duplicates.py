@@ -14,9 +14,9 @@ import pytest
 from PIL import Image, ImageFont
 
 from bench.near_duplicates import images_of, near_duplicate_set, render_text
-from engine.config import EngineConfig
-from engine.inputs import InputProcessor
-from hashing.image_keys import exact_image_key, image_key
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.inputs import InputProcessor
+from loraplex.hashing.image_keys import exact_image_key, image_key
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **params) -> bytes:

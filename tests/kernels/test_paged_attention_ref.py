@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_ref
+from loraplex.kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_ref
 
 
 def contiguous_attention(q, k, v, ctx_len, sliding_window=None):

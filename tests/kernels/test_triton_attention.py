@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_ref
-from kernels.triton_attention import paged_attention
-from kernels.triton_cache import reshape_and_cache
-from kernels.triton_split_kv import merge_splits, merge_splits_ref
+from loraplex.kernels import dispatch
+from loraplex.kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_ref
+from loraplex.kernels.triton_attention import paged_attention
+from loraplex.kernels.triton_cache import reshape_and_cache
+from loraplex.kernels.triton_split_kv import merge_splits, merge_splits_ref
 
 # (atol, rtol) of the kernel's output (rounded to its dtype) against the float32 reference.
 TOL = {

@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import sys
-import kernels.triton_lora as lo
-import kernels.triton_attention as ta
-import kernels.triton_cache as tc
-import kernels.triton_split_kv as sk
+import loraplex.kernels.triton_lora as lo
+import loraplex.kernels.triton_attention as ta
+import loraplex.kernels.triton_cache as tc
+import loraplex.kernels.triton_split_kv as sk
 try:
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget

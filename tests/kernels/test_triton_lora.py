@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.lora_ops import lora_expand, lora_shrink, make_lora_batch
-from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+from loraplex.kernels import dispatch
+from loraplex.kernels.lora_ops import lora_expand, lora_shrink, make_lora_batch
+from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 
 # (atol, rtol) of the shrink's float32 h, and of the expand's y in its dtype.
 H_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}

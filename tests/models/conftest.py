@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.models import load_model
+from loraplex.engine.models import load_model
 
 
 @pytest.fixture(scope="module", autouse=True)

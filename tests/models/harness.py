@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttentionBackend
+from loraplex.engine.attention import AttentionMetadata, TorchAttentionBackend
 
 BACKEND = TorchAttentionBackend()
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models import SUPPORTED_ARCHITECTURES, load_model
-from engine.models.loader import engine_name
+from loraplex.engine.models import SUPPORTED_ARCHITECTURES, load_model
+from loraplex.engine.models.loader import engine_name
 
 
 def _copy(src, dst):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from engine.models import load_model
+from loraplex.engine.models import load_model
 from tests.models.harness import (
     BlockAllocator,
     Seq,
@@ -100,7 +100,7 @@ def test_llama_rope_scaling(tmp_path, rope):
     config = LlamaConfig(**SMALL, rope_parameters=rope)
     _, ours, _ = _check(tmp_path, LlamaForCausalLM, config, n=120, chunks=(None, 33))
     default = LlamaConfig(**SMALL)
-    from engine.models.config import rope_frequencies
+    from loraplex.engine.models.config import rope_frequencies
 
     assert rope_frequencies(config, 8)[0] != rope_frequencies(default, 8)[0]
 

@@ -2,8 +2,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sampling import IncrementalDetokenizer, SamplingParams, TextStream
-from engine.sampling.detokenizer import _OffsetStream
+from loraplex.engine.sampling import IncrementalDetokenizer, SamplingParams, TextStream
+from loraplex.engine.sampling.detokenizer import _OffsetStream
 from tests.sampling.test_stop import expected_cut
 
 HC = [HealthCheck.function_scoped_fixture]

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import LogprobFormatter, Sampler, SamplingParams
+from loraplex.engine.sampling import LogprobFormatter, Sampler, SamplingParams
 
 
 @pytest.mark.parametrize("text", ["hello world", "café 日本語 😀👍🏽", "Straße ❤️ €"])

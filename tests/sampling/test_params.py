@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from engine.sampling import SamplingParams
+from loraplex.engine.sampling import SamplingParams
 
 
 def test_defaults_match_vllm_openai():

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import (
+from loraplex.engine.sampling import (
     Sampler,
     SamplingParams,
     exponential_race,

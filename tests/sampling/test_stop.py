@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling import StopChecker
+from loraplex.engine.sampling import StopChecker
 
 
 def feed(checker, deltas):

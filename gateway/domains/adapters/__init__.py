@@ -1,6 +1,6 @@
 """Tenants' LoRA adapters (``/v1/adapters``) and what a tenant may serve (``/v1/models``)."""
 
-from gateway.domains.adapters.controller import AdapterController
-from gateway.domains.adapters.models import ModelsController
+from loraplex.gateway.domains.adapters.controller import AdapterController
+from loraplex.gateway.domains.adapters.models import ModelsController
 
 ROUTES = [AdapterController, ModelsController]

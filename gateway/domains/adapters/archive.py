@@ -48,8 +48,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from adapters.safetensors_io import PICKLE_SUFFIXES
-from adapters.validation import CONFIG_NAME, WEIGHTS_NAME
+from loraplex.adapters.safetensors_io import PICKLE_SUFFIXES
+from loraplex.adapters.validation import CONFIG_NAME, WEIGHTS_NAME
 
 REQUIRED = (CONFIG_NAME, WEIGHTS_NAME)
 CHUNK = 256 * 1024

@@ -23,15 +23,20 @@ from litestar import Controller, Request, Response, Router, delete, get, post
 from litestar.params import FromPath, FromQuery
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from adapters.errors import AdapterError
-from gateway.domains.adapters.form import read_form
-from gateway.domains.adapters.limits import UploadLimits
-from gateway.domains.adapters.service import ensure_name_free, register, registry_of, unregister
-from gateway.domains.adapters.upload import adapter_bytes, check_name, check_shape
-from gateway.domains.adapters.views import adapter_view, list_body
-from gateway.server.errors import APIError
-from gateway.services.adapters import get_adapter, list_adapters
-from gateway.settings import private_dir
+from loraplex.adapters.errors import AdapterError
+from loraplex.gateway.domains.adapters.form import read_form
+from loraplex.gateway.domains.adapters.limits import UploadLimits
+from loraplex.gateway.domains.adapters.service import (
+    ensure_name_free,
+    register,
+    registry_of,
+    unregister,
+)
+from loraplex.gateway.domains.adapters.upload import adapter_bytes, check_name, check_shape
+from loraplex.gateway.domains.adapters.views import adapter_view, list_body
+from loraplex.gateway.server.errors import APIError
+from loraplex.gateway.services.adapters import get_adapter, list_adapters
+from loraplex.gateway.settings import private_dir
 
 UPLOAD_SPOOL_SUBDIR = "uploads"
 """Where upload parts are spooled, under the data directory (mode 0700; files anonymous)."""

@@ -28,9 +28,9 @@ from typing import Any, BinaryIO
 from litestar import Request
 from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMultipartParser
 
-from adapters.validation import CONFIG_NAME, WEIGHTS_NAME
-from gateway.domains.adapters.limits import UploadLimits
-from gateway.server.errors import APIError, bad_request
+from loraplex.adapters.validation import CONFIG_NAME, WEIGHTS_NAME
+from loraplex.gateway.domains.adapters.limits import UploadLimits
+from loraplex.gateway.server.errors import APIError, bad_request
 
 TEXT_FIELD_BYTES = 4096
 """Largest text field (``name`` is at most 64 characters)."""

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adapters.peft_config import MAX_CONFIG_BYTES
-from adapters.sizes import max_weights_bytes
-from gateway.server.config import GatewayConfig
-from gateway.server.engine_client import AdapterLimits
+from loraplex.adapters.peft_config import MAX_CONFIG_BYTES
+from loraplex.adapters.sizes import max_weights_bytes
+from loraplex.gateway.server.config import GatewayConfig
+from loraplex.gateway.server.engine_client import AdapterLimits
 
 OTHER_BYTES = 1024 * 1024
 """Room for parts and archive members other than the two files (read only to be skipped)."""

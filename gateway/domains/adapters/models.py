@@ -7,9 +7,9 @@ from typing import Any
 from litestar import Controller, Request, get
 from litestar.params import FromPath
 
-from gateway.domains.adapters.views import adapter_model_card, base_model_card, list_body
-from gateway.server.errors import not_found
-from gateway.services.adapters import find_adapter, list_adapters
+from loraplex.gateway.domains.adapters.views import adapter_model_card, base_model_card, list_body
+from loraplex.gateway.server.errors import not_found
+from loraplex.gateway.services.adapters import find_adapter, list_adapters
 
 
 class ModelsController(Controller):

@@ -27,9 +27,9 @@ import logging
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from adapters.store import AdapterStore
-from gateway.db.models import Adapter
-from gateway.services.adapters import digest_in_use
+from loraplex.adapters.store import AdapterStore
+from loraplex.gateway.db.models import Adapter
+from loraplex.gateway.services.adapters import digest_in_use
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def collect_orphans_at_start(db_url: str, store: AdapterStore) -> list[str]:
     Raises:
         sqlalchemy.exc.SQLAlchemyError: the database is unreachable.
     """
-    from gateway.db.session import make_engine, session_factory
+    from loraplex.gateway.db.session import make_engine, session_factory
 
     async def main() -> list[str]:
         engine = make_engine(db_url)

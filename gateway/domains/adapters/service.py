@@ -23,18 +23,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.validation import LoraAdapter
-from gateway.db.models import Adapter
-from gateway.domains.adapters.orphans import remove_if_unused
-from gateway.server.state import GatewayState
-from gateway.services.adapters import (
+from loraplex.adapters.validation import LoraAdapter
+from loraplex.gateway.db.models import Adapter
+from loraplex.gateway.domains.adapters.orphans import remove_if_unused
+from loraplex.gateway.server.state import GatewayState
+from loraplex.gateway.services.adapters import (
     AdapterFacts,
     create_adapter,
     delete_adapter,
     digest_in_use,
     find_adapter,
 )
-from gateway.services.errors import ConflictError
+from loraplex.gateway.services.errors import ConflictError
 
 logger = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import re
 
-from adapters.safetensors_io import PICKLE_SUFFIXES
-from adapters.validation import CONFIG_NAME, WEIGHTS_NAME
-from gateway.domains.adapters.archive import ArchiveError, unpack_adapter
-from gateway.domains.adapters.form import UploadForm
-from gateway.domains.adapters.limits import UploadLimits
-from gateway.server.errors import APIError, bad_request
+from loraplex.adapters.safetensors_io import PICKLE_SUFFIXES
+from loraplex.adapters.validation import CONFIG_NAME, WEIGHTS_NAME
+from loraplex.gateway.domains.adapters.archive import ArchiveError, unpack_adapter
+from loraplex.gateway.domains.adapters.form import UploadForm
+from loraplex.gateway.domains.adapters.limits import UploadLimits
+from loraplex.gateway.server.errors import APIError, bad_request
 
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 

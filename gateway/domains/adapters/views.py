@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gateway.db.models import Adapter
+from loraplex.gateway.db.models import Adapter
 
 BASE_OWNER = "loraplex"
 

@@ -1,5 +1,5 @@
 """``/admin/*``: tenants, keys and limits (CONTRACT.md)."""
 
-from gateway.domains.admin.controller import AdminController
+from loraplex.gateway.domains.admin.controller import AdminController
 
 ROUTES = [AdminController]

@@ -8,11 +8,11 @@ from litestar import Controller, Request, delete, get, post, put
 from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from gateway.server.auth import ADMIN_ONLY
-from gateway.server.errors import bad_request
-from gateway.server.json_body import json_object
-from gateway.services.keys import create_key, list_keys, revoke_key
-from gateway.services.tenants import (
+from loraplex.gateway.server.auth import ADMIN_ONLY
+from loraplex.gateway.server.errors import bad_request
+from loraplex.gateway.server.json_body import json_object
+from loraplex.gateway.services.keys import create_key, list_keys, revoke_key
+from loraplex.gateway.services.tenants import (
     TenantLimits,
     create_tenant_with_key,
     get_tenant,

@@ -38,19 +38,25 @@ from typing import TYPE_CHECKING, Any
 from litestar import Request, Response, post
 from litestar.exceptions import HTTPException
 
-from engine.request import EngineRequest, RequestOutput
-from gateway.domains.chat.responses import completion_body
-from gateway.domains.chat.schemas import ChatRequest, parse_chat_request
-from gateway.domains.chat.service import ChatRun, UsageLedger, resolve_model
-from gateway.domains.chat.streaming import HEADERS, EventStream, StreamMeta, chunk_stream
-from gateway.server.admission import OverloadedError
-from gateway.server.auth import TenantPrincipal
-from gateway.server.errors import ERROR_TYPES, APIError, bad_request, overloaded, rate_limited
-from gateway.server.fair_pool import PoolBusyError
-from gateway.server.ratelimit import RateLimitExceeded
+from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.gateway.domains.chat.responses import completion_body
+from loraplex.gateway.domains.chat.schemas import ChatRequest, parse_chat_request
+from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger, resolve_model
+from loraplex.gateway.domains.chat.streaming import HEADERS, EventStream, StreamMeta, chunk_stream
+from loraplex.gateway.server.admission import OverloadedError
+from loraplex.gateway.server.auth import TenantPrincipal
+from loraplex.gateway.server.errors import (
+    ERROR_TYPES,
+    APIError,
+    bad_request,
+    overloaded,
+    rate_limited,
+)
+from loraplex.gateway.server.fair_pool import PoolBusyError
+from loraplex.gateway.server.ratelimit import RateLimitExceeded
 
 if TYPE_CHECKING:
-    from gateway.server.state import GatewayState
+    from loraplex.gateway.server.state import GatewayState
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,64}$")  # printable ASCII, no spaces

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from engine.request import CompletionOutput, RequestOutput
+from loraplex.engine.request import CompletionOutput, RequestOutput
 
 # log(0) has no JSON form: vLLM reports -9999.0 for it, and so do we.
 _MIN_LOGPROB = -9999.0

@@ -34,9 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling.params import MAX_LOGPROBS, SamplingParams
-from gateway.server.errors import APIError, bad_request
-from gateway.server.json_body import decode_json
+from loraplex.engine.sampling.params import MAX_LOGPROBS, SamplingParams
+from loraplex.gateway.server.errors import APIError, bad_request
+from loraplex.gateway.server.json_body import decode_json
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 

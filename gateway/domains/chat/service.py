@@ -33,19 +33,19 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from engine.async_llm import EngineDeadError, RequestFailedError
-from engine.request import EngineRequest, RequestOutput
-from gateway.db.types import utcnow
-from gateway.domains.adapters.upload import NAME_RE
-from gateway.server.errors import APIError, not_found
-from gateway.services.adapters import find_adapter
-from gateway.services.usage import UsageRecord
+from loraplex.engine.async_llm import EngineDeadError, RequestFailedError
+from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.gateway.db.types import utcnow
+from loraplex.gateway.domains.adapters.upload import NAME_RE
+from loraplex.gateway.server.errors import APIError, not_found
+from loraplex.gateway.services.adapters import find_adapter
+from loraplex.gateway.services.usage import UsageRecord
 
 if TYPE_CHECKING:
-    from gateway.server.admission import AdmissionTicket
-    from gateway.server.auth import TenantPrincipal
-    from gateway.server.ratelimit import Ticket
-    from gateway.server.state import GatewayState
+    from loraplex.gateway.server.admission import AdmissionTicket
+    from loraplex.gateway.server.auth import TenantPrincipal
+    from loraplex.gateway.server.ratelimit import Ticket
+    from loraplex.gateway.server.state import GatewayState
 
 logger = logging.getLogger(__name__)
 

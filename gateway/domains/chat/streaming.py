@@ -33,10 +33,10 @@ from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
-from engine.request import RequestOutput
-from gateway.domains.chat.responses import TokenTexts, logprobs_body, usage_body
-from gateway.domains.chat.service import ChatRun
-from gateway.server.errors import APIError, error_body
+from loraplex.engine.request import RequestOutput
+from loraplex.gateway.domains.chat.responses import TokenTexts, logprobs_body, usage_body
+from loraplex.gateway.domains.chat.service import ChatRun
+from loraplex.gateway.server.errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"

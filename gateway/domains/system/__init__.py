@@ -1,5 +1,5 @@
 """``/health`` and ``/metrics`` (no authentication)."""
 
-from gateway.domains.system.controller import health, metrics
+from loraplex.gateway.domains.system.controller import health, metrics
 
 ROUTES = [health, metrics]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from litestar import Request, Response, get
 
-from gateway.server.errors import error_response
-from gateway.server.metrics import CONTENT_TYPE
+from loraplex.gateway.server.errors import error_response
+from loraplex.gateway.server.metrics import CONTENT_TYPE
 
 
 @get("/health", exclude_from_auth=True, sync_to_thread=False)

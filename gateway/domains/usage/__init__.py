@@ -1,5 +1,5 @@
 """The usage domain of the HTTP API (CONTRACT.md): ``GET /v1/usage``."""
 
-from gateway.domains.usage.controller import get_usage
+from loraplex.gateway.domains.usage.controller import get_usage
 
 ROUTES = [get_usage]
