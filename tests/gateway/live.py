@@ -112,7 +112,7 @@ class LiveGateway:
         return self.client(self.admin_key)
 
     def create_tenant(self, name: str) -> dict:
-        """``POST /admin/tenants`` -> ``{"id", "name", "api_key"}``."""
+        """``POST /admin/tenants`` -> ``{"id", "name", "api_key", "key_id"}``."""
         with self.admin() as c:
             r = c.post("/admin/tenants", json={"name": name})
             assert r.status_code == 201, r.text

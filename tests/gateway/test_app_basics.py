@@ -71,6 +71,7 @@ def test_admin_routes(live):
         assert key.status_code == 201 and key.json()["api_key"].startswith("lpx-")
         view = c.get(f"/admin/tenants/{t['id']}").json()
         assert len(view["keys"]) == 2 and all("hash" not in k for k in view["keys"])
+        assert view["keys"][0]["id"] == t["key_id"]  # the first key, named at creation
         r = c.put(f"/admin/tenants/{t['id']}/limits", json={"requests_per_minute": 5})
         assert r.status_code == 200, r.text
         assert r.json()["limits"]["requests_per_minute"] == 5

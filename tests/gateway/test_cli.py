@@ -4,6 +4,7 @@ import argparse
 import json
 import subprocess
 import sys
+from datetime import datetime
 
 import pytest
 
@@ -59,9 +60,9 @@ def test_db_upgrade_is_idempotent(tmp_path, capsys):
 def test_tenants_and_keys_end_to_end(tmp_path, capsys):
     data = str(tmp_path / "data")
     tenant = run_json(capsys, "tenants", "create", "acme", "--data-dir", data)
-    assert set(tenant) == {"id", "name", "api_key"} and tenant["name"] == "acme"
+    assert set(tenant) == {"id", "name", "api_key", "key_id"} and tenant["name"] == "acme"
     assert tenant["api_key"].startswith("lpx-")
-    assert auth(data, tenant["api_key"])[0] == tenant["id"]
+    assert auth(data, tenant["api_key"]) == (tenant["id"], tenant["key_id"])
 
     key = run_json(capsys, "keys", "create", tenant["id"], "--data-dir", data)
     assert set(key) == {"id", "api_key"}
@@ -75,6 +76,72 @@ def test_tenants_and_keys_end_to_end(tmp_path, capsys):
     assert run_json(capsys, "keys", "revoke", key["id"], "--data-dir", data) == revoked
 
 
+def run_lines(capsys, *argv):
+    assert cli(*argv) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_tenants_list(tmp_path, capsys):
+    data = str(tmp_path / "data")
+    assert run_lines(capsys, "tenants", "list", "--data-dir", data) == []
+    acme = run_json(capsys, "tenants", "create", "acme", "--data-dir", data)
+    globex = run_json(capsys, "tenants", "create", "globex", "--data-dir", data)
+    rows = [json.loads(line) for line in run_lines(capsys, "tenants", "list", "--data-dir", data)]
+    assert [(r["id"], r["name"]) for r in rows] == [(acme["id"], "acme"), (globex["id"], "globex")]
+    assert all(set(r) == {"id", "name", "created_at"} for r in rows)
+    for r in rows:
+        assert datetime.fromisoformat(r["created_at"]).tzinfo is not None
+    only = run_lines(capsys, "tenants", "list", "--name", "globex", "--data-dir", data)
+    assert [json.loads(line) for line in only] == rows[1:]
+    assert run_lines(capsys, "tenants", "list", "--name", "nobody", "--data-dir", data) == []
+    ids = run_lines(capsys, "tenants", "list", "--field", "id", "--data-dir", data)
+    assert ids == [acme["id"], globex["id"]]
+    name_id = ("tenants", "list", "--name", "acme", "--field", "id", "--data-dir", data)
+    assert run_lines(capsys, *name_id) == [acme["id"]]
+
+
+def test_keys_list_shows_ids_and_never_the_key(tmp_path, capsys):
+    data = str(tmp_path / "data")
+    tenant = run_json(capsys, "tenants", "create", "acme", "--data-dir", data)
+    other = run_json(capsys, "tenants", "create", "globex", "--data-dir", data)
+    second = run_json(capsys, "keys", "create", tenant["id"], "--data-dir", data)
+    run_json(capsys, "keys", "revoke", tenant["key_id"], "--data-dir", data)
+    assert cli("keys", "list", tenant["id"], "--data-dir", data) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == [tenant["key_id"], second["id"]]  # globex's key not here
+    assert all(set(r) == {"id", "prefix", "created_at", "revoked_at"} for r in rows)
+    assert rows[0]["revoked_at"] is not None and rows[1]["revoked_at"] is None
+    assert datetime.fromisoformat(rows[0]["revoked_at"]) >= datetime.fromisoformat(
+        rows[0]["created_at"]
+    )
+    for key, row in zip((tenant["api_key"], second["api_key"]), rows, strict=True):
+        assert key.startswith(row["prefix"]) and len(row["prefix"]) < len(key) // 2
+        assert key not in out and key[len(row["prefix"]) :] not in out  # no secret printed
+    fields = ("keys", "list", tenant["id"], "--data-dir", data, "--field")
+    assert run_lines(capsys, *fields, "id") == [tenant["key_id"], second["id"]]
+    assert run_lines(capsys, *fields, "revoked_at")[1] == "null"
+    assert run_lines(capsys, "keys", "list", other["id"], "--data-dir", data, "--field", "id") == [
+        other["key_id"]
+    ]
+
+
+def test_field_prints_one_value_for_the_shell(tmp_path, capsys):
+    data = str(tmp_path / "data")
+    (key,) = run_lines(
+        capsys, "tenants", "create", "acme", "--field", "api_key", "--data-dir", data
+    )
+    tenant_id, key_id = auth(data, key)
+    (second,) = run_lines(
+        capsys, "keys", "create", tenant_id, "--field", "api_key", "--data-dir", data
+    )
+    assert auth(data, second)[0] == tenant_id and auth(data, second)[1] != key_id
+    (new_id,) = run_lines(capsys, "keys", "create", tenant_id, "--field", "id", "--data-dir", data)
+    assert new_id not in (key_id, auth(data, second)[1])
+    with pytest.raises(SystemExit):  # argparse refuses a field the output does not have
+        cli("tenants", "create", "x", "--field", "secret", "--data-dir", data)
+
+
 def test_errors_exit_1_with_one_line(tmp_path, capsys):
     data = str(tmp_path / "data")
     run_json(capsys, "tenants", "create", "acme", "--data-dir", data)
@@ -82,6 +149,7 @@ def test_errors_exit_1_with_one_line(tmp_path, capsys):
         (("tenants", "create", "acme"), "taken"),
         (("keys", "create", "no-such-tenant"), "no tenant"),
         (("keys", "revoke", "no-such-key"), "no key"),
+        (("keys", "list", "no-such-tenant"), "no tenant"),
     ]
     for argv, message in cases:
         assert cli(*argv, "--data-dir", data) == 1

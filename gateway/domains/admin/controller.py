@@ -60,7 +60,11 @@ class AdminController(Controller):
 
     @post("/tenants", status_code=HTTP_201_CREATED)
     async def create_tenant(self, request: Request) -> dict[str, Any]:
-        """``{"name", "limits"?}`` -> 201 ``{"id", "name", "api_key"}`` (the key, once)."""
+        """``{"name", "limits"?}`` -> 201 ``{"id", "name", "api_key", "key_id"}`` (the key, once).
+
+        ``key_id`` (beyond CONTRACT.md's three fields) names the key for
+        ``DELETE /admin/keys/{id}``.
+        """
         body = await json_object(request)
         state = request.app.state.gateway
         name = body.get("name")
@@ -69,7 +73,7 @@ class AdminController(Controller):
         limits = _limits(_object(body.get("limits") or {}))
         async with state.sessions() as session, session.begin():
             tenant, key = await create_tenant_with_key(session, name, state.secret, limits)
-            return {"id": tenant.id, "name": tenant.name, "api_key": key.api_key}
+            return {"id": tenant.id, "name": tenant.name, "api_key": key.api_key, "key_id": key.id}
 
     @get("/tenants")
     async def list_tenants(self, request: Request) -> dict[str, Any]:
