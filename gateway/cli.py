@@ -20,6 +20,31 @@ def _version() -> str:
         return "0+unknown"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` that shows every option's default.
+
+    argparse's ``ArgumentDefaultsHelpFormatter`` appends ``(default: X)``; this one leaves out
+    ``(default: None)`` (such an option's help says in words what happens without it) and
+    anything whose help already speaks of its default (``%(default)s`` or prose).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+def subparsers_of(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and every parser below it (subcommands of subcommands included)."""
+    found = [parser]
+    for action in parser._actions:  # argparse has no public way to list subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases map to one parser
+                found.extend(subparsers_of(child))
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level argument parser.
 
@@ -34,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in (serve, generate, model, tenants, keys, db):
         module.register(subparsers)
+    for each in subparsers_of(parser):
+        each.formatter_class = HelpFormatter
     return parser
 
 

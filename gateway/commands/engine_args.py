@@ -16,20 +16,54 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Hugging Face model directory (default: the built-in tiny LLaVA)",
     )
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the base model's name in requests' model field and /v1/models "
+        "(default: the model directory's name)",
+    )
     g.add_argument(
         "--data-dir",
         default=None,
         help="data directory (default: $LORAPLEX_DATA_DIR or ./.loraplex)",
     )
-    g.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype)
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument(
+        "--device", choices=["cpu", "cuda"], default=d.device, help="where the model runs"
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=d.dtype,
+        help="weights, activations and KV cache",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seed of the sampling of requests that give none",
+    )
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="blocks in the KV cache pool (default: as many as the KV memory budget holds)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output, in tokens (default: the model's own limit)",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="tokens one step computes (prefill chunks + decodes)",
+    )
     g.add_argument(
         "--long-prefill-token-threshold",
         type=int,
@@ -48,8 +82,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,
+        help="reuse the KV of earlier requests' identical prefixes (same adapter, images and "
+        "cache salt)",
     )
-    g.add_argument("--prefix-hash", choices=["sha256", "xxhash"], default=d.prefix_hash)
+    g.add_argument(
+        "--prefix-hash",
+        choices=["sha256", "xxhash"],
+        default=d.prefix_hash,
+        help="hash of the prefix cache's block keys (xxhash: faster, not collision-resistant)",
+    )
     g.add_argument(
         "--mm-hash",
         choices=["perceptual", "exact"],
@@ -58,11 +99,34 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "KV) or perceptual (re-encodings share KV, but so can images that differ in a digit "
         "of text or a small object; see docs/image_keys.md)",
     )
-    g.add_argument("--max-loras", type=int, default=d.max_loras)
-    g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras)
-    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
-    g.add_argument("--attention-backend", choices=["torch", "triton"], default=d.attention_backend)
-    g.add_argument("--preemption", choices=["recompute", "swap"], default=d.preemption)
+    g.add_argument(
+        "--max-loras",
+        type=int,
+        default=d.max_loras,
+        help="LoRA adapters on the device at once (distinct adapters in one step)",
+    )
+    g.add_argument(
+        "--max-cpu-loras", type=int, default=d.max_cpu_loras, help="adapters kept in host memory"
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=d.max_lora_rank,
+        help="largest LoRA rank accepted (also bounds an upload's size)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        choices=["torch", "triton"],
+        default=d.attention_backend,
+        help="paged attention: torch (any device) or triton (GPU kernels; the gpu extra)",
+    )
+    g.add_argument(
+        "--preemption",
+        choices=["recompute", "swap"],
+        default=d.preemption,
+        help="when the KV pool is full: recompute (free a victim's blocks) or swap (copy its KV "
+        "to host memory and back)",
+    )
 
 
 def config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:

@@ -11,15 +11,18 @@ def register(subparsers) -> None:
     model = subparsers.add_parser("model", help="model utilities")
     sub = model.add_subparsers(dest="model_command", metavar="SUBCOMMAND", required=True)
     tiny = sub.add_parser("init-tiny", help="write the built-in tiny random-weight model")
-    tiny.add_argument("directory")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("directory", help="where to write it (created; a Hugging Face directory)")
+    tiny.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights (serve's own model: 0)"
+    )
     tiny.add_argument(
         "--text-only", action="store_true", help="a Llama text model instead of the LLaVA"
     )
     tiny.add_argument(
         "--preset",
         default=None,
-        help="a larger named configuration (e.g. 'bench', about 30M parameters)",
+        help="a larger named configuration (e.g. 'bench', about 30M parameters; default: the "
+        "tiny one)",
     )
     tiny.set_defaults(func=_init_tiny)
 

@@ -16,8 +16,8 @@ def register(subparsers) -> None:
     """Add the ``serve`` command."""
     p = subparsers.add_parser("serve", help="run the HTTP gateway and the engine")
     d = GatewayConfig(data_dir=None, db_url="", served_model_name="")  # type: ignore[arg-type]
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--host", default=d.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=d.port, help="TCP port to listen on")
     p.add_argument(
         "--db-url",
         default=None,
@@ -29,11 +29,36 @@ def register(subparsers) -> None:
     )
     add_engine_args(p)
     g = p.add_argument_group("limits (per key; a tenant's own limits override them)")
-    g.add_argument("--requests-per-minute", type=int, default=d.default_requests_per_minute)
-    g.add_argument("--tokens-per-minute", type=int, default=d.default_tokens_per_minute)
-    g.add_argument("--max-concurrent-requests", type=int, default=d.default_max_concurrent_requests)
-    g.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit)
-    g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_seconds)
+    g.add_argument(
+        "--requests-per-minute",
+        type=int,
+        default=d.default_requests_per_minute,
+        help="requests per minute per key; 429 with Retry-After beyond",
+    )
+    g.add_argument(
+        "--tokens-per-minute",
+        type=int,
+        default=d.default_tokens_per_minute,
+        help="prompt + completion tokens per minute per key; 429 with Retry-After beyond",
+    )
+    g.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=d.default_max_concurrent_requests,
+        help="requests in flight per key; 429 beyond",
+    )
+    g.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=d.max_tokens_limit,
+        help="largest max_tokens a request may ask for; 400 beyond",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=d.shutdown_grace_seconds,
+        help="seconds in-flight requests may run after SIGINT / SIGTERM before they are aborted",
+    )
     a = p.add_argument_group(
         "admission control (all tenants; past a bound new requests get 503 + Retry-After)"
     )
@@ -77,7 +102,12 @@ def register(subparsers) -> None:
         help="usage rows that may wait for an unreachable database; past it, chat requests get "
         "503 (default %(default)s)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log record written (info and debug include the access log)",
+    )
     p.add_argument(
         "--no-access-log",
         action="store_true",
