@@ -114,3 +114,20 @@ def test_every_route_takes_one_kind_of_key(live):
                 assert_openai_error(response, 403, code)
                 checked += 1
     assert checked >= 12
+
+
+def test_docs_take_a_tenant_key(live):
+    """``/docs`` (the OpenAPI UI, README) answers a tenant key: a browser alone gets 401."""
+    tenant = live.create_tenant("reader")
+    with live.client() as c:
+        assert_openai_error(c.get("/docs"), 401)
+        assert_openai_error(c.get("/docs/openapi.json"), 401)
+    with live.client(tenant["api_key"]) as c:
+        page = c.get("/docs")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        schema = c.get("/docs/openapi.json")
+        assert schema.status_code == 200
+        paths = schema.json()["paths"]
+    assert {"/v1/chat/completions", "/v1/adapters", "/v1/models", "/v1/usage"} <= set(paths)
+    with live.admin() as c:
+        assert_openai_error(c.get("/docs"), 403)
