@@ -320,3 +320,16 @@ def test_a_long_context_token_costs_more():
     first, last = chunks[0], chunks[-1]
     # 64 token-equivalents: 63 tokens at the start of the context, 5 near position 3,500.
     assert first.num_new_tokens >= 55 and last.num_new_tokens <= 6
+
+
+def test_eos_ids_come_from_generation_config_too(tiny_text_dir, tmp_path):
+    """A checkpoint listing extra stop ids in generation_config.json stops on them."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_text_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 77]}))
+    llm = LLM(EngineConfig(model=str(model), num_kv_blocks=32))
+    assert 77 in llm.engine.core.eos_token_ids
+    assert 77 in llm.engine.scheduler.eos_token_ids
