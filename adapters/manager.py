@@ -140,6 +140,10 @@ class LoRAManager:
         self._trim_cpu()
         return adapter
 
+    def holds(self, digest: str) -> bool:
+        """True when ``digest`` is in the CPU tier or a device slot."""
+        return digest in self._cpu or digest in self._slot_of
+
     def slot_of(self, digest: str) -> int | None:
         """The device slot holding ``digest``, or None."""
         return self._slot_of.get(digest)

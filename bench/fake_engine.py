@@ -16,7 +16,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from loraplex.engine.inputs import ProcessedPrompt
-from loraplex.engine.request import CompletionOutput, EngineRequest, RequestOutput
+from loraplex.engine.request import (
+    CompletionOutput,
+    EngineRequest,
+    RequestOutput,
+    RequestOutputKind,
+)
 from loraplex.gateway.server.engine_client import AdapterLimits, InputLimits
 
 CHARS_PER_TOKEN = 4
@@ -100,7 +105,8 @@ class InstantEngine:
         """One output per token, all at once; ``finish_reason`` ``"length"`` on the last.
 
         Yields:
-            Cumulative :class:`RequestOutput` objects; the last has ``finished`` set.
+            ``DELTA`` outputs (one token each), or one ``FINAL_ONLY`` output, as the request
+            asks; the last has ``finished`` set.
         """
         self.requests += 1
         self.in_flight += 1
@@ -114,19 +120,22 @@ class InstantEngine:
         n = request.sampling.n
         steps = max(1, min(self.completion_tokens, request.sampling.max_tokens))
         prompt = request.prompt_token_ids
+        final_only = request.output_kind is RequestOutputKind.FINAL_ONLY
         for step in range(1, steps + 1):
             if step == 2 and self.gate is not None:
                 while not self.gate.is_set():
                     await asyncio.sleep(0.005)
             last = step == steps
+            if final_only and not last:
+                continue
+            count = step if final_only else 1
             outputs = [
                 CompletionOutput(
                     index=i,
-                    text=TOKEN_TEXT * step,
-                    token_ids=[TOKEN_ID] * step,
+                    text=TOKEN_TEXT * count,
+                    token_ids=[TOKEN_ID] * count,
                     finish_reason="length" if last else None,
-                    text_delta=TOKEN_TEXT,
-                    token_ids_delta=[TOKEN_ID],
+                    num_tokens=step,
                 )
                 for i in range(n)
             ]
@@ -141,9 +150,9 @@ class InstantEngine:
                 ttft=0.0,
             )
 
-    def token_texts(self, token_ids: list[int]) -> list[str]:
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
         """Every token is :data:`TOKEN_TEXT`."""
-        return [TOKEN_TEXT for _ in token_ids]
+        return [TOKEN_TEXT.encode() for _ in token_ids]
 
     async def add_lora(self, adapter: Any) -> None:
         """Accepted and forgotten (the fake runs no adapters)."""

@@ -125,15 +125,7 @@ class AsyncLLM:
 
     def stats(self) -> dict[str, Any]:
         """A snapshot of scheduler and cache figures (read without locking: approximate)."""
-        eng = self.engine
-        return {
-            "kv_blocks_total": eng.kv.pool.num_blocks,
-            "kv_blocks_in_use": eng.kv.pool.num_used,
-            "requests_running": len(eng.scheduler.running),
-            "requests_waiting": len(eng.scheduler.waiting),
-            "prefix_cache_queried_tokens": eng.kv.stats.total.queried_tokens,
-            "prefix_cache_hit_tokens": eng.kv.stats.total.hit_tokens,
-        }
+        return self.engine.stats()
 
     # -------------------------------------------------------------------- engine thread
     def _deliver(self, rid: str, item: Any) -> None:
@@ -210,7 +202,7 @@ class AsyncLLM:
             logger.exception("engine loop failed")
             self._dead = exc
         finally:
-            for rid in list(self.engine.requests):
+            for rid in list(self.engine.output_processor.requests):
                 try:
                     out = self.engine.abort_request(rid)
                 except Exception:  # a broken engine: its streams still end below

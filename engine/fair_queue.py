@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from loraplex.engine.request import Sequence
+from loraplex.engine.sequence import Sequence
 
 PROMPT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0

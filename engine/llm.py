@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
 from loraplex.engine.sampling.params import SamplingParams
 
 
@@ -61,9 +62,10 @@ class LLM:
         Raises:
             ValueError: a request is invalid (nothing of the batch is run then).
         """
+        final_only = RequestOutputKind.FINAL_ONLY
         for i, req in enumerate(requests):
             try:
-                self.engine.add_request(req)
+                self.engine.add_request(dataclasses.replace(req, output_kind=final_only))
             except ValueError:
                 for done in requests[:i]:
                     self.engine.abort_request(done.request_id)

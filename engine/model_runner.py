@@ -1,22 +1,41 @@
-"""The model runner: owns the paged KV tensors and turns a scheduled step into logits.
+"""The model runner: owns the paged KV tensors and its own view of each sequence; runs a step.
+
+It is told everything by the ``SchedulerOutput`` (``engine.scheduler_output``): a sequence's
+token ids, block table, sampling params, generator seed, adapter slot and images arrive once
+in a ``NewSeq``; each step brings its new block ids, copy-on-write replacements and image spans.
+It never reads a ``Sequence``, a request or a manager, and answers with a ``ModelRunnerOutput``:
+the sampled token ids (and logprobs) per sequence, appended to its own token lists as well.
 
 Per step: swap-out copies, swap-in copies, copy-on-write copies, then one forward pass over the
 flattened tokens of every scheduled sequence (prefill chunks and decodes mixed), with image
-features spliced in at image-placeholder positions, then logits for the sequences that sample.
+features spliced in at image-placeholder rows, then logits for the sequences that sample, then
+the sampler. A sequence whose part of the forward pass or of the sampling raises fails alone
+(``engine.step_isolation``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from loraplex.engine.attention import AttentionBackend, AttentionMetadata
-from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.kv_cache.block_table import BlockTable
 from loraplex.engine.lora import LoRAStepContext
-from loraplex.engine.scheduler import ScheduledSeq, SchedulerOutput
+from loraplex.engine.request import ImageInput
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.engine.sampling.sampler import Sampler, make_generator
+from loraplex.engine.scheduler_output import (
+    ModelRunnerOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+)
+from loraplex.engine.step_isolation import execute_isolating, sample_rows_isolating
 from loraplex.engine.vision_cache import VisionCache
+
+logger = logging.getLogger(__name__)
 
 
 def kv_block_bytes(
@@ -27,22 +46,33 @@ def kv_block_bytes(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
 
+@dataclass
+class _RunnerSeq:
+    """What the runner knows of one sequence."""
+
+    token_ids: list[int]
+    table: BlockTable
+    sampling: SamplingParams
+    images: list[ImageInput]
+    cache_salt: str | None
+
+
 class ModelRunner:
-    """Runs the model over the paged KV cache.
+    """Runs the model over the paged KV cache and samples.
 
     Args:
         model: A model from ``engine.models`` (``forward``, ``embed_tokens``,
-            ``compute_logits``; LLaVA also ``encode_images`` and ``image_token_id``).
+            ``compute_logits``; LLaVA also ``encode_images``).
         num_kv_blocks: Device blocks per layer.
         block_size: Tokens per block.
         backend: The attention backend.
         device: Where the model and caches live.
         dtype: KV cache dtype (the model's).
+        sampler: The sampler (its shared generator serves unseeded sequences).
         num_cpu_blocks: Blocks of the CPU swap pool (0: no swap pool).
         vision_cache: Cache of image encodings, None to always encode.
         lora_context: The step context of the model's LoRA layers (``engine.lora``), None
             when the model serves no adapters.
-        lora_slot_of: ``adapter digest -> device slot`` (the LoRA manager's).
     """
 
     def __init__(
@@ -54,23 +84,25 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
         dtype: torch.dtype,
+        sampler: Sampler,
         num_cpu_blocks: int = 0,
         vision_cache: VisionCache | None = None,
         lora_context: LoRAStepContext | None = None,
-        lora_slot_of: Callable[[str], int | None] | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.backend = backend
         self.device = device
         self.dtype = dtype
+        self.sampler = sampler
         self.vision_cache = vision_cache
         self.lora_context = lora_context
         if lora_context is not None:  # the triton backend brings the Triton LoRA kernels
             lora_context.use_triton = backend.name == "triton"
-        self.lora_slot_of = lora_slot_of
         self.num_images_encoded = 0
         self.last_forward_seconds = 0.0  # model forward + logits of the last step
+        self.seqs: dict[str, _RunnerSeq] = {}
+        self.generators: dict[str, torch.Generator] = {}
         shape = (num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
         # One (K, V) pair of [num_blocks, block_size, num_kv_heads, head_dim] per layer.
         self.kv_caches = [
@@ -94,6 +126,30 @@ class ModelRunner:
             else []
         )
 
+    # --------------------------------------------------------------------------- state
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Apply what the step says about sequences: drops, new ones, new blocks, copies."""
+        for seq_id in sched.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+            self.generators.pop(seq_id, None)
+        for seq_id in sched.dropped_seq_ids:  # preempted: a resumed one comes back whole
+            self.seqs.pop(seq_id, None)
+        for new in sched.new_seqs:
+            self.seqs[new.seq_id] = _RunnerSeq(
+                token_ids=list(new.token_ids),
+                table=BlockTable(self.block_size, new.block_ids),
+                sampling=new.sampling,
+                images=new.images,
+                cache_salt=new.cache_salt,
+            )
+            if new.seed is not None and new.seq_id not in self.generators:
+                self.generators[new.seq_id] = make_generator(new.seed, self.device)
+        for item in sched.scheduled:
+            table = self.seqs[item.seq_id].table
+            for logical, block in item.copies:
+                table.block_ids[logical] = block
+            table.append(item.new_block_ids)
+
     # ------------------------------------------------------------------------ KV copies
     def _copy_blocks(self, pairs, src_caches, dst_caches) -> None:
         if not pairs:
@@ -112,19 +168,83 @@ class ModelRunner:
         self._copy_blocks(sched.swap_in, self.cpu_caches, self.kv_caches)
         self._copy_blocks(sched.block_copies, self.kv_caches, self.kv_caches)
 
-    # -------------------------------------------------------------------------- forward
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor | None:
-        """Run one step.
+    # --------------------------------------------------------------------------- step
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: state updates, copies, the forward pass, sampling.
 
         Returns:
-            ``[num_sampling_seqs, vocab]`` float32 logits, one row per scheduled sequence with
-            ``sample`` set, in batch order; None when no sequence samples this step.
+            The sampled tokens per sampling sequence (one per ``fork_ids`` entry for a fork),
+            their logprobs where asked, and the sequences whose part failed.
+
+        Raises:
+            Exception: what a copy raised (no sequence to blame: the engine is broken).
         """
+        self.update_states(sched)
         self.apply_copies(sched)
+        result = ModelRunnerOutput()
         if not sched.scheduled:
-            return None
-        bs = self.block_size
+            return result
+        step = execute_isolating(self.forward, sched.scheduled)
+        for item, exc in step.culprits:
+            logger.error("%s failed in the forward pass", item.seq_id, exc_info=exc)
+            result.failed[item.seq_id] = "the forward pass"
+        result.forward_seconds = self.last_forward_seconds
+        sampling = [item for item in step.kept if item.sample]
+        if not sampling:
+            return result
+        self._sample(sampling, step.logits_of, result)
+        return result
+
+    def _sample(self, items: list[ScheduledSeq], logits_of, result: ModelRunnerOutput) -> None:
+        """Sample every sampling sequence's token(s); a row that fails fails its sequence."""
+        rows: list[torch.Tensor] = []
+        owners: list[tuple[str, str]] = []  # (sequence, generator id) per row
+        for item in items:
+            row = logits_of(item)
+            for gen_id in item.fork_ids or (item.seq_id,):
+                rows.append(row)
+                owners.append((item.seq_id, gen_id))
+        logits = torch.stack(rows)
+        params = [self.seqs[seq_id].sampling for seq_id, _ in owners]
+        seeds = {item.seq_id: item for item in items}
+        generators = []
+        for seq_id, gen_id in owners:
+            gen = self.generators.get(gen_id)
+            if gen is None and gen_id != seq_id:  # a fork child: seeded from the request's seed
+                seed = self.seqs[seq_id].sampling.seed
+                if seed is not None:
+                    index = seeds[seq_id].fork_ids.index(gen_id)
+                    gen = self.generators[gen_id] = make_generator(seed + index, self.device)
+            generators.append(gen)
+
+        def sample(which: list[int]):
+            return self.sampler(
+                logits if len(which) == len(owners) else logits[which],
+                [params[r] for r in which],
+                [generators[r] for r in which],
+            )
+
+        results, failed_rows = sample_rows_isolating(sample, len(owners))
+        for r, exc in failed_rows.items():
+            logger.error("%s failed in sampling", owners[r][0], exc_info=exc)
+            result.failed[owners[r][0]] = "sampling"
+        for (seq_id, _), res in zip(owners, results, strict=True):
+            if seq_id in result.failed:
+                continue
+            token, logprob, _, top = res
+            result.sampled.setdefault(seq_id, []).append(token)
+            if self.seqs[seq_id].sampling.logprobs is not None:
+                result.logprobs.setdefault(seq_id, []).append((logprob, top))
+        for seq_id, tokens in result.sampled.items():
+            self.seqs[seq_id].token_ids.append(tokens[0])  # a fork child gets its own later
+
+    @torch.inference_mode()
+    def forward(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
+        """One forward pass over ``items``; ``[num sampling items, vocab]`` float32 logits.
+
+        Returns:
+            One row per item with ``sample`` set, in order; None when none samples.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -132,15 +252,15 @@ class ModelRunner:
         query_start = [0]
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        for item in sched.scheduled:
-            seq, start, n = item.seq, item.start, item.num_new_tokens
-            table = kv.get_block_ids(seq.seq_id)
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            seq_lens.append(start + n)
-            query_start.append(query_start[-1] + n)
-            tables.append(table)
+        for item in items:
+            st = self.seqs[item.seq_id]
+            start, end = item.start, item.start + item.num_new_tokens
+            input_ids.extend(st.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(st.table.slot_mapping(start, end))
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + item.num_new_tokens)
+            tables.append(st.table.block_ids)
             if item.sample:
                 sample_rows.append(query_start[-1] - 1)
         max_blocks = max(len(t) for t in tables)
@@ -152,14 +272,14 @@ class ModelRunner:
             block_tables=torch.tensor(
                 [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev
             ),
-            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
+            max_query_len=max(i.num_new_tokens for i in items),
             max_seq_len=max(seq_lens),
-            num_decode_tokens=sum(1 for s in sched.scheduled if s.num_new_tokens == 1),
+            num_decode_tokens=sum(1 for i in items if i.num_new_tokens == 1),
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        embeds = self._embed_with_images(ids, sched.scheduled, query_start)
-        self._set_lora(sched.scheduled)
+        embeds = self._embed_with_images(ids, items, query_start)
+        self._set_lora(items)
         t0 = time.perf_counter()
         hidden = self.model(
             None if embeds is not None else ids,
@@ -169,31 +289,23 @@ class ModelRunner:
             self.backend,
             inputs_embeds=embeds,
         )
-        if not sample_rows:
-            self._sync()
-            self.last_forward_seconds = time.perf_counter() - t0
-            return None
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        logits = None
+        if sample_rows:
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+            logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
         self._sync()
         self.last_forward_seconds = time.perf_counter() - t0
         return logits
 
-    def _set_lora(self, scheduled: list[ScheduledSeq]) -> None:
+    def _set_lora(self, items: list[ScheduledSeq]) -> None:
         """Tell the LoRA layers which slot each of the step's tokens uses (-1: base)."""
         if self.lora_context is None:
             return
-        slots: list[int] = []
-        for item in scheduled:
-            digest = item.seq.request.lora_digest
-            slot = -1
-            if digest is not None:
-                slot = self.lora_slot_of(digest)
-                if slot is None:  # the scheduler acquired it: a bug if it is not resident
-                    raise RuntimeError(f"adapter {digest} is not resident in a device slot")
-            slots.extend([slot] * item.num_new_tokens)
-        if any(s >= 0 for s in slots):
-            self.lora_context.set_token_slots(slots, self.device)
+        token_slots: list[int] = []
+        for item in items:
+            token_slots.extend([item.lora_slot] * item.num_new_tokens)
+        if any(s >= 0 for s in token_slots):
+            self.lora_context.set_token_slots(token_slots, self.device)
         else:
             self.lora_context.clear()
 
@@ -202,25 +314,15 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _embed_with_images(
-        self, ids: torch.Tensor, scheduled: list[ScheduledSeq], query_start: list[int]
+        self, ids: torch.Tensor, items: list[ScheduledSeq], query_start: list[int]
     ) -> torch.Tensor | None:
         """Token embeddings with image features at the placeholder rows this step computes."""
-        spans = []  # (row offset in the step, image, first feature row, count)
-        for item, q0 in zip(scheduled, query_start, strict=False):
-            start, end = item.start, item.start + item.num_new_tokens
-            for image in item.seq.request.images:
-                ph = image.placeholder
-                lo, hi = max(start, ph.offset), min(end, ph.end)
-                if lo < hi:
-                    spans.append(
-                        (
-                            q0 + lo - start,
-                            item.seq.request.cache_salt,
-                            image,
-                            lo - ph.offset,
-                            hi - lo,
-                        )
-                    )
+        spans = []  # (row in the step, salt, image, first feature row, count)
+        for item, q0 in zip(items, query_start, strict=False):
+            st = self.seqs[item.seq_id]
+            for span in item.image_spans:
+                spans.append((q0 + span.row, st.cache_salt, st.images[span.image], span.first,
+                              span.count))  # fmt: skip
         if not spans:
             return None
         features = self._image_features([(salt, image) for _, salt, image, _, _ in spans])

@@ -1,8 +1,7 @@
-"""Requests, the sequences the scheduler runs, and the outputs the engine returns.
+"""Requests as the engine takes them, and the outputs its clients return.
 
-A request with ``n > 1`` runs as one sequence until its prompt is computed; its first sampling
-step forks it into ``n`` sequences that share every prompt block (copy on write of the partial
-last block), each then decoding on its own.
+The scheduler's sequences are ``engine.sequence``; what crosses the core's step is
+``engine.scheduler_output``.
 """
 
 from __future__ import annotations
@@ -15,11 +14,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplex.hashing.extra_keys import MMPlaceholder
-from loraplex.hashing.request_hasher import RequestBlockHasher
 
 if TYPE_CHECKING:
-    from loraplex.engine.sampling.detokenizer import IncrementalDetokenizer
     from loraplex.engine.sampling.params import SamplingParams
+
+
+class RequestOutputKind(enum.Enum):
+    """What each :class:`RequestOutput` of a request carries (vLLM's ``RequestOutputKind``).
+
+    ``DELTA``: an output for every step with news, holding only what is new since the previous
+    one (streaming); ``FINAL_ONLY``: one output when the request finishes, holding everything.
+    """
+
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,7 @@ class EngineRequest:
         tenant: The fairness group the scheduler shares the engine between
             (``engine.fair_queue``); None for requests without one (one shared group).
         arrival_time: ``time.monotonic()`` at arrival.
+        output_kind: What its outputs carry (streaming: ``DELTA``).
     """
 
     request_id: str
@@ -61,86 +70,25 @@ class EngineRequest:
     cache_salt: str | None = None
     tenant: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-
-
-class SequenceStatus(enum.Enum):
-    """Where a sequence is in its life."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"  # blocks freed (recompute) or KV in the CPU pool (swap)
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One generation stream: the unit the scheduler admits, runs, preempts and finishes.
-
-    Attributes:
-        seq_id: ``request_id`` for the first sequence, ``request_id#i`` for forks.
-        request: The request it belongs to.
-        index: Output index within the request (``0 .. n-1``).
-        token_ids: Prompt + generated tokens.
-        num_computed_tokens: Tokens whose KV is in the sequence's blocks.
-        hasher: Block hashes of ``token_ids`` (full blocks), extended as tokens arrive.
-        generator: The seeded generator of this sequence, None to use the engine's.
-        detokenizer: Incremental detokenizer and stop checks of this sequence.
-        num_cached_tokens: Prompt tokens served from the prefix cache at first admission.
-        swapped: True while its KV lives in the CPU swap pool.
-        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
-        logprobs: Per generated token, ``(sampled logprob, [(token_id, logprob), ...])``.
-    """
-
-    seq_id: str
-    request: EngineRequest
-    index: int
-    token_ids: list[int]
-    hasher: RequestBlockHasher
-    generator: torch.Generator | None = None
-    detokenizer: IncrementalDetokenizer | None = None
-    num_computed_tokens: int = 0
-    status: SequenceStatus = SequenceStatus.WAITING
-    num_cached_tokens: int | None = None
-    swapped: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    first_token_time: float | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt + generated tokens."""
-        return len(self.token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Prompt tokens."""
-        return len(self.request.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """Generated tokens."""
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def is_finished(self) -> bool:
-        """True once finished (stop, length or abort)."""
-        return self.status is SequenceStatus.FINISHED
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
 
 @dataclass
 class CompletionOutput:
-    """One of a request's ``n`` outputs.
+    """One of a request's ``n`` outputs, as a :class:`RequestOutput` carries it.
+
+    With ``RequestOutputKind.DELTA``, ``text``, ``token_ids`` and ``logprobs`` hold what is new
+    since the previous output of this index; with ``FINAL_ONLY`` they hold everything.
 
     Attributes:
         index: Output index.
-        text: Text generated so far (stop string removed unless asked to keep it).
-        token_ids: Tokens generated so far.
+        text: Text (stop string removed unless asked to keep it).
+        token_ids: Generated tokens (a final EOS / stop token included).
         finish_reason: None while running, then ``"stop"``, ``"length"``, ``"abort"`` or
             ``"error"`` (a fault while running it; see ``RequestOutput.error``).
+        stop_reason: The stop token id or stop string that finished it, if any.
         logprobs: Per token ``(logprob, top alternatives)`` when asked.
-        text_delta: Text added since the previous output of this sequence (streaming).
-        token_ids_delta: Tokens added since the previous output (streaming).
+        num_tokens: Tokens generated so far in all (whatever the kind).
     """
 
     index: int
@@ -149,19 +97,18 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    text_delta: str = ""
-    token_ids_delta: list[int] = field(default_factory=list)
+    num_tokens: int = 0
 
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step, as the engine returns it.
+    """A request's news after a step, as the client side's output processor builds it.
 
     Attributes:
         request_id: The request.
-        prompt_token_ids: The prompt.
-        outputs: One per sequence, by index.
-        finished: True when every sequence finished.
+        prompt_token_ids: The prompt (the request's own list, not a copy).
+        outputs: ``DELTA``: the outputs with news this step, by index; ``FINAL_ONLY``: all.
+        finished: True when every output finished (the request's last output).
         num_cached_tokens: Prompt tokens served from the prefix cache.
         ttft: Seconds from arrival to the first token, once there is one.
         error: Set (with ``finished``) when a fault in this request's part of a step failed

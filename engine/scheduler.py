@@ -24,88 +24,53 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
    the running sequences, and so every step, never hold more distinct adapters than slots;
    and since nothing overtakes, requests waiting for a slot are served in that order across
    adapters (no starvation).
-   Prefill tokens are shared between tenants within each step: while some sequence decodes,
-   the step carries at most ``long_prefill_token_threshold`` prefill tokens (Sarathi-Serve's
-   stall-free batching: another tenant's 4,000-token prompt cannot stretch every decoder's
-   step), and a step's prefill tokens are split max-min fairly between the tenants that want
-   some, so a newcomer's short prompt is computed in the step it is admitted.
+   Prefill work is shared between tenants within each step (``engine.step_budget``), so a
+   newcomer's short prompt is computed in the step it is admitted and another tenant's long
+   prompts cannot stretch every decoder's step.
 3. The step's sequences are put in batch order grouped by adapter (a stable sort, base model
    first), so every adapter's tokens form one contiguous segment of the flattened batch:
    Punica's SGMV layout, where each segment's LoRA shrink/expand works on a view of the
    activations in place, with no gather or scatter. Each tenant's counter is charged with the
    step's tokens.
+
+The step is one-way (``engine.scheduler_output``): :meth:`Scheduler.schedule` says everything the
+model runner needs (new sequences, new block ids, copy-on-write copies, LoRA slots, image spans,
+forks), and :meth:`Scheduler.update_from_output` is the one writer of what the step produced:
+token ids, block hashes, status and finish reasons (EOS, stop token ids, ``max_tokens``, the
+model length, the ``n > 1`` fork, faults). Stop strings are found by the client side's output
+processor, whose hit comes back through :meth:`Scheduler.finish_request`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from loraplex.engine.fair_queue import FairQueue, tenant_of
 from loraplex.engine.kv_cache import KVCacheManager, SlotAllocation
-from loraplex.engine.request import Sequence, SequenceStatus
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.scheduler_output import (
+    EngineCoreOutput,
+    ImageSpan,
+    Logprob,
+    ModelRunnerOutput,
+    NewSeq,
+    ScheduledSeq,
+    SchedulerOutput,
+)
+from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.step_budget import PrefillBudget
 from loraplex.engine.swap import CpuBlockPool
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One sequence's share of a step.
-
-    Attributes:
-        seq: The sequence.
-        start: Its ``num_computed_tokens`` before the step: the first position computed.
-        num_new_tokens: Tokens computed this step, positions ``[start, start + num_new_tokens)``.
-        sample: Whether the step ends at the sequence's last token, so a token is sampled.
-    """
-
-    seq: Sequence
-    start: int
-    num_new_tokens: int
-    sample: bool
-
-
 @dataclass
-class SchedulerOutput:
-    """What one step runs.
+class _RequestSeqs:
+    """A request's sequences (one until its ``n > 1`` fork)."""
 
-    Attributes:
-        scheduled: Sequences in the step, in batch order.
-        block_copies: Copy-on-write ``(src, dst)`` device block copies, done before the
-            forward pass.
-        swap_out: ``(device block, cpu block)`` copies, done first of all.
-        swap_in: ``(cpu block, device block)`` copies, done after the swap-outs.
-        preempted: Sequences preempted this step.
-        failed: Sequences finished without running (their adapter could not be loaded).
-        capped: Sequences finished with ``"length"`` because the whole pool cannot hold their
-            next token (they ran alone and still did not fit): without this they would
-            preempt themselves and be re-admitted forever.
-    """
-
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    failed: list[Sequence] = field(default_factory=list)
-    capped: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """Tokens computed this step."""
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def is_empty(self) -> bool:
-        """True when the step has nothing to run or copy."""
-        return not (
-            self.scheduled
-            or self.swap_out
-            or self.swap_in
-            or self.block_copies
-            or self.failed
-            or self.capped
-        )
+    request: EngineRequest
+    seqs: list[Sequence]
+    forked: bool = False
 
 
 class Scheduler:
@@ -114,19 +79,17 @@ class Scheduler:
     Args:
         kv: The KV cache manager.
         max_num_seqs: Most sequences running at once.
-        max_num_batched_tokens: Token budget of a step.
-        long_prefill_token_threshold: Most prefill work (token-equivalents, see
-            ``attention_cost``) a step carries while a sequence decodes (0: no cap).
-        tenant_prefill_tokens: Most prefill work a step carries while more than one tenant
-            has work (0: no cap): the latency another tenant's long prompts may add to a step.
-        attention_cost: Cost of attending to one context position, relative to the rest of a
-            token's forward pass (``1 / alpha``; 0: every token costs 1): a prefill token at
-            position ``p`` costs ``1 + p * attention_cost``.
+        budget: The per-step prefill allowance (``engine.step_budget``).
         max_loras: Most distinct adapters in one step.
+        max_model_len: Longest sequence; reaching it finishes one with ``"length"``.
+        eos_token_ids: Tokens that finish a sequence with ``"stop"`` (unless ``ignore_eos``).
         lora_manager: Acquires and releases adapter slots (``adapters.manager.LoRAManager``);
             None when the engine serves no adapters.
         preemption: ``"recompute"`` or ``"swap"``.
         cpu_pool: The CPU block pool for ``"swap"`` (falls back to recompute when full).
+
+    Raises:
+        ValueError: an unknown preemption policy.
     """
 
     def __init__(
@@ -134,11 +97,10 @@ class Scheduler:
         kv: KVCacheManager,
         *,
         max_num_seqs: int,
-        max_num_batched_tokens: int,
-        long_prefill_token_threshold: int = 0,
-        tenant_prefill_tokens: int = 0,
-        attention_cost: float = 0.0,
+        budget: PrefillBudget,
         max_loras: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
         preemption: str = "recompute",
         cpu_pool: CpuBlockPool | None = None,
         lora_manager: Any = None,
@@ -147,40 +109,37 @@ class Scheduler:
             raise ValueError(f"unknown preemption policy {preemption!r}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.tenant_prefill_tokens = tenant_prefill_tokens
-        self.attention_cost = attention_cost
+        self.budget = budget
+        self.max_num_batched_tokens = budget.max_num_batched_tokens
         self.max_loras = max_loras
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.preemption = preemption
         self.cpu_pool = cpu_pool
         self.lora_manager = lora_manager
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}  # every unfinished sequence
+        self.requests: dict[str, _RequestSeqs] = {}
         self.swap_tables: dict[str, list[int]] = {}  # seq_id -> CPU blocks of a swapped seq
         self.num_preemptions = 0
         self.num_swapped_out = 0
+        self._dropped: list[str] = []  # preempted since the last step: the runner drops them
+        self._finished: list[str] = []  # finished since the last step
+        self._pending: list[EngineCoreOutput] = []  # outputs of sequences finished in schedule
 
     # ----------------------------------------------------------------------------- queues
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (FCFS: at the back)."""
+        """Queue a new request's first sequence (at the back of its tenant's queue)."""
         seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
+        self.requests[seq.request.request_id] = _RequestSeqs(seq.request, [seq])
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence, after: Sequence) -> None:
-        """Put a forked sequence into the running queue right after its parent."""
-        if seq.request.lora_digest is not None:
-            self.lora_manager.acquire(seq.request.lora_digest)  # resident: the parent holds it
-        seq.status = SequenceStatus.RUNNING
-        self.running.insert(self.running.index(after) + 1, seq)
-        self.waiting.started(seq)
-
-    def has_unfinished(self) -> bool:
-        """True while any sequence waits or runs."""
-        return bool(self.waiting or self.running)
-
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Take a sequence out of the queues and release its blocks (and adapter slot) at once."""
+        if seq.is_finished:
+            return
         if seq in self.running:
             self.running.remove(seq)
             self.waiting.stopped(seq)
@@ -197,12 +156,36 @@ class Scheduler:
         seq.swapped = False
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.stop_reason = stop_reason if reason != "abort" else seq.stop_reason
+        self.seqs.pop(seq.seq_id, None)
+        self._finished.append(seq.seq_id)
+        state = self.requests.get(seq.request.request_id)
+        if state is not None and all(s.is_finished for s in state.seqs):
+            del self.requests[seq.request.request_id]
 
-    def abort(self, seqs: Iterable[Sequence], reason: str = "abort") -> None:
-        """Finish sequences with ``reason`` (their blocks freed at once)."""
-        for seq in seqs:
-            if not seq.is_finished:
-                self.finish(seq, reason)
+    def finish_request(
+        self,
+        request_id: str,
+        reason: str = "abort",
+        stop_reason: int | str | None = None,
+        index: int | None = None,
+    ) -> list[Sequence]:
+        """Finish a request's sequences (or only the one of ``index``): abort, a stop string.
+
+        Returns:
+            The sequences finished now (none for an unknown or finished request).
+        """
+        state = self.requests.get(request_id)
+        if state is None:
+            return []
+        if not state.forked:  # an n > 1 request not forked yet ends whole
+            index = None
+        done = []
+        for seq in list(state.seqs):
+            if not seq.is_finished and (index is None or seq.index == index):
+                self.finish(seq, reason, stop_reason)
+                done.append(seq)
+        return done
 
     def requeue(self, seq: Sequence) -> None:
         """Preempt a running sequence to recompute it (its step's result is discarded)."""
@@ -214,12 +197,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (see the module docstring)."""
         out = SchedulerOutput()
+        out.dropped_seq_ids, self._dropped = self._dropped, []
+        out.finished_seq_ids, self._finished = self._finished, []
         self._preempt_for_fairness(out)
         self._schedule(out)
+        out.dropped_seq_ids.extend(self._dropped)  # preempted by this schedule
+        self._dropped = []
         if self.lora_manager is not None and len(out.scheduled) > 1:
-            out.scheduled.sort(key=_adapter_key)
+            digest = {s.seq_id: s.request.lora_digest or "" for s in self.running}
+            out.scheduled.sort(key=lambda item: digest.get(item.seq_id, ""))
         for item in out.scheduled:  # computed tokens at the prompt rate, plus the sampled one
-            self.waiting.charge(tenant_of(item.seq), item.num_new_tokens, int(item.sample))
+            seq = self.seqs[item.seq_id]
+            self.waiting.charge(tenant_of(seq), item.num_new_tokens, int(item.sample))
         return out
 
     def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
@@ -261,10 +250,11 @@ class Scheduler:
             needed = -(-first // self.kv.block_size) - len(match.blocks)
         return needed <= self.kv.num_free_blocks
 
-    def _schedule(self, out: SchedulerOutput) -> SchedulerOutput:
+    def _schedule(self, out: SchedulerOutput) -> None:
         made_room = len(out.preempted)  # by fairness preemption: for the head, admit it now
         budget = self.max_num_batched_tokens
-        allowance, shared = self._prefill_allowance()
+        allowance, shared = self.budget.allowance(self.running, self.waiting, self.max_num_seqs)
+        cost, within = self.budget.cost, self.budget.tokens_within
         prefilling: set[str] = set()  # tenants with a prefill chunk in this step
         step_loras: set[str] = set()
         i = 0
@@ -275,7 +265,7 @@ class Scheduler:
             num_new = min(remaining, budget)
             start = seq.num_computed_tokens
             if remaining > 1:  # a prefill (or recompute) chunk: within its tenant's allowance
-                num_new = self._tokens_within(start, num_new, allowance.get(tenant, 0.0))
+                num_new = within(start, num_new, allowance.get(tenant, 0.0))
                 if shared and tenant in prefilling:  # one chunk per tenant while shared
                     num_new = 0
             if num_new <= 0:  # no allowance left this step (or nothing to compute)
@@ -284,16 +274,16 @@ class Scheduler:
             alloc = self._allocate_or_preempt(seq, num_new, out)
             if alloc is None:  # the sequence itself was preempted, or capped (finished)
                 break
-            self._record(out, seq, num_new, alloc)
+            self._record(out, seq, start, num_new, alloc)
             if remaining > 1:
-                allowance[tenant] -= self._cost(start, num_new)
+                allowance[tenant] -= cost(start, num_new)
                 prefilling.add(tenant)
             if seq.request.lora_digest is not None:
                 step_loras.add(seq.request.lora_digest)
             budget -= num_new
             i += 1
         if len(out.preempted) > made_room:  # the pool is short: admit nothing new
-            return out
+            return
 
         done: set[str] = set()  # tenants whose prefill turn in this step is over
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -310,14 +300,14 @@ class Scheduler:
             if lora is not None:
                 got = self._acquire_lora(seq)
                 if got is None:  # the adapter is gone: fail this request, go on
-                    self.waiting.remove(seq)
                     self.finish(seq, "abort")
-                    out.failed.append(seq)
+                    out.failed.append(seq.seq_id)
+                    self._pending.append(_output(seq, [], None, "abort", seq.stop_reason))
                     continue
                 if not got:
                     break
             if seq.swapped:
-                room = self._tokens_within(
+                room = within(
                     seq.num_computed_tokens,
                     min(budget, seq.num_tokens - seq.num_computed_tokens),
                     allowance.get(tenant, 0.0),
@@ -330,7 +320,7 @@ class Scheduler:
             else:
                 match = self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
                 start = match.num_cached_tokens
-                num_new = self._tokens_within(
+                num_new = within(
                     start, min(seq.num_tokens - start, budget), allowance.get(tenant, 0.0)
                 )
                 alloc = self.kv.allocate_slots(
@@ -348,7 +338,7 @@ class Scheduler:
                 seq.num_computed_tokens = match.num_cached_tokens
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = match.num_cached_tokens
-                self._record(out, seq, num_new, alloc)
+                self._record(out, seq, start, num_new, alloc)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -356,80 +346,9 @@ class Scheduler:
             if lora is not None:
                 step_loras.add(lora)
             item = out.scheduled[-1]
-            allowance[tenant] -= self._cost(item.start, item.num_new_tokens)
+            allowance[tenant] -= cost(item.start, item.num_new_tokens)
             prefilling.add(tenant)
             budget -= item.num_new_tokens
-        return out
-
-    def _prefill_allowance(self) -> tuple[dict[str, float], bool]:
-        """Prefill work (token-equivalents) each tenant may do this step, and whether shared.
-
-        A step's prefill work is the whole token budget; at most
-        ``long_prefill_token_threshold`` while a running sequence decodes (its next token waits
-        for the step); and at most ``tenant_prefill_tokens`` while more than one tenant has
-        work (another tenant's long prompts add at most that much to a step). It is shared
-        max-min fairly between the tenants that want some (running prefills, and the prompts
-        of each waiting tenant's first ``max_num_seqs`` sequences): a tenant wanting less than
-        an equal share gets all it wants, the others split the rest (water-filling). While
-        shared, a tenant's work is one chunk of one sequence per step: each chunk gathers its
-        whole context, so many small chunks of long prompts cost more than their tokens say.
-
-        Returns:
-            ``tenant -> allowance`` and whether more than one tenant has work.
-        """
-        demand: dict[str, float] = {}
-        for s in self.running:
-            remaining = s.num_tokens - s.num_computed_tokens
-            if remaining > 1:
-                t = tenant_of(s)
-                demand[t] = demand.get(t, 0.0) + self._cost(s.num_computed_tokens, remaining)
-        waiting = self.waiting.demand(self.max_num_seqs, lambda q: self._cost(0, q.num_tokens))
-        for t, work in waiting.items():
-            demand[t] = demand.get(t, 0.0) + work
-        total = float(self.max_num_batched_tokens)
-        caps = []
-        if any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
-            caps.append(self.long_prefill_token_threshold)
-        shared = bool(self.tenant_prefill_tokens) and (
-            len(demand.keys() | self.waiting.running.keys()) > 1
-        )
-        if shared:
-            caps.append(self.tenant_prefill_tokens)
-        for cap in caps:
-            if cap:
-                total = min(total, float(cap))
-        allowance: dict[str, float] = {}
-        left = total
-        ordered = sorted(demand.items(), key=lambda kv: kv[1])
-        for k, (t, want) in enumerate(ordered):
-            give = min(want, left / (len(ordered) - k))
-            allowance[t] = give
-            left -= give
-        return allowance, shared
-
-    def _cost(self, start: int, n: int) -> float:
-        """Work of computing positions ``[start, start + n)``: ``n`` plus their attention."""
-        return n + self.attention_cost * (n * start + n * (n + 1) / 2)
-
-    def _tokens_within(self, start: int, most: int, allowance: float) -> int:
-        """The most tokens from ``start`` (up to ``most``) whose work fits ``allowance``.
-
-        At least one when the allowance covers half a token's work, so a prefill far into a
-        long context still advances under a small cap.
-        """
-        if allowance <= 0 or most <= 0:
-            return 0
-        a = self.attention_cost
-        if a == 0.0:
-            n = int(allowance)
-        else:  # a/2 n^2 + (1 + a (start + 1/2)) n <= allowance
-            b = 1.0 + a * (start + 0.5)
-            n = int((math.sqrt(b * b + 2.0 * a * allowance) - b) / a)
-        if self._cost(start, n + 1) <= allowance * (1 + 1e-9):  # the root's rounding
-            n += 1
-        if n == 0 and allowance >= self._cost(start, 1) / 2:
-            n = 1
-        return min(most, n)
 
     def _cap_if_alone(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Finish the waiting head with ``"length"`` if it cannot fit even in an idle pool.
@@ -443,9 +362,9 @@ class Scheduler:
         """
         if self.running or out.scheduled:
             return False
-        self.waiting.remove(seq)
         self.finish(seq, "length")
-        out.capped.append(seq)
+        out.capped.append(seq.seq_id)
+        self._pending.append(_output(seq, [], None, "length"))
         return True
 
     def _acquire_lora(self, seq: Sequence) -> bool | None:
@@ -465,10 +384,53 @@ class Scheduler:
         if seq.request.lora_digest is not None and self.lora_manager is not None:
             self.lora_manager.release(seq.request.lora_digest)
 
-    def _record(self, out: SchedulerOutput, seq: Sequence, num_new: int, alloc) -> None:
-        start = seq.num_computed_tokens
+    def _lora_slot(self, seq: Sequence) -> int:
+        digest = seq.request.lora_digest
+        if digest is None or self.lora_manager is None:
+            return -1
+        slot = self.lora_manager.slot_of(digest)
+        if slot is None:  # acquired at admission: it must be resident
+            raise RuntimeError(f"adapter {digest} of {seq.seq_id} holds no device slot")
+        return slot
+
+    def _record(
+        self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int, alloc: SlotAllocation
+    ) -> None:
+        """Add a sequence's share of the step: its new blocks, copies, slot, images, fork."""
+        end = start + num_new
         out.block_copies.extend((c.src, c.dst) for c in alloc.copies)
-        out.scheduled.append(ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens))
+        item = ScheduledSeq(
+            seq.seq_id,
+            start,
+            num_new,
+            sample=end == seq.num_tokens,
+            lora_slot=self._lora_slot(seq),
+            image_spans=_image_spans(seq, start, end),
+        )
+        if seq.known_to_runner:
+            item.new_block_ids = list(alloc.new_block_ids)
+            item.copies = [(c.logical_index, c.dst) for c in alloc.copies]
+        else:  # the whole table, after this step's allocation, goes in the NewSeq
+            out.new_seqs.append(self._new_seq(seq, item.lora_slot))
+        n = seq.request.sampling.n
+        if item.sample and n > 1 and not self.requests[seq.request.request_id].forked:
+            rid = seq.request.request_id
+            item.fork_ids = (seq.seq_id, *(f"{rid}#{i}" for i in range(1, n)))
+        out.scheduled.append(item)
+
+    def _new_seq(self, seq: Sequence, lora_slot: int) -> NewSeq:
+        seq.known_to_runner = True
+        seed = seq.request.sampling.seed
+        return NewSeq(
+            seq_id=seq.seq_id,
+            token_ids=list(seq.token_ids),
+            block_ids=self.kv.get_block_ids(seq.seq_id),
+            sampling=seq.request.sampling,
+            seed=None if seed is None else seed + seq.index,
+            lora_slot=lora_slot,
+            images=seq.request.images,
+            cache_salt=seq.request.cache_salt,
+        )
 
     def _allocate_or_preempt(
         self, seq: Sequence, num_new: int, out: SchedulerOutput
@@ -488,7 +450,8 @@ class Scheduler:
                 # pool can never hold this sequence's next token. Preempting it would only
                 # re-admit it forever (a livelock at 100% CPU); it ends here instead.
                 self.finish(seq, "length")
-                out.capped.append(seq)
+                out.capped.append(seq.seq_id)
+                self._pending.append(_output(seq, [], None, "length"))
                 return None
             victim = self.running.pop()
             self.waiting.stopped(victim)
@@ -499,7 +462,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput, allow_swap: bool = True) -> None:
         """Move a running sequence back to the front of the waiting queue."""
         self.num_preemptions += 1
-        out.preempted.append(seq)
+        out.preempted.append(seq.seq_id)
         self._release_lora(seq)
         swapped = False
         if (
@@ -521,6 +484,9 @@ class Scheduler:
         if not swapped:
             seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
+        if seq.known_to_runner:
+            seq.known_to_runner = False
+            self._dropped.append(seq.seq_id)
         self.waiting.appendleft(seq)
 
     def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
@@ -536,12 +502,140 @@ class Scheduler:
         out.swap_in.extend(zip(cpu_blocks, alloc.new_block_ids, strict=False))
         self.cpu_pool.free(cpu_blocks)  # the copy happens before anything reuses them
         seq.swapped = False
-        out.scheduled.append(
-            ScheduledSeq(seq, restored, num_new, restored + num_new == seq.num_tokens)
-        )
+        self._record(out, seq, restored, num_new, SlotAllocation())
         return True
 
+    # ------------------------------------------------------------------- update_from_output
+    def update_from_output(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply what a step produced: the one writer of tokens, hashes, status and finishes.
 
-def _adapter_key(item: ScheduledSeq) -> str:
-    """Batch-order key: the adapter digest, base model (``""``) first."""
-    return item.seq.request.lora_digest or ""
+        For each sampling sequence: its token (or, at an ``n > 1`` request's first token, one
+        per fork) is appended and hashed, and the sequence finishes on a stop token id, EOS
+        (unless ``ignore_eos``), ``max_tokens`` or the model length. A sequence whose part of
+        the step failed (``result.failed``) fails its whole request with ``"error"``; the
+        blocks it was filling lose their cached hashes (their KV may be half written), and a
+        sequence of the step holding one of them (a prefix hit taken this step) is requeued
+        to be recomputed, its token discarded.
+
+        Returns:
+            One output per sequence that produced a token or finished.
+        """
+        outputs, self._pending = self._pending, []  # finished while scheduling
+        by_id = {item.seq_id: item for item in sched.scheduled}
+        bad_blocks = self._fail(result.failed, by_id, outputs)
+        for item in sched.scheduled:
+            seq = self.seqs.get(item.seq_id)
+            if seq is None or seq.is_finished:  # failed (or aborted) meanwhile
+                continue
+            if bad_blocks and bad_blocks.intersection(self.kv.get_block_ids(seq.seq_id)):
+                self.requeue(seq)
+                continue
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            tokens = result.sampled.get(item.seq_id) if item.sample else None
+            if not tokens:
+                continue
+            logprobs = result.logprobs.get(item.seq_id)
+            targets = self._fork(seq, item.fork_ids) if item.fork_ids else [seq]
+            for k, target in enumerate(targets):
+                outputs.append(self._append(target, tokens[k], logprobs[k] if logprobs else None))
+        for out in outputs:
+            out.request_finished = out.request_id not in self.requests
+        return outputs
+
+    def _fail(
+        self, failed: dict[str, str], by_id: dict[str, ScheduledSeq], outputs: list
+    ) -> set[int]:
+        """Fail the requests of sequences whose part of the step raised; their fresh blocks."""
+        bad_blocks: set[int] = set()
+        requests: dict[str, str] = {}
+        for seq_id, where in failed.items():
+            seq = self.seqs.get(seq_id)
+            if seq is None:
+                continue
+            item = by_id.get(seq_id)
+            if item is not None:
+                bad_blocks.update(self.kv.uncache_from(seq_id, item.start // self.kv.block_size))
+            requests.setdefault(seq.request.request_id, where)
+        for rid, where in requests.items():
+            state = self.requests.get(rid)
+            for seq in list(state.seqs) if state is not None else []:
+                if not seq.is_finished:
+                    self.finish(seq, "error")
+                    out = _output(seq, [], None, "error")
+                    out.error = f"the request failed in {where}"
+                    outputs.append(out)
+        return bad_blocks
+
+    def _fork(self, parent: Sequence, fork_ids: tuple[str, ...]) -> list[Sequence]:
+        """Fork an ``n > 1`` request's sequence into ``n`` sharing its prompt blocks."""
+        state = self.requests[parent.request.request_id]
+        children = [parent]
+        for i, child_id in enumerate(fork_ids[1:], start=1):
+            child = Sequence(
+                seq_id=child_id,
+                request=parent.request,
+                index=i,
+                token_ids=list(parent.token_ids),
+                hasher=parent.hasher.fork(),
+                num_computed_tokens=parent.num_computed_tokens,
+                status=SequenceStatus.RUNNING,
+                num_cached_tokens=parent.num_cached_tokens,
+            )
+            self.kv.fork(parent.seq_id, child.seq_id)
+            if child.request.lora_digest is not None:
+                self.lora_manager.acquire(child.request.lora_digest)  # the parent holds it
+            self.running.insert(self.running.index(children[-1]) + 1, child)
+            self.waiting.started(child)
+            self.seqs[child_id] = child
+            children.append(child)
+        state.seqs = children
+        state.forked = True
+        return children
+
+    def _append(self, seq: Sequence, token: int, logprob: Logprob | None) -> EngineCoreOutput:
+        """Add a sampled token; finish the sequence on a stop token, EOS, or a length limit."""
+        seq.token_ids.append(token)
+        seq.hasher.extend([token])
+        params = seq.request.sampling
+        reason: str | None = None
+        stop_reason: int | None = None
+        if token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.finish(seq, reason, stop_reason)
+        return _output(seq, [token], None if logprob is None else [logprob], reason, stop_reason)
+
+
+def _output(
+    seq: Sequence,
+    tokens: list[int],
+    logprobs: list[Logprob] | None,
+    finish_reason: str | None,
+    stop_reason: int | str | None = None,
+) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id=seq.request.request_id,
+        index=seq.index,
+        new_token_ids=tokens,
+        new_logprobs=logprobs,
+        finish_reason=finish_reason,
+        stop_reason=stop_reason,
+        num_cached_tokens=seq.num_cached_tokens or 0,
+    )
+
+
+def _image_spans(seq: Sequence, start: int, end: int) -> list[ImageSpan]:
+    """The image features positions ``[start, end)`` of a sequence take."""
+    spans = []
+    for i, image in enumerate(seq.request.images):
+        ph = image.placeholder
+        lo, hi = max(start, ph.offset), min(end, ph.end)
+        if lo < hi:
+            spans.append(ImageSpan(i, lo - start, lo - ph.offset, hi - lo))
+    return spans

@@ -8,19 +8,18 @@ still fail alone are the culprits, every other sequence gets the result it would
 
 Re-running a forward pass is safe: a sequence's KV writes for the step's positions are a pure
 function of its tokens and the KV before them, so writing them again gives the same values.
-The copies of the step (swap, copy-on-write) ran before the failing forward and are not
+The copies of the step (swap, copy-on-write) run before the forward pass and are not
 repeated. The retry costs one forward pass per sequence, and only when something failed.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from loraplex.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -31,54 +30,57 @@ class IsolatedForward:
 
     Attributes:
         kept: Scheduled sequences whose forward pass succeeded, in batch order.
-        rows: For each of ``kept``, its ``[1, vocab]`` logits row (None when it does not
-            sample); None as a whole when the batched pass succeeded (then ``logits`` holds
-            every row).
-        logits: ``[num_sampling, vocab]`` logits of the batched pass when it succeeded.
         culprits: Sequences that failed alone, with their exception.
+        rows: ``seq_id -> [vocab]`` logits row of each kept sequence that samples.
     """
 
-    kept: list[ScheduledSeq]
-    rows: list[torch.Tensor | None] | None = None
-    logits: torch.Tensor | None = None
-    culprits: list[tuple[ScheduledSeq, BaseException]] = field(default_factory=list)
+    kept: list[Any] = field(default_factory=list)
+    culprits: list[tuple[Any, BaseException]] = field(default_factory=list)
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def logits_of(self, item: Any) -> torch.Tensor:
+        """The logits row of a kept sampling sequence."""
+        return self.rows[item.seq_id]
 
 
-def execute_isolating(runner: Any, kv: Any, sched: SchedulerOutput) -> IsolatedForward:
-    """``runner.execute(sched, kv)``, retried per sequence if it raises.
+def execute_isolating(
+    forward: Callable[[list[Any]], torch.Tensor | None], items: list[Any]
+) -> IsolatedForward:
+    """``forward(items)``, retried one sequence at a time if it raises.
 
     Args:
-        runner: The model runner (``execute(sched, kv) -> logits | None``).
-        kv: The KV cache manager.
-        sched: The step.
+        forward: Runs a forward pass over scheduled sequences; one logits row per sequence
+            that samples, in order (None when none samples).
+        items: The step's scheduled sequences (``ScheduledSeq``), in batch order.
 
     Returns:
-        The batched result, or the per-sequence results and the culprits.
-
-    Raises:
-        Exception: what the batched pass raised, when the step has no sequence to blame (only
-            block copies failed).
+        The kept sequences and their logits rows, and the culprits.
     """
+    result = IsolatedForward()
     try:
-        return IsolatedForward(kept=list(sched.scheduled), logits=runner.execute(sched, kv))
+        logits = forward(items)
     except Exception as exc:
-        if not sched.scheduled:
-            raise
         logger.warning(
             "a step of %d sequences failed (%s: %s); retrying them one at a time",
-            len(sched.scheduled),
+            len(items),
             type(exc).__name__,
             exc,
         )
-    result = IsolatedForward(kept=[], rows=[])
-    for item in sched.scheduled:
+    else:
+        result.kept = list(items)
+        sampling = [item for item in items if item.sample]
+        for item, row in zip(sampling, logits if logits is not None else [], strict=True):
+            result.rows[item.seq_id] = row
+        return result
+    for item in items:
         try:
-            logits = runner.execute(SchedulerOutput(scheduled=[item]), kv)
+            logits = forward([item])
         except Exception as exc:  # this sequence's own fault
             result.culprits.append((item, exc))
             continue
         result.kept.append(item)
-        result.rows.append(logits)  # type: ignore[union-attr]
+        if logits is not None:
+            result.rows[item.seq_id] = logits[0]
     return result
 
 

@@ -53,10 +53,6 @@ class BlockPool:
         """Fraction of blocks in use, in ``[0, 1]``."""
         return self.num_used / self.num_blocks
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        """The block holding ``block_hash``, or None when it is not cached."""
-        return self.cached.get(block_hash)
-
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found by a prefix hit (reviving free ones).
 
@@ -110,23 +106,6 @@ class BlockPool:
             self.num_evictions += evicted
             self.epoch += 1
         return blocks
-
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
-        """Register a full block under its hash.
-
-        If another block already holds the hash (two requests computed the same block at the
-        same time), the first one stays the cached copy and this block stays uncached.
-
-        Returns:
-            True when ``block`` now holds ``block_hash`` in the cache.
-        """
-        if not self.enable_caching or block.block_hash is not None:
-            return block.block_hash == block_hash
-        if block_hash in self.cached:
-            return False
-        block.block_hash = block_hash
-        self.cached[block_hash] = block
-        return True
 
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> int:
         """Drop the hash of each block that is the cached copy of one; its KV is not trusted.

@@ -11,11 +11,11 @@ Public API::
     IncrementalDetokenizer(tokenizer, params, eos_token_ids=..., prompt_token_ids=None)
         .append(token_id) -> str; .finish(reason) -> str; .text, .finish_reason, .stop_reason
     StopChecker(stop, include_stop_str_in_output).append(delta) -> str
-    LogprobFormatter(tokenizer).entry(token_id, logprob, top) -> OpenAI logprob dict
+    TokenBytes(tokenizer)(token_ids) -> each token's exact UTF-8 bytes (OpenAI logprobs)
 """
 
 from loraplex.engine.sampling.detokenizer import IncrementalDetokenizer, TextStream
-from loraplex.engine.sampling.logprobs import LogprobFormatter, TopLogprobs, gather_logprobs
+from loraplex.engine.sampling.logprobs import TokenBytes, TopLogprobs, gather_logprobs
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.sampling.sampler import (
     Sampler,
@@ -28,12 +28,12 @@ from loraplex.engine.sampling.stop import StopChecker
 
 __all__ = [
     "IncrementalDetokenizer",
-    "LogprobFormatter",
     "Sampler",
     "SamplerOutput",
     "SamplingParams",
     "StopChecker",
     "TextStream",
+    "TokenBytes",
     "TopLogprobs",
     "exponential_race",
     "filter_probs",

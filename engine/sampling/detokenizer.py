@@ -22,16 +22,13 @@ When the completion finishes, one full ``decode`` releases whatever the stream s
 where the decoded ids are the output's token ids less a final EOS / stop token (whose text is
 left out unless ``include_stop_str_in_output``), before stop-string truncation. Tokenizers whose
 ``decode`` post-processes the whole text (``clean_up_tokenization_spaces=True``) are matched
-only up to that clean-up.
-
-Finish reasons (OpenAI): ``"stop"`` for EOS (unless ``ignore_eos``), a stop token id or a stop
-string; ``"length"`` when ``max_tokens`` tokens were generated (or the engine calls
-:meth:`IncrementalDetokenizer.finish`, e.g. at the model's context limit).
+only up to that clean-up. Stop strings are found here (they need the text); every other finish
+rule is the engine core's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -39,8 +36,6 @@ from tokenizers.decoders import DecodeStream
 
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.sampling.stop import StopChecker
-
-_USE_TOKENIZER_EOS = object()
 
 
 class _OffsetStream:
@@ -167,54 +162,41 @@ class TextStream:
 
 
 class IncrementalDetokenizer:
-    """Detokenizes one completion as it is generated and decides when it is finished.
+    """Detokenizes one completion as it is generated and finds its stop strings.
+
+    Only stop *strings* are found here: they need the text. EOS, stop token ids, ``max_tokens``
+    and the model length are the engine core's finish rules (``Scheduler.update_from_output``);
+    the caller passes ``stop_token=True`` with a token that finished the sequence as EOS or a
+    stop token id, then calls :meth:`finish`. A stop string found here goes back to the core
+    through ``EngineCore.finish_request`` (the output processor does that).
 
     Args:
         tokenizer: A transformers tokenizer (fast, ideally) or a ``tokenizers.Tokenizer``.
-        params: The completion's sampling params (stop strings, stop tokens, max_tokens, ...).
-        eos_token_ids: EOS id(s) that end the completion unless ``params.ignore_eos``; by
-            default the tokenizer's ``eos_token_id``; ``()`` for none.
-        prompt_token_ids: Accepted for parity with vLLM and unused: the text is the decode of
-            the output ids alone, exactly as ``tokenizer.decode`` gives it (vLLM primes its
-            stream with the prompt's last tokens, which differs only for SentencePiece
-            tokenizers, where it keeps the first output word's leading space).
+        params: The completion's sampling params (``stop``, ``include_stop_str_in_output``,
+            ``skip_special_tokens``).
 
     Attributes:
-        token_ids: Every token appended, EOS / stop token included.
-        finish_reason: None while running, then ``"stop"`` or ``"length"`` (or what
-            :meth:`finish` was given).
-        stop_reason: The matched stop string or stop token id; None otherwise (EOS included).
+        token_ids: Every token appended, a final EOS / stop token included.
+        stop_matched: The stop string that ended the text, None otherwise.
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        params: SamplingParams,
-        eos_token_ids: int | Iterable[int] | None | object = _USE_TOKENIZER_EOS,
-        prompt_token_ids: Sequence[int] | None = None,
-    ) -> None:
-        if eos_token_ids is _USE_TOKENIZER_EOS:
-            eos_token_ids = getattr(tokenizer, "eos_token_id", None)
-        if eos_token_ids is None:
-            eos: frozenset[int] = frozenset()
-        elif isinstance(eos_token_ids, int):
-            eos = frozenset((eos_token_ids,))
-        else:
-            eos = frozenset(eos_token_ids)  # type: ignore[arg-type]
-        self._eos = frozenset() if params.ignore_eos else eos
-        self._stop_ids = frozenset(params.stop_token_ids)
-        self._params = params
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self._include_stop = params.include_stop_str_in_output
         self._stream = TextStream(tokenizer, params.skip_special_tokens)
         self._stop = StopChecker(params.stop, params.include_stop_str_in_output)
         self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
+        self._finished = False
         self._text = ""
 
     @property
     def finished(self) -> bool:
-        """True once a finish reason is set; :meth:`append` may not be called again."""
-        return self.finish_reason is not None
+        """True after a stop string matched or :meth:`finish`; no more :meth:`append`."""
+        return self._finished
+
+    @property
+    def stop_matched(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._stop.matched
 
     @property
     def text(self) -> str:
@@ -224,60 +206,42 @@ class IncrementalDetokenizer:
         """
         return self._text
 
-    @property
-    def output_text(self) -> str:
-        """Alias of :attr:`text`."""
-        return self._text
-
-    def append(self, token_id: int) -> str:
+    def append(self, token_id: int, *, stop_token: bool = False) -> str:
         """Add the next sampled token.
 
         Args:
             token_id: The token the sampler picked for this sequence.
+            stop_token: The core finished the sequence on this token (EOS or a stop token
+                id): its text is left out unless ``include_stop_str_in_output``.
 
         Returns:
-            The text to stream now (possibly ""). Once the completion finishes, the returned
-            text completes the output, and :attr:`finish_reason` is set.
+            The text to stream now (possibly ""). When a stop string matched
+            (:attr:`stop_matched`), the returned text ends the output.
 
         Raises:
             RuntimeError: The completion has already finished.
         """
-        if self.finished:
+        if self._finished:
             raise RuntimeError("append() after the completion finished")
         self.token_ids.append(token_id)
-        delta = self._step(token_id)
-        self._text += delta
-        return delta
-
-    def _step(self, token_id: int) -> str:
-        if token_id in self._eos or token_id in self._stop_ids:
-            out = ""
-            if self._params.include_stop_str_in_output:
-                out = self._stop.append(self._stream.step(token_id))
-            reason = None if token_id in self._eos else token_id
-            return out + self._finish("stop", reason)
-        out = self._stop.append(self._stream.step(token_id))
+        delta = ""
+        if not stop_token or self._include_stop:
+            delta = self._stop.append(self._stream.step(token_id))
         if self._stop.matched is not None:
-            self.finish_reason, self.stop_reason = "stop", self._stop.matched
-            return out
-        if len(self.token_ids) >= self._params.max_tokens:
-            return out + self._finish("length")
-        return out
-
-    def finish(self, reason: str = "length") -> str:
-        """End the completion early (context limit, abort); return the last text to stream.
-
-        Returns "" when it has already finished.
-        """
-        if self.finished:
-            return ""
-        delta = self._finish(reason)
+            self._finished = True
         self._text += delta
         return delta
 
-    def _finish(self, reason: str, stop_reason: str | int | None = None) -> str:
-        self.finish_reason, self.stop_reason = reason, stop_reason
-        out = self._stop.append(self._stream.flush())
-        if self._stop.matched is not None:  # the released tail held a stop string
-            self.finish_reason, self.stop_reason = "stop", self._stop.matched
-        return out + self._stop.flush()
+    def finish(self) -> str:
+        """End the completion; return the text still held back ("" when already finished).
+
+        The released tail may hold a stop string (:attr:`stop_matched` is then set): bytes
+        that only decode once the stream is flushed.
+        """
+        if self._finished:
+            return ""
+        self._finished = True
+        delta = self._stop.append(self._stream.flush())
+        delta += self._stop.flush()
+        self._text += delta
+        return delta

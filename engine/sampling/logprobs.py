@@ -64,11 +64,12 @@ def gather_logprobs(
     return lps, ranks, tops
 
 
-class LogprobFormatter:
-    """Turns token ids and logprobs into OpenAI ``ChatCompletionTokenLogprob`` dicts.
+class TokenBytes:
+    """Each token's exact UTF-8 bytes, for OpenAI's logprob ``bytes`` (and ``token``).
 
-    ``bytes`` are the token's exact UTF-8 bytes (a byte-level BPE token may hold part of a
-    character), ``token`` is those bytes decoded with replacement characters.
+    A byte-level BPE token may hold part of a character, and a SentencePiece byte-fallback
+    token (``<0xNN>``) one byte: decoding such a token alone gives U+FFFD, whose bytes are not
+    the token's. The bytes here are the token's own, so they concatenate to the text.
 
     Args:
         tokenizer: A transformers fast tokenizer (``backend_tokenizer``) or a
@@ -95,22 +96,13 @@ class LogprobFormatter:
             out = bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
         else:
             out = piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word marker
-        self._cache[token_id] = out
+        if len(self._cache) < 1 << 18:  # bounded: a vocabulary, not a stream of requests
+            self._cache[token_id] = out
         return out
 
-    def _one(self, token_id: int, logprob: float) -> dict[str, Any]:
-        raw = self.token_bytes(token_id)
-        return {
-            "token": raw.decode("utf-8", errors="replace"),
-            "logprob": max(logprob, -9999.0),  # OpenAI's floor; keeps -inf out of the JSON
-            "bytes": list(raw),
-        }
-
-    def entry(self, token_id: int, logprob: float, top: TopLogprobs) -> dict[str, Any]:
-        """One ``logprobs.content[i]`` item: the sampled token and its ``top_logprobs``."""
-        item = self._one(token_id, logprob)
-        item["top_logprobs"] = [self._one(t, lp) for t, lp in top]
-        return item
+    def __call__(self, token_ids: list[int]) -> list[bytes]:
+        """:meth:`token_bytes` of each id."""
+        return [self.token_bytes(t) for t in token_ids]
 
 
 def _bytes_to_unicode() -> dict[int, str]:

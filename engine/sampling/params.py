@@ -7,7 +7,6 @@ at run time (a child's seed for ``n > 1``) make a new object with :func:`datacla
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -140,24 +139,6 @@ class SamplingParams:
     def top_k_enabled(self) -> bool:
         """True when ``top_k`` restricts the candidates (not 0 or -1)."""
         return self.top_k > 0
-
-    def for_child(self, index: int) -> SamplingParams:
-        """Params for the ``index``-th of the ``n`` completions of one request.
-
-        Each child samples one completion (``n=1``). A seeded request gives child ``i`` the seed
-        ``seed + i`` (vLLM v1's parallel sampling), so the ``n`` completions differ from each
-        other yet are each reproducible.
-
-        Args:
-            index: The completion's index, ``0 <= index < n``.
-
-        Raises:
-            ValueError: ``index`` is out of range.
-        """
-        if not 0 <= index < self.n:
-            raise ValueError(f"child index must be in [0, {self.n}), got {index}")
-        seed = None if self.seed is None else self.seed + index
-        return dataclasses.replace(self, n=1, seed=seed)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:

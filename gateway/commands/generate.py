@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     and the command exits 1; the valid ones still run.
     """
     from loraplex.engine.llm import LLM
+    from loraplex.engine.request import RequestOutputKind
     from loraplex.engine.sampling.params import SamplingParams
 
     lines = [ln for ln in Path(args.input).read_text().splitlines() if ln.strip()]
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             req = llm.make_request(
                 obj["messages"], sampling, lora_digest=lora_digest, request_id=f"line-{i}"
             )
+            req.output_kind = RequestOutputKind.FINAL_ONLY
             llm.engine.add_request(req)
             requests.append((i, req))
         except (ValueError, TypeError) as exc:

@@ -13,25 +13,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from loraplex.adapters.registry import AdapterLimits
 from loraplex.engine.inputs import ProcessedPrompt
 from loraplex.engine.processing import max_token_bytes
 from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.engine.sampling.logprobs import TokenBytes
 from loraplex.gateway.server.fair_pool import FairWorkerPool, default_workers
-
-
-@dataclass(frozen=True)
-class AdapterLimits:
-    """What an uploaded adapter is validated against (``adapters.validation``).
-
-    Attributes:
-        target_shapes: ``projection name -> (in_features, out_features)``.
-        num_layers: Decoder layers of the served model.
-        max_rank: ``--max-lora-rank``.
-    """
-
-    target_shapes: dict[str, tuple[int, int]]
-    num_layers: int
-    max_rank: int
 
 
 @dataclass(frozen=True)
@@ -89,8 +76,8 @@ class EngineClient(Protocol):
         """
         ...
 
-    def token_texts(self, token_ids: list[int]) -> list[str]:
-        """Each token's text decoded alone (the ``token`` of OpenAI logprobs)."""
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """Each token's exact UTF-8 bytes (OpenAI logprobs' ``bytes`` and ``token``)."""
         ...
 
     async def add_lora(self, adapter: Any) -> None:
@@ -123,13 +110,9 @@ class LocalEngineClient:
         self.llm = llm
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
-        self.adapter_limits = AdapterLimits(
-            target_shapes=engine.lora_shapes,
-            num_layers=engine.model.num_layers,
-            max_rank=engine.config.max_lora_rank,
-        )
+        self.adapter_limits = engine.adapter_limits
         self._inputs = engine.inputs
-        self._tokenizer = engine.tokenizer
+        self._token_bytes = TokenBytes(engine.tokenizer)
         self.input_limits = InputLimits(
             max_token_bytes=max_token_bytes(engine.tokenizer),
             image_tokens=getattr(engine.model, "num_image_tokens", 0),
@@ -150,9 +133,9 @@ class LocalEngineClient:
         """See :class:`EngineClient`."""
         return self.llm.generate(request)
 
-    def token_texts(self, token_ids: list[int]) -> list[str]:
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
         """See :class:`EngineClient`."""
-        return self._tokenizer.batch_decode([[t] for t in token_ids])
+        return self._token_bytes(token_ids)
 
     async def add_lora(self, adapter: Any) -> None:
         """See :class:`EngineClient`."""
@@ -163,10 +146,8 @@ class LocalEngineClient:
         return await self.llm.remove_lora(digest)
 
     def stats(self) -> dict[str, Any]:
-        """See :class:`EngineClient`; adds ``lora_slots_in_use``."""
-        out = dict(self.llm.stats())
-        out.setdefault("lora_slots_in_use", self.llm.engine.lora_manager.slots_in_use)
-        return out
+        """See :class:`EngineClient`."""
+        return dict(self.llm.stats())
 
     def shutdown(self) -> None:
         """See :class:`EngineClient`."""

@@ -204,11 +204,15 @@ def test_async_streaming_and_disconnect(tiny_llava_dir, llm):
         req = llm.make_request(
             user("stream this"), SamplingParams(temperature=0, max_tokens=10), request_id="s1"
         )
-        deltas, last = [], None
-        async for out in async_llm.generate(req):
-            deltas.append(out.outputs[0].text_delta)
+        deltas, tokens, last = [], [], None
+        async for out in async_llm.generate(req):  # DELTA outputs: only what is new
+            deltas.append(out.outputs[0].text)
+            tokens.extend(out.outputs[0].token_ids)
             last = out
-        assert last.finished and "".join(deltas) == last.outputs[0].text
+        assert last.finished and last.outputs[0].num_tokens == len(tokens)
+        if last.outputs[0].finish_reason == "stop":
+            tokens = tokens[:-1]  # EOS: its text is left out
+        assert "".join(deltas) == llm.engine.tokenizer.decode(tokens, skip_special_tokens=True)
         # A client that goes away mid-stream: the request is aborted, its blocks freed.
         req2 = llm.make_request(
             user(long_text(50)), SamplingParams(temperature=0, max_tokens=50), request_id="s2"

@@ -12,8 +12,8 @@ import pytest
 
 from loraplex.engine.async_llm import AsyncLLM, EngineDeadError
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import MAX_FAILING_STEPS, EngineFaultError
 from loraplex.engine.llm import LLM
-from loraplex.engine.llm_engine import MAX_FAILING_STEPS, EngineFaultError
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 
@@ -42,15 +42,15 @@ def clean_run(llm, n=6):
 
 
 def poison_forward(engine, poisoned):
-    """Make the model runner raise whenever a poisoned request's sequence is in the batch."""
-    execute = engine.runner.execute
+    """Make the forward pass raise whenever a poisoned request's sequence is in the batch."""
+    forward = engine.runner.forward
 
-    def faulty(sched, kv):
-        if any(item.seq.request.request_id in poisoned for item in sched.scheduled):
+    def faulty(items):
+        if any(item.seq_id.split("#")[0] in poisoned for item in items):
             raise RuntimeError("injected forward fault")
-        return execute(sched, kv)
+        return forward(items)
 
-    engine.runner.execute = faulty
+    engine.runner.forward = faulty
 
 
 def test_a_forward_fault_fails_only_its_request(llm):
@@ -103,7 +103,7 @@ def test_a_sequence_that_hit_a_failing_requests_fresh_blocks_is_recomputed(llm):
 
 def test_a_sampler_fault_fails_only_its_request(llm):
     expected = clean_run(llm)
-    sampler = llm.engine.sampler
+    sampler = llm.engine.runner.sampler
 
     class Faulty:
         def __call__(self, logits, params, generators, **kw):
@@ -111,7 +111,7 @@ def test_a_sampler_fault_fails_only_its_request(llm):
                 raise OverflowError("injected sampler fault")
             return sampler(logits, params, generators, **kw)
 
-    llm.engine.sampler = Faulty()
+    llm.engine.runner.sampler = Faulty()
     bad = EngineRequest("bad", list(range(3, 50)), SamplingParams(seed=666, max_tokens=5))
     outs = llm.generate([bad, *requests(6)])
     by_id = {o.request_id: o for o in outs}
@@ -128,10 +128,11 @@ def test_a_detokenizer_fault_fails_only_its_request(llm):
         add(request)
         if request.request_id == "bad":
 
-            def boom(token):
+            def boom(token, **kw):
                 raise UnicodeError("injected detokenizer fault")
 
-            engine.requests["bad"].seqs[0].detokenizer.append = boom
+            processor = engine.output_processor
+            processor._output(processor.requests["bad"], 0).detokenizer.append = boom
 
     engine.add_request = add_poisoned
     outs = llm.generate([EngineRequest("bad", list(range(3, 30)), GREEDY), *requests(6)])
@@ -152,10 +153,10 @@ def test_a_fault_in_one_of_n_forks_ends_the_whole_request_only(llm):
 
 
 def test_a_broken_engine_gives_up_after_a_few_steps(llm):
-    def broken(sched, kv):
+    def broken(items):
         raise RuntimeError("device lost")
 
-    llm.engine.runner.execute = broken
+    llm.engine.runner.forward = broken
     for r in requests(2):
         llm.engine.add_request(r)
     with pytest.raises(EngineFaultError):
@@ -168,10 +169,10 @@ def test_a_broken_engine_gives_up_after_a_few_steps(llm):
 def test_async_engine_dies_cleanly_and_says_so(tiny_text_dir):
     llm = AsyncLLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=64))
 
-    def broken(sched, kv):
+    def broken(items):
         raise RuntimeError("device lost")
 
-    llm.engine.runner.execute = broken
+    llm.engine.runner.forward = broken
 
     async def main():
         results = []

@@ -234,7 +234,7 @@ def test_hot_add_and_remove_while_serving(tiny_llava_dir, adapter_dirs):
     from loraplex.engine.async_llm import AsyncLLM
 
     llm = LLM(EngineConfig(model=tiny_llava_dir, max_lora_rank=16))
-    adapter = llm.engine._read_adapter_dir(adapter_dirs["mlp-r8"])
+    adapter = llm.engine.core.adapters.read(adapter_dirs["mlp-r8"])
     async_llm = AsyncLLM(engine=llm.engine)
 
     async def scenario():
@@ -287,7 +287,7 @@ def test_each_adapter_is_one_contiguous_segment_of_the_batch(tiny_llava_dir, ada
 
     def recording():
         out = schedule()
-        batches.append([s.seq.request.lora_digest for s in out.scheduled])
+        batches.append([s.lora_slot for s in out.scheduled])  # -1: the base model
         return out
 
     engine.scheduler.schedule = recording
@@ -297,4 +297,4 @@ def test_each_adapter_is_one_contiguous_segment_of_the_batch(tiny_llava_dir, ada
     for batch in batches:
         runs = [d for i, d in enumerate(batch) if i == 0 or batch[i - 1] != d]
         assert len(runs) == len(set(runs)), batch  # no adapter appears in two runs
-        assert batch[: batch.count(None)] == [None] * batch.count(None)  # base model first
+        assert batch[: batch.count(-1)] == [-1] * batch.count(-1)  # base model first

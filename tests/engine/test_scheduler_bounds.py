@@ -1,7 +1,7 @@
-"""The scheduler never livelocks on a sequence the pool cannot hold (issue 13).
+"""The scheduler never livelocks on a sequence the pool cannot hold (issue 13), and shares steps.
 
-Driven without a model: each step, every scheduled sequence that samples gets one more token,
-as the engine does after the forward pass.
+Driven without a model, through the one-way step contract: ``schedule()``, then a fake runner's
+``ModelRunnerOutput`` (token 7 for every sequence that samples), then ``update_from_output``.
 """
 
 import pytest
@@ -11,9 +11,12 @@ from hypothesis import strategies as st
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.llm import LLM
-from loraplex.engine.request import EngineRequest, Sequence, SequenceStatus
+from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler_output import ModelRunnerOutput
+from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.step_budget import PrefillBudget
 from loraplex.hashing.request_hasher import RequestBlockHasher
 
 BLOCK = 4
@@ -28,20 +31,37 @@ def make_seq(seq_id: str, prompt_len: int, max_tokens: int = 1000, first: int = 
     return Sequence(seq_id, request, 0, list(request.prompt_token_ids), hasher)
 
 
+def fake_runner(out) -> ModelRunnerOutput:
+    """Token 7 for every sequence that samples (one per fork)."""
+    return ModelRunnerOutput(
+        sampled={i.seq_id: [7] * max(1, len(i.fork_ids)) for i in out.scheduled if i.sample}
+    )
+
+
 def run_step(scheduler: Scheduler):
     out = scheduler.schedule()
-    for item in out.scheduled:
-        seq = item.seq
-        seq.num_computed_tokens = item.start + item.num_new_tokens
-        if item.sample:
-            seq.token_ids.append(7)
-            seq.hasher.extend([7])
+    scheduler.update_from_output(out, fake_runner(out))
     return out
 
 
+def ids(items) -> dict[str, int]:
+    return {i.seq_id: i.num_new_tokens for i in items}
+
+
+def make_scheduler(kv, *, max_num_batched_tokens=64, max_num_seqs=8, **kw) -> Scheduler:
+    budget = PrefillBudget(
+        max_num_batched_tokens,
+        long_prefill_token_threshold=kw.pop("long_prefill_token_threshold", 0),
+        tenant_prefill_tokens=kw.pop("tenant_prefill_tokens", 0),
+        attention_cost=kw.pop("attention_cost", 0.0),
+    )
+    return Scheduler(
+        kv, max_num_seqs=max_num_seqs, budget=budget, max_loras=1, max_model_len=10_000, **kw
+    )
+
+
 def scheduler(num_blocks: int, **kw) -> Scheduler:
-    kv = KVCacheManager(num_blocks, BLOCK)
-    return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_loras=1, **kw)
+    return make_scheduler(KVCacheManager(num_blocks, BLOCK), **kw)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
@@ -58,7 +78,7 @@ def test_a_sequence_that_outgrows_the_pool_finishes_with_length(policy):
         if seq.is_finished:
             break
     # 4 blocks of 4 hold 16 tokens: the 17th cannot be written anywhere.
-    assert capped == [seq] and seq.finish_reason == "length"
+    assert capped == ["a"] and seq.finish_reason == "length"
     assert seq.num_tokens == 17 and s.num_preemptions == 0
     assert s.kv.num_free_blocks == 4 and not s.running and not s.waiting
 
@@ -92,7 +112,7 @@ def test_a_waiting_head_that_cannot_fit_an_idle_pool_is_finished_not_spun_on():
     seq.hasher.extend([7] * 14)
     s.add(seq)
     out = run_step(s)
-    assert out.capped == [seq] and seq.finish_reason == "length"
+    assert out.capped == ["big"] and seq.finish_reason == "length"
     assert not s.waiting and s.kv.num_free_blocks == 4
 
 
@@ -221,13 +241,7 @@ def test_vtc_admits_the_least_served_tenant_next_and_idle_time_banks_no_credit()
 
 
 def test_a_long_prefill_advances_by_the_threshold_while_others_decode():
-    s = Scheduler(
-        KVCacheManager(256, BLOCK),
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_loras=1,
-        long_prefill_token_threshold=16,
-    )
+    s = make_scheduler(KVCacheManager(256, BLOCK), long_prefill_token_threshold=16)
     alone = make_seq("alone", 100)
     s.add(alone)
     assert [i.num_new_tokens for i in run_step(s).scheduled] == [64]  # nobody decodes: all
@@ -241,16 +255,14 @@ def test_a_long_prefill_advances_by_the_threshold_while_others_decode():
     chunks = []
     while long.num_computed_tokens < 100:
         out = run_step(s)
-        chunks.append({i.seq.seq_id: i.num_new_tokens for i in out.scheduled})
+        chunks.append(ids(out.scheduled))
     assert all(c["short"] == 1 for c in chunks)
     # 4 tokens are a prefix hit on "short"'s first block; the other 96 go 16 at a time.
     assert [c["long"] for c in chunks] == [16] * 6
 
 
 def cost_scheduler(**kw) -> Scheduler:
-    args = dict(max_num_seqs=8, max_num_batched_tokens=256, max_loras=1)
-    args.update(kw)
-    return Scheduler(KVCacheManager(2048, BLOCK), **args)
+    return make_scheduler(KVCacheManager(2048, BLOCK), max_num_batched_tokens=256, **kw)
 
 
 def test_prefill_work_is_shared_max_min_between_tenants():
@@ -259,7 +271,7 @@ def test_prefill_work_is_shared_max_min_between_tenants():
     s.add(tenant_seq("small", "b", prompt_len=5, first=1000))
     out = run_step(s)
     # b wants 5 (all of it), a gets the other 59 of the 64 the two tenants share.
-    assert {i.seq.seq_id: i.num_new_tokens for i in out.scheduled} == {"big": 59, "small": 5}
+    assert ids(out.scheduled) == {"big": 59, "small": 5}
     alone = cost_scheduler(tenant_prefill_tokens=64)
     alone.add(tenant_seq("big", "a", prompt_len=400))
     assert [i.num_new_tokens for i in run_step(alone).scheduled] == [256]  # one tenant: all
@@ -271,7 +283,7 @@ def test_while_shared_a_tenant_prefills_one_sequence_per_step():
         s.add(tenant_seq(f"a{i}", "a", prompt_len=200, first=1000 * i))
     s.add(tenant_seq("b0", "b", prompt_len=200, first=5000))
     out = run_step(s)
-    assert sorted(i.seq.seq_id for i in out.scheduled) == ["a0", "b0"]
+    assert sorted(ids(out.scheduled)) == ["a0", "b0"]
     assert sum(i.num_new_tokens for i in out.scheduled) == 128
 
 
@@ -283,12 +295,12 @@ def test_while_shared_a_tenant_prefills_one_sequence_per_step():
 )
 def test_tokens_within_is_the_largest_chunk_whose_work_fits(start, most, allowance, cost):
     s = cost_scheduler(attention_cost=cost)
-    n = s._tokens_within(start, most, allowance)
+    n = s.budget.tokens_within(start, most, allowance)
     assert 0 <= n <= most
-    if n > 1 or (n == 1 and s._cost(start, 1) <= allowance):
-        assert s._cost(start, n) <= allowance * (1 + 1e-9)
+    if n > 1 or (n == 1 and s.budget.cost(start, 1) <= allowance):
+        assert s.budget.cost(start, n) <= allowance * (1 + 1e-9)
     if n < most and allowance > 0:
-        assert s._cost(start, n + 1) > allowance * (1 - 1e-9)
+        assert s.budget.cost(start, n + 1) > allowance * (1 - 1e-9)
 
 
 def test_a_long_context_token_costs_more():
@@ -301,10 +313,23 @@ def test_a_long_context_token_costs_more():
     chunks = []
     for _ in range(1000):
         out = run_step(s)
-        chunks.append(next((i for i in out.scheduled if i.seq is deep), None))
+        chunks.append(next((i for i in out.scheduled if i.seq_id == "deep"), None))
         assert chunks[-1] is not None
         if deep.num_computed_tokens > 3500:
             break
     first, last = chunks[0], chunks[-1]
     # 64 token-equivalents: 63 tokens at the start of the context, 5 near position 3,500.
     assert first.num_new_tokens >= 55 and last.num_new_tokens <= 6
+
+
+def test_eos_ids_come_from_generation_config_too(tiny_text_dir, tmp_path):
+    """A checkpoint listing extra stop ids in generation_config.json stops on them."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_text_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 77]}))
+    llm = LLM(EngineConfig(model=str(model), num_kv_blocks=32))
+    assert 77 in llm.engine.core.eos_token_ids
+    assert 77 in llm.engine.scheduler.eos_token_ids

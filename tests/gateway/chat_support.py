@@ -16,7 +16,7 @@ from PIL import Image
 from skimage import data as skdata
 from sqlalchemy import select
 
-from loraplex.engine.request import EngineRequest
+from loraplex.engine.request import EngineRequest, RequestOutputKind
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.db.models import Adapter, UsageEvent
 from tests.gateway.conftest import with_db
@@ -111,6 +111,7 @@ def engine_direct(engine_client, messages, lora_digest=None, **sampling):
             images=prompt.images,
             lora_digest=lora_digest,
             cache_salt=f"direct-{uuid.uuid4().hex}",  # shares no cache with any tenant
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
         final = None
         async for out in engine_client.generate(request):

@@ -344,7 +344,7 @@ def test_client_that_gives_up_before_the_answer_aborts_the_request(
     live, engine_client, monkeypatch
 ):
     # No EOS for this test's sequences: 3000 random tokens always outlast the client's 0.5 s.
-    monkeypatch.setattr(engine_client.llm.engine, "eos_token_ids", ())
+    monkeypatch.setattr(engine_client.llm.engine.scheduler, "eos_token_ids", frozenset())
     tenant = live.create_tenant("impatient")
     key = tenant["api_key"]
     with httpx.Client(base_url=live.base_url, timeout=0.5) as c:

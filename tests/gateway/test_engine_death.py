@@ -8,7 +8,7 @@ import httpx
 import uvicorn
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm_engine import MAX_FAILING_STEPS
+from loraplex.engine.core import MAX_FAILING_STEPS
 from loraplex.gateway.db.session import db_url
 from loraplex.gateway.server.build import build_gateway, start_engine
 from loraplex.gateway.server.config import GatewayConfig
@@ -55,10 +55,10 @@ def test_a_dead_engine_fails_health_and_the_server_exits_non_zero(tiny_text_dir,
             assert c.post("/v1/chat/completions", json=body, headers=auth).status_code == 200
             assert c.get("/health").status_code == 200
 
-            def broken(sched, kv):
+            def broken(items):
                 raise RuntimeError("device lost")
 
-            client.llm.engine.runner.execute = broken
+            client.llm.engine.runner.forward = broken
             statuses = [
                 c.post("/v1/chat/completions", json=body, headers=auth).status_code
                 for _ in range(MAX_FAILING_STEPS)

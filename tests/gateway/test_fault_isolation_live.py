@@ -22,17 +22,17 @@ def poison_tenant(monkeypatch, engine_client, tenant_id, batches):
     slowed by 5 ms so the bystanders' streams are surely in flight when the fault strikes.
     """
     runner = engine_client.llm.engine.runner
-    execute = runner.execute
+    forward = runner.forward
 
-    def faulty(sched, kv):
+    def faulty(items):
         time.sleep(0.005)
-        salts = {item.seq.request.cache_salt for item in sched.scheduled}
+        salts = {runner.seqs[item.seq_id].cache_salt for item in items}
         if tenant_id in salts:
             batches.append(salts)
             raise RuntimeError("injected fault")
-        return execute(sched, kv)
+        return forward(items)
 
-    monkeypatch.setattr(runner, "execute", faulty)
+    monkeypatch.setattr(runner, "forward", faulty)
 
 
 def test_a_faulty_request_fails_alone_while_20_streams_of_another_tenant_complete(

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 from loraplex.engine.request import CompletionOutput, RequestOutput
 from loraplex.gateway.domains.chat.streaming import StreamMeta, chunk_stream
@@ -14,23 +15,23 @@ def outputs() -> list[RequestOutput]:
     outs = []
     for step in range(1, TOKENS + 1):
         last = step == TOKENS
-        choice = CompletionOutput(
+        choice = CompletionOutput(  # DELTA: what the step added
             index=0,
-            text="ab" * step,
-            token_ids=[7] * step,
+            text="ab",
+            token_ids=[7],
             finish_reason="length" if last else None,
-            text_delta="ab",
-            token_ids_delta=[7],
+            num_tokens=step,
         )
         outs.append(RequestOutput("r", [1, 2, 3], [choice], finished=last, num_cached_tokens=0))
     return outs
 
 
 class QueueRun:
-    """What chunk_stream reads of a ChatRun: next, next_nowait, cancel."""
+    """What chunk_stream reads of a ChatRun: next, next_nowait, cancel, the ledger's counts."""
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.ledger = SimpleNamespace(prompt_tokens=3, completion_tokens=TOKENS, cached_tokens=0)
         self.cancelled: list[str] = []
         self.durable_waits: list[bool] = []
         self.not_durable: APIError | None = None

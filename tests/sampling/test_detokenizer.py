@@ -27,10 +27,11 @@ class SlowTokenizer:
 
 
 def stream_all(tok, ids, skip=True):
-    params = SamplingParams(max_tokens=max(len(ids), 1), skip_special_tokens=skip)
-    detok = IncrementalDetokenizer(tok, params, eos_token_ids=())
+    """Every delta of ``ids``, the last one the flush at finish (as the output processor does)."""
+    detok = IncrementalDetokenizer(tok, SamplingParams(skip_special_tokens=skip))
     deltas = [detok.append(i) for i in ids]
-    assert detok.finish_reason == ("length" if ids else None)
+    deltas.append(detok.finish())
+    assert detok.finished and detok.stop_matched is None
     return deltas, detok
 
 
@@ -41,7 +42,7 @@ def test_concatenated_deltas_equal_decode_random_ids(any_tokenizer, data, skip, 
     ids = data.draw(st.lists(st.integers(0, len(tokenizer) - 1), min_size=1, max_size=25))
     tok = SlowTokenizer(tokenizer) if slow else tokenizer
     deltas, detok = stream_all(tok, ids, skip)
-    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip) == detok.output_text
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip) == detok.text
 
 
 @settings(deadline=None, max_examples=100, suppress_health_check=HC)
@@ -70,17 +71,11 @@ def test_streamed_text_with_stops_equals_cut_decode(any_tokenizer, text, stops, 
     ids = tokenizer.encode(text)
     if not ids:
         return
-    params = SamplingParams(stop=stops, include_stop_str_in_output=include, max_tokens=len(ids))
-    detok = IncrementalDetokenizer(tokenizer, params, eos_token_ids=())
-    out = ""
-    for i in ids:
-        out += detok.append(i)
-        if detok.finished:
-            break
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include)
+    out, detok = run(tokenizer, ids, **params.__dict__)
     want, matched = expected_cut(tokenizer.decode(ids), stops, include)
-    assert out == want == detok.output_text
-    assert detok.stop_reason == matched
-    assert detok.finish_reason == ("stop" if matched else "length")
+    assert out == want == detok.text
+    assert detok.stop_matched == matched
 
 
 def test_multibyte_emoji_waits_for_its_last_byte(tokenizer):
@@ -131,96 +126,80 @@ def test_decode_stream_failure_falls_back_to_offsets(tokenizer):
     assert isinstance(stream._offsets, _OffsetStream)
 
 
-def run(tokenizer, text_ids, eos=None, **kw):
-    params = SamplingParams(**({"max_tokens": 100} | kw))
-    args = () if eos is None else (eos,)
-    detok = IncrementalDetokenizer(tokenizer, params, *args)
+def run(tokenizer, text_ids, stop_token_at=None, **kw):
+    """Append until a stop string ends the text, then finish, as the output processor does.
+
+    ``stop_token_at``: the index of the token the core finished the sequence on (EOS or a stop
+    token id), whose text is left out unless ``include_stop_str_in_output``.
+    """
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(**kw))
     out = ""
-    for i in text_ids:
-        out += detok.append(i)
-        if detok.finished:
+    for k, i in enumerate(text_ids):
+        out += detok.append(i, stop_token=k == stop_token_at)
+        if detok.finished or k == stop_token_at:
             break
-    return out, detok
+    return out + detok.finish(), detok
 
 
-def test_eos_stops_and_its_text_is_left_out(tokenizer):
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(tokenizer):
     eos = tokenizer.eos_token_id
     ids = tokenizer.encode("hello") + [eos] + tokenizer.encode("world")
-    out, d = run(tokenizer, ids, skip_special_tokens=False)
-    assert (out, d.finish_reason, d.stop_reason) == ("hello", "stop", None)
-    assert d.token_ids[-1] == eos
-    out, d = run(tokenizer, ids, skip_special_tokens=False, include_stop_str_in_output=True)
+    at = ids.index(eos)
+    out, d = run(tokenizer, ids, stop_token_at=at, skip_special_tokens=False)
+    assert out == "hello" and d.token_ids[-1] == eos and d.stop_matched is None
+    out, _ = run(
+        tokenizer, ids, stop_token_at=at, skip_special_tokens=False, include_stop_str_in_output=True
+    )
     assert out == "hello<|eos|>"
-
-
-def test_ignore_eos_keeps_going(tokenizer):
-    ids = tokenizer.encode("hello") + [tokenizer.eos_token_id] + tokenizer.encode("world")
-    out, d = run(tokenizer, ids, ignore_eos=True, max_tokens=len(ids))
-    assert out == "helloworld" and d.finish_reason == "length"
-    out, d = run(tokenizer, ids, ignore_eos=True, skip_special_tokens=False, max_tokens=len(ids))
-    assert out == "hello<|eos|>world"
-
-
-def test_explicit_eos_ids_and_stop_token_ids(tokenizer):
-    hello = tokenizer.encode("hello")
-    out, d = run(tokenizer, hello + [2, 5], eos=[2])
-    assert (out, d.finish_reason, d.stop_reason) == ("hello", "stop", None)
     stop_id = tokenizer.encode("!")[0]
-    out, d = run(tokenizer, hello + [stop_id] + hello, stop_token_ids=[stop_id])
-    assert (out, d.finish_reason, d.stop_reason) == ("hello", "stop", stop_id)
-    out, d = run(
-        tokenizer, hello + [stop_id], stop_token_ids=[stop_id], include_stop_str_in_output=True
+    hello = tokenizer.encode("hello")
+    out, _ = run(tokenizer, hello + [stop_id], stop_token_at=len(hello))
+    assert out == "hello"
+    out, _ = run(
+        tokenizer, hello + [stop_id], stop_token_at=len(hello), include_stop_str_in_output=True
     )
     assert out == "hello!"
 
 
-def test_max_tokens_gives_length(tokenizer):
-    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog")
-    out, d = run(tokenizer, ids, max_tokens=3)
-    assert d.finish_reason == "length" and d.stop_reason is None
-    assert len(d.token_ids) == 3 and out == tokenizer.decode(ids[:3])
+def test_a_special_token_that_is_not_a_stop_token_is_text(tokenizer):
+    ids = tokenizer.encode("hello") + [tokenizer.eos_token_id] + tokenizer.encode("world")
+    assert run(tokenizer, ids)[0] == "helloworld"  # ignore_eos: the core ran past it
+    assert run(tokenizer, ids, skip_special_tokens=False)[0] == "hello<|eos|>world"
 
 
 def test_stop_string_across_tokens(tokenizer):
     ids = [i for ch in "say ### END" for i in tokenizer.encode(ch)]  # one char per step
     out, d = run(tokenizer, ids, stop=["###"])
-    assert (out, d.finish_reason, d.stop_reason, d.output_text) == ("say ", "stop", "###", "say ")
+    assert (out, d.stop_matched, d.text) == ("say ", "###", "say ")
+    assert d.token_ids == ids[: len("say ###")]  # nothing appended past the match
     out, d = run(tokenizer, ids, stop=["###"], include_stop_str_in_output=True)
-    assert out == "say ###" and d.finish_reason == "stop"
+    assert out == "say ###" and d.stop_matched == "###"
 
 
 def test_partial_stop_is_held_back_then_released(tokenizer):
     ids = [i for ch in "a##b" for i in tokenizer.encode(ch)]
-    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["###"], max_tokens=4))
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["###"]))
     deltas, texts = [], []
     for i in ids:
         deltas.append(detok.append(i))
         texts.append(detok.text)
-    assert deltas == ["", "", "a", "##b"]  # last one flushed by max_tokens
-    assert texts == ["", "", "a", "a##b"]  # .text holds only what was streamed
-    assert detok.finish_reason == "length" and detok.output_text == "a##b"
+    assert deltas == ["", "", "a", "#"]  # up to 2 characters may start "###"
+    assert texts == ["", "", "a", "a#"]  # .text holds only what was streamed
+    assert detok.finish() == "#b" and detok.text == "a##b" and detok.stop_matched is None
 
 
 def test_stop_in_text_released_at_finish_counts_as_stop(tokenizer):
     # The first byte of a multi-token character decodes to nothing until finish.
     first_byte = next(ids[0] for ids in map(tokenizer.encode, "😀🎉日") if len(ids) > 1)
-    ids = tokenizer.encode("x") + [first_byte]
-    out, d = run(tokenizer, ids, stop=["\ufffd"], max_tokens=2)
-    assert out == "x" and d.finish_reason == "stop" and d.stop_reason == "\ufffd"
+    out, d = run(tokenizer, tokenizer.encode("x") + [first_byte], stop=["\ufffd"])
+    assert out == "x" and d.stop_matched == "\ufffd"
 
 
 def test_finish_and_append_after_finish(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["zzzz"]))
     assert detok.append(tokenizer.encode("hi")[0]) == ""
-    assert detok.finish("abort") == tokenizer.decode(detok.token_ids)  # held back till now
+    assert detok.finish() == tokenizer.decode(detok.token_ids)  # held back till now
     assert detok.finish() == ""
-    assert detok.finish_reason == "abort" and detok.output_text == tokenizer.decode(detok.token_ids)
+    assert detok.finished and detok.text == tokenizer.decode(detok.token_ids)
     with pytest.raises(RuntimeError, match="finished"):
         detok.append(5)
-
-
-def test_prompt_token_ids_are_accepted_and_do_not_change_the_text(tokenizer):
-    ids = tokenizer.encode(" world")
-    params = SamplingParams(max_tokens=len(ids))
-    detok = IncrementalDetokenizer(tokenizer, params, prompt_token_ids=tokenizer.encode("hi"))
-    assert "".join(detok.append(i) for i in ids) == " world" == detok.text

@@ -83,13 +83,3 @@ def test_edges_are_valid():
 def test_replace_revalidates():
     with pytest.raises(ValueError, match="top_p"):
         dataclasses.replace(SamplingParams(), top_p=0)
-
-
-def test_for_child_seeds():
-    p = SamplingParams(n=3, seed=10)
-    kids = [p.for_child(i) for i in range(3)]
-    assert [k.seed for k in kids] == [10, 11, 12]
-    assert all(k.n == 1 for k in kids)
-    assert SamplingParams(n=2).for_child(1).seed is None
-    with pytest.raises(ValueError, match="index"):
-        p.for_child(3)

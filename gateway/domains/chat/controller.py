@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from litestar import Request, Response, post
 from litestar.exceptions import HTTPException
 
-from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
 from loraplex.gateway.domains.chat.responses import completion_body
 from loraplex.gateway.domains.chat.schemas import ChatRequest, parse_chat_request
 from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger, resolve_model
@@ -174,6 +174,7 @@ async def _start(
         lora_digest=ledger.adapter_digest,
         cache_salt=principal.tenant_id,  # always the tenant: never from the client
         tenant=principal.tenant_id,  # the scheduler's fairness group
+        output_kind=RequestOutputKind.DELTA if chat.stream else RequestOutputKind.FINAL_ONLY,
     )
     ledger.prompt_tokens = len(prompt.prompt_token_ids)
     ledger.images = len(prompt.images)
@@ -198,7 +199,7 @@ async def _complete(
         created=int(time.time()),
         model=chat.model,
         want_logprobs=chat.logprobs,
-        token_texts=state.engine.token_texts,
+        token_bytes=state.engine.token_bytes,
     )
     return Response(body, media_type="application/json")
 
@@ -215,7 +216,7 @@ async def _stream(
         n=run.request.sampling.n,
         include_usage=chat.include_usage,
         want_logprobs=chat.logprobs,
-        token_texts=state.engine.token_texts,
+        token_bytes=state.engine.token_bytes,
     )
     return EventStream(chunk_stream(run, first, meta), headers=HEADERS)
 

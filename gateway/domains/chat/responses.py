@@ -20,59 +20,61 @@ from loraplex.engine.request import CompletionOutput, RequestOutput
 # log(0) has no JSON form: vLLM reports -9999.0 for it, and so do we.
 _MIN_LOGPROB = -9999.0
 
-TokenTexts = Callable[[list[int]], list[str]]
+TokenBytes = Callable[[list[int]], list[bytes]]
+"""Token ids to each token's exact UTF-8 bytes (``engine.sampling.TokenBytes``)."""
 
 
-def usage_body(out: RequestOutput) -> dict[str, Any]:
-    """The ``usage`` object of a request's (final) output."""
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(o.token_ids) for o in out.outputs)
+def usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """The ``usage`` object: prompt, completion (every choice) and cached prompt tokens."""
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
 def logprobs_body(
     token_ids: list[int],
     logprobs: list[tuple[float, list[tuple[int, float]]]],
-    token_texts: TokenTexts,
+    token_bytes: TokenBytes,
 ) -> dict[str, Any]:
     """OpenAI's ``logprobs`` for generated tokens.
+
+    ``bytes`` is each token's own UTF-8 bytes (part of a character for some tokens), ``token``
+    those bytes decoded with U+FFFD for an incomplete character.
 
     Args:
         token_ids: The tokens: [T].
         logprobs: Per token, ``(its logprob, [(alternative id, logprob), ...])``: [T].
-        token_texts: Token ids to their texts.
+        token_bytes: Token ids to their bytes.
     """
     ids = list(token_ids[: len(logprobs)])
     for _, tops in logprobs:
         ids.extend(t for t, _ in tops)
-    texts = dict(zip(ids, token_texts(ids), strict=True)) if ids else {}
+    raw = dict(zip(ids, token_bytes(ids), strict=True)) if ids else {}
     content = []
     for token, (lp, tops) in zip(token_ids, logprobs, strict=False):
-        entry = _entry(texts[token], lp)
-        entry["top_logprobs"] = [_entry(texts[t], alt) for t, alt in tops]
+        entry = _entry(raw[token], lp)
+        entry["top_logprobs"] = [_entry(raw[t], alt) for t, alt in tops]
         content.append(entry)
     return {"content": content}
 
 
-def _entry(text: str, logprob: float) -> dict[str, Any]:
+def _entry(raw: bytes, logprob: float) -> dict[str, Any]:
     value = float(logprob)
     if math.isnan(value) or value < _MIN_LOGPROB:
         value = _MIN_LOGPROB
-    return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": value, "bytes": list(raw)}
 
 
 def choice_body(
-    choice: CompletionOutput, want_logprobs: bool, token_texts: TokenTexts
+    choice: CompletionOutput, want_logprobs: bool, token_bytes: TokenBytes
 ) -> dict[str, Any]:
     """One ``choices[]`` entry of a finished, non-streamed completion."""
     logprobs = None
     if want_logprobs:
-        logprobs = logprobs_body(choice.token_ids, choice.logprobs or [], token_texts)
+        logprobs = logprobs_body(choice.token_ids, choice.logprobs or [], token_bytes)
     return {
         "index": choice.index,
         "message": {"role": "assistant", "content": choice.text},
@@ -88,17 +90,21 @@ def completion_body(
     created: int,
     model: str,
     want_logprobs: bool,
-    token_texts: TokenTexts,
+    token_bytes: TokenBytes,
 ) -> dict[str, Any]:
-    """The ``chat.completion`` object for a finished request."""
+    """The ``chat.completion`` object for a finished request's ``FINAL_ONLY`` output."""
     return {
         "id": response_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "choices": [
-            choice_body(c, want_logprobs, token_texts)
+            choice_body(c, want_logprobs, token_bytes)
             for c in sorted(out.outputs, key=lambda c: c.index)
         ],
-        "usage": usage_body(out),
+        "usage": usage_body(
+            len(out.prompt_token_ids),
+            sum(c.num_tokens for c in out.outputs),
+            out.num_cached_tokens,
+        ),
     }

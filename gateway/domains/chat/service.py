@@ -118,26 +118,30 @@ class UsageLedger:
         self.cached_tokens = 0
         self.images = 0
         self.ttft: float | None = None
-        self.last: RequestOutput | None = None
+        self._tokens: dict[int, int] = {}  # choice index -> tokens generated
+        self._observed = False
         self.closed = False
         self.admission: AdmissionTicket | None = None  # released with the ticket
 
     def observe(self, out: RequestOutput) -> None:
-        """Keep the engine's latest output (cumulative: it supersedes the previous ones).
+        """Take an output's counts (each choice's ``num_tokens`` is its running total)."""
+        self._observed = True
+        self.prompt_tokens = len(out.prompt_token_ids)
+        for o in out.outputs:
+            self._tokens[o.index] = o.num_tokens
+        self.cached_tokens = out.num_cached_tokens
+        if out.ttft is not None and self.ttft is None:
+            self.ttft = out.ttft
 
-        Its counts are taken when the ledger closes, not per token.
-        """
-        self.last = out
+    def forget_outputs(self) -> None:
+        """Nothing ran (the engine refused the request): nothing to count."""
+        self._observed = False
+        self._tokens.clear()
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
 
     def _take_counts(self) -> None:
-        out = self.last
-        if out is None:
-            return
-        self.prompt_tokens = len(out.prompt_token_ids)
-        self.completion_tokens = sum(len(o.token_ids) for o in out.outputs)
-        self.cached_tokens = out.num_cached_tokens
-        if out.ttft is not None:
-            self.ttft = out.ttft
+        if self._observed:
+            self.completion_tokens = sum(self._tokens.values())
 
     def close(self, status: str, error_type: str | None = None) -> None:
         """Record the request (``ok``, ``error`` or ``aborted``); later calls do nothing.
@@ -342,8 +346,7 @@ class ChatRun:
         except RequestFailedError:  # a fault admitting it; logged by the engine
             self._put(APIError(500, "an internal error ended this request", code="internal_error"))
         except ValueError as exc:  # refused at admission: nothing ran, nothing to count
-            ledger.last = None
-            ledger.prompt_tokens = ledger.completion_tokens = ledger.cached_tokens = 0
+            ledger.forget_outputs()
             error_type = "invalid_request_error"
             self._put(APIError(400, str(exc)))
         except Exception:

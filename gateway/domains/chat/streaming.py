@@ -34,7 +34,7 @@ from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
 from loraplex.engine.request import RequestOutput
-from loraplex.gateway.domains.chat.responses import TokenTexts, logprobs_body, usage_body
+from loraplex.gateway.domains.chat.responses import TokenBytes, logprobs_body, usage_body
 from loraplex.gateway.domains.chat.service import ChatRun
 from loraplex.gateway.server.errors import APIError, error_body
 
@@ -99,7 +99,7 @@ class StreamMeta:
         n: Choices.
         include_usage: Send ``usage: null`` in every chunk and a last usage chunk.
         want_logprobs: Send each delta's logprobs.
-        token_texts: Token ids to texts (for logprobs).
+        token_bytes: Token ids to their bytes (for logprobs).
     """
 
     response_id: str
@@ -108,7 +108,7 @@ class StreamMeta:
     n: int
     include_usage: bool
     want_logprobs: bool
-    token_texts: TokenTexts
+    token_bytes: TokenBytes
 
 
 def sse(obj: Any) -> bytes:
@@ -182,7 +182,6 @@ async def chunk_stream(
     Yields:
         Encoded ``data:`` events (one or more per chunk), ending with ``data: [DONE]``.
     """
-    logprobs_sent: dict[int, int] = {}
     finished: set[int] = set()
     pending: list[bytes] = []  # encoded events not yet written
     failed: APIError | None = None
@@ -196,10 +195,10 @@ async def chunk_stream(
         while True:
             only = out.outputs[0] if len(out.outputs) == 1 else None
             if plain and only is not None and only.index == 0 and only.finish_reason is None:
-                if only.text_delta:  # the per-token event: only the text is encoded
-                    pending.append(encoder.content0(only.text_delta))
+                if only.text:  # the per-token event: only the text is encoded
+                    pending.append(encoder.content0(only.text))
             else:
-                choices = _choices(out, meta, finished, logprobs_sent)
+                choices = _choices(out, meta, finished)
                 if choices:
                     pending.append(encoder.encode(choices))
             if out.finished:
@@ -212,7 +211,10 @@ async def chunk_stream(
             out = ready
         if meta.include_usage:
             body = chunk_body(meta, [])
-            body["usage"] = usage_body(out)
+            ledger = run.ledger  # closed before the last output was handed over
+            body["usage"] = usage_body(
+                ledger.prompt_tokens, ledger.completion_tokens, ledger.cached_tokens
+            )
             pending.append(sse(body))
     except APIError as exc:
         failed = exc
@@ -230,13 +232,10 @@ async def chunk_stream(
     yield FinalChunk(b"".join(pending))
 
 
-def _choices(
-    out: RequestOutput, meta: StreamMeta, finished: set[int], logprobs_sent: dict[int, int]
-) -> list[dict[str, Any]]:
-    """The chunk's choices for ``out``: each unfinished choice's delta, new logprobs, finish.
+def _choices(out: RequestOutput, meta: StreamMeta, finished: set[int]) -> list[dict[str, Any]]:
+    """The chunk's choices for a ``DELTA`` output: each unfinished choice's text, logprobs, finish.
 
-    Updates ``finished`` (choices whose finish reason was sent) and ``logprobs_sent`` (per
-    choice, how many tokens' logprobs were sent).
+    Updates ``finished`` (choices whose finish reason was sent).
     """
     choices = []
     ordered = out.outputs if len(out.outputs) == 1 else sorted(out.outputs, key=_index)
@@ -245,14 +244,11 @@ def _choices(
             continue
         logprobs = None
         if meta.want_logprobs and c.logprobs:
-            start = logprobs_sent.get(c.index, 0)
-            if len(c.logprobs) > start:
-                logprobs = logprobs_body(c.token_ids[start:], c.logprobs[start:], meta.token_texts)
-                logprobs_sent[c.index] = len(c.logprobs)
+            logprobs = logprobs_body(c.token_ids, c.logprobs, meta.token_bytes)
         if c.finish_reason is not None:
             finished.add(c.index)
-        if c.text_delta or logprobs is not None or c.finish_reason is not None:
-            delta = {"content": c.text_delta} if c.text_delta else {}
+        if c.text or logprobs is not None or c.finish_reason is not None:
+            delta = {"content": c.text} if c.text else {}
             choices.append(_choice(c.index, delta, logprobs, c.finish_reason))
     return choices
 

@@ -1,0 +1,273 @@
+"""The engine core: requests in, one one-way step at a time, per-sequence outputs out.
+
+::
+
+    step():  sched = scheduler.schedule()                       # what to run
+             out   = runner.execute(sched)                      # forward pass + sampling
+             return scheduler.update_from_output(sched, out)    # tokens, finishes
+
+Synchronous and single-threaded. The client side (``LLM`` in process, ``AsyncLLM`` on a
+thread, the gateway's engine clients) owns tokenization, detokenization, stop strings and
+``RequestOutput``s (``engine.output_processor``): the core deals only in token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from loraplex.adapters.manager import LoRAManager
+from loraplex.adapters.registry import AdapterLimits, AdapterRegistry
+from loraplex.engine.attention import get_attention_backend
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.loading import attention_cost, load_engine_model
+from loraplex.engine.lora import LoRAStepContext, install_lora, target_shapes
+from loraplex.engine.model_runner import ModelRunner
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.sampler import Sampler
+from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler_output import EngineCoreOutput
+from loraplex.engine.sequence import Sequence
+from loraplex.engine.step_budget import PrefillBudget
+from loraplex.engine.swap import CpuBlockPool
+from loraplex.engine.validation import RequestLimits, validate_request
+from loraplex.engine.vision_cache import VisionCache
+from loraplex.hashing.request_hasher import RequestBlockHasher
+
+logger = logging.getLogger(__name__)
+
+MAX_FAILING_STEPS = 3
+"""Steps in a row that fail for every sequence they run before the engine gives up."""
+
+
+class EngineFaultError(RuntimeError):
+    """The engine cannot run steps any more (not one request's fault); it must be restarted."""
+
+
+class EngineCore:
+    """Model, KV cache, scheduler and runner, driven one step at a time.
+
+    Args:
+        config: The engine configuration.
+        adapter_loader: ``digest -> LoraAdapter`` for adapters the engine was not handed
+            directly (the gateway's store); adapters added with :meth:`add_lora_dir` are
+            reloaded from their directory when the CPU tier evicted them.
+
+    Raises:
+        ValueError: an unreadable model directory, an unsupported architecture, or a config
+            that cannot hold one sequence of ``max_model_len`` tokens.
+    """
+
+    def __init__(
+        self, config: EngineConfig, *, adapter_loader: Callable[[str], Any] | None = None
+    ) -> None:
+        loaded = load_engine_model(config)
+        config = loaded.config
+        self.config = config
+        self.model = loaded.model
+        self.hf_config = loaded.hf_config
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = loaded.eos_token_ids
+        num_blocks = config.num_kv_blocks
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.adapter_limits = AdapterLimits(
+            target_shapes={name: s for (_, name), s in target_shapes(self.model).items()},
+            num_layers=self.model.num_layers,
+            max_rank=config.max_lora_rank,
+        )
+        self.adapters = AdapterRegistry(self.adapter_limits, adapter_loader)
+        self.lora_manager = LoRAManager(
+            target_shapes(self.model),
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            max_rank=config.max_lora_rank,
+            device=self.device,
+            dtype=self.dtype,
+            loader=self.adapters.load,
+        )
+        lora_context = LoRAStepContext()
+        install_lora(self.model, self.lora_manager.buffers, lora_context)
+        batched = config.max_num_batched_tokens
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            budget=PrefillBudget(
+                batched,
+                long_prefill_token_threshold=(
+                    batched // 4
+                    if config.long_prefill_token_threshold is None
+                    else config.long_prefill_token_threshold
+                ),
+                tenant_prefill_tokens=(
+                    batched // 16
+                    if config.tenant_prefill_tokens is None
+                    else config.tenant_prefill_tokens
+                ),
+                attention_cost=attention_cost(self.model),
+            ),
+            max_loras=config.max_loras,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            preemption=config.preemption,
+            cpu_pool=CpuBlockPool(loaded.num_cpu_blocks) if loaded.num_cpu_blocks else None,
+            lora_manager=self.lora_manager,
+        )
+        generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.runner = ModelRunner(
+            self.model,
+            num_kv_blocks=num_blocks,
+            block_size=config.block_size,
+            backend=get_attention_backend(config.attention_backend),
+            device=self.device,
+            dtype=self.dtype,
+            sampler=Sampler(generator),
+            num_cpu_blocks=loaded.num_cpu_blocks,
+            vision_cache=VisionCache(config.vision_cache_entries),
+            lora_context=lora_context,
+        )
+        self.request_limits = RequestLimits(
+            max_model_len=self.max_model_len,
+            vocab_size=self.model.vocab_size,
+            image_token_id=getattr(self.model, "image_token_id", None),
+            num_image_tokens=getattr(self.model, "num_image_tokens", 0),
+            num_kv_blocks=num_blocks,
+            block_size=config.block_size,
+        )
+        self._failing_steps = 0  # steps in a row whose every sequence failed
+        # (step seconds, model forward + logits seconds) of every step, for benchmarks.
+        self.step_times: list[tuple[float, float]] = []
+
+    # ----------------------------------------------------------------------- requests
+    def add_request(self, request: EngineRequest) -> None:
+        """Validate and queue a request.
+
+        Raises:
+            ValueError: a duplicate id, an unknown adapter, or what
+                ``engine.validation.validate_request`` refuses.
+        """
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        validate_request(request, self.request_limits)
+        digest = request.lora_digest
+        if digest is not None and not (
+            self.adapters.known(digest) or self.lora_manager.holds(digest)
+        ):
+            raise ValueError(f"unknown adapter {digest}")
+        hasher = RequestBlockHasher(
+            self.kv.block_size,
+            algorithm=self.config.prefix_hash,
+            lora_digest=digest,
+            cache_salt=request.cache_salt,
+            placeholders=[im.placeholder for im in request.images],
+        )
+        hasher.extend(request.prompt_token_ids)
+        seq = Sequence(
+            seq_id=request.request_id,
+            request=request,
+            index=0,
+            token_ids=list(request.prompt_token_ids),
+            hasher=hasher,
+        )
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request at any time; its blocks are freed at once.
+
+        Returns:
+            False for an unknown (or finished) request.
+        """
+        return bool(self.scheduler.finish_request(request_id, "abort"))
+
+    def finish_request(
+        self, request_id: str, reason: str, stop_reason: int | str | None, index: int | None
+    ) -> bool:
+        """End a request's sequence (or all of them) for the client: a stop string it found.
+
+        Returns:
+            False when nothing was left to finish.
+        """
+        return bool(self.scheduler.finish_request(request_id, reason, stop_reason, index))
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is in flight."""
+        return bool(self.scheduler.requests)
+
+    # ------------------------------------------------------------------------ adapters
+    @property
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """``projection name -> (in_features, out_features)`` an adapter may target."""
+        return self.adapter_limits.target_shapes
+
+    def add_lora_dir(self, path: str) -> Any:
+        """Validate a PEFT LoRA directory and make it available by its digest.
+
+        Returns:
+            The validated ``LoraAdapter`` (``.digest`` goes in ``EngineRequest.lora_digest``).
+
+        Raises:
+            AdapterError: the adapter is invalid for this model (a ValueError).
+        """
+        adapter = self.adapters.add_dir(path)
+        self.lora_manager.add(adapter)
+        return adapter
+
+    def add_lora(self, adapter: Any) -> None:
+        """Put an already validated adapter in the CPU tier (hot add)."""
+        self.lora_manager.add(adapter)
+
+    def remove_lora(self, digest: str) -> bool:
+        """Hot remove; refused (False) while a running sequence uses the adapter."""
+        self.adapters.forget(digest)
+        return self.lora_manager.remove(digest)
+
+    # --------------------------------------------------------------------------- step
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run and update one step.
+
+        A fault raised by one request's part of the step (its forward pass, its sampling)
+        fails that request alone (``finish_reason="error"``); every other request of the step
+        goes on as if it had not been there.
+
+        Returns:
+            An output for every sequence that produced a token or finished this step.
+
+        Raises:
+            EngineFaultError: ``MAX_FAILING_STEPS`` steps in a row failed for every sequence
+                they ran (the engine itself is broken, not a request).
+        """
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty():
+            return []
+        result = self.runner.execute(sched)
+        if sched.scheduled and len(result.failed) >= len(sched.scheduled):
+            self._failing_steps += 1
+            if self._failing_steps >= MAX_FAILING_STEPS:
+                raise EngineFaultError(
+                    f"{self._failing_steps} steps in a row failed for every sequence: "
+                    + "; ".join(sorted(set(result.failed.values())))
+                )
+        elif sched.scheduled:
+            self._failing_steps = 0
+        outputs = self.scheduler.update_from_output(sched, result)
+        self.step_times.append((time.perf_counter() - t0, result.forward_seconds))
+        return outputs
+
+    # -------------------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of scheduler and cache figures."""
+        return {
+            "kv_blocks_total": self.kv.pool.num_blocks,
+            "kv_blocks_in_use": self.kv.pool.num_used,
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
+            "prefix_cache_queried_tokens": self.kv.stats.total.queried_tokens,
+            "prefix_cache_hit_tokens": self.kv.stats.total.hit_tokens,
+            "lora_slots_in_use": self.lora_manager.slots_in_use,
+        }

@@ -1,0 +1,161 @@
+"""Loading the model and sizing the engine around it: KV pool, model length, EOS ids.
+
+Everything here is decided once, at start-up, from the config and the model directory; the
+result is a new frozen config (``dataclasses.replace``) plus the loaded model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.lora import target_shapes
+from loraplex.engine.model_runner import kv_block_bytes
+from loraplex.engine.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedEngine:
+    """The model and the sizes derived from it.
+
+    Attributes:
+        config: The config with ``max_model_len`` and ``num_kv_blocks`` resolved.
+        model: The loaded model.
+        hf_config: Its transformers config.
+        device: Where it runs.
+        dtype: Its weights' and KV cache's dtype.
+        block_bytes: Bytes of one KV block, every layer, K and V.
+        num_cpu_blocks: Blocks of the CPU swap pool (0 without ``swap``).
+        eos_token_ids: Tokens that end a sequence (config, generation config, tokenizer).
+    """
+
+    config: EngineConfig
+    model: torch.nn.Module
+    hf_config: Any
+    device: torch.device
+    dtype: torch.dtype
+    block_bytes: int
+    num_cpu_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+
+def load_engine_model(config: EngineConfig) -> LoadedEngine:
+    """Load the model and size the KV pool and the model length.
+
+    Raises:
+        ValueError: an unreadable model directory, an unsupported architecture, a
+            ``max_model_len`` past the model's positions, or one the pool cannot hold.
+    """
+    device = torch.device(config.device)
+    dtype = DTYPES[config.dtype]
+    model, hf_config = load_model(config.model, dtype, device)
+    model_len = model.max_position_embeddings
+    max_model_len = config.max_model_len or model_len
+    if max_model_len > model_len:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_len} positions")
+    block_bytes = kv_block_bytes(
+        model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype
+    )
+    num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
+    max_model_len = fit_to_pool(
+        max_model_len, num_blocks, config.block_size, explicit=config.max_model_len is not None
+    )
+    num_cpu_blocks = config.swap_space_bytes // block_bytes if config.preemption == "swap" else 0
+    return LoadedEngine(
+        config=config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks),
+        model=model,
+        hf_config=hf_config,
+        device=device,
+        dtype=dtype,
+        block_bytes=block_bytes,
+        num_cpu_blocks=num_cpu_blocks,
+        eos_token_ids=eos_token_ids(config.model, hf_config),
+    )
+
+
+def fit_to_pool(max_model_len: int, num_blocks: int, block_size: int, *, explicit: bool) -> int:
+    """``max_model_len`` no longer than the KV pool holds (``num_blocks * block_size`` tokens).
+
+    One sequence of ``max_model_len`` tokens must fit the pool alone, or it could outgrow it.
+    The model's own length is clamped, with a message; an explicit ``max_model_len`` that does
+    not fit is refused (as vLLM does), never silently shortened.
+
+    Raises:
+        ValueError: an explicit ``max_model_len`` longer than the pool holds.
+    """
+    capacity = num_blocks * block_size
+    if max_model_len <= capacity:
+        return max_model_len
+    if explicit:
+        raise ValueError(
+            f"max_model_len {max_model_len} does not fit the KV pool: {num_blocks} blocks of "
+            f"{block_size} tokens hold {capacity}; give more KV memory or a smaller "
+            "max_model_len"
+        )
+    logger.warning(
+        "max_model_len clamped from the model's %d to %d tokens: the KV pool (%d blocks of %d) "
+        "cannot hold one longer sequence; give it more memory (--num-kv-blocks) to serve more",
+        max_model_len,
+        capacity,
+        num_blocks,
+        block_size,
+    )
+    return capacity
+
+
+def attention_cost(model: Any) -> float:
+    """``1 / alpha``: a token's attention work per context position over its other work.
+
+    Per token and layer, the projections cost ``2 * in * out`` FLOPs each (q, k, v, o, gate,
+    up, down), and attention costs ``4 * num_heads * head_dim`` per position it attends to (the
+    ``q.k`` and ``p.v`` products). For the tiny LLaVA ``alpha`` is ~350 positions; for an
+    8B Llama ~30,000: context length weighs on small models far more.
+    """
+    layer0 = [shape for (layer, _), shape in target_shapes(model).items() if layer == 0]
+    linear = sum(2 * fan_in * fan_out for fan_in, fan_out in layer0)
+    if not linear:
+        return 0.0
+    return 4.0 * model.num_heads * model.head_dim / linear
+
+
+def eos_token_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
+    """Every id that ends a sequence, where transformers takes them from.
+
+    The model config's ``eos_token_id`` (and its text config's, for LLaVA), the directory's
+    ``generation_config.json`` (a checkpoint may list extra stop ids there, e.g. Llama 3's
+    ``<|eot_id|>``), and the tokenizer's ``eos_token_id``.
+    """
+    ids: list[int] = []
+    sources = [
+        getattr(hf_config, "eos_token_id", None),
+        getattr(getattr(hf_config, "text_config", None), "eos_token_id", None),
+    ]
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.exists():
+        from transformers import GenerationConfig
+
+        try:
+            sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring an unreadable generation_config.json: %s", exc)
+    try:
+        from transformers import AutoTokenizer
+
+        sources.append(AutoTokenizer.from_pretrained(model_dir).eos_token_id)
+    except (OSError, ValueError, KeyError):
+        pass  # the processor loader reports an unusable tokenizer
+    for source in sources:
+        if isinstance(source, int):
+            ids.append(source)
+        elif isinstance(source, list | tuple):
+            ids.extend(int(x) for x in source)
+    return tuple(dict.fromkeys(ids))
