@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -27,15 +28,19 @@ class GracefulServer(uvicorn.Server):
     Args:
         config: uvicorn's config (the app, host, port, grace period).
         state: The app's :class:`gateway.server.state.GatewayState`.
+        on_ready: Called once the app has started and the server accepts connections.
 
     Attributes:
         exit_code: 0, or 1 once the engine died.
     """
 
-    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: Any, on_ready: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(config)
         self.gateway_state = state
         self.exit_code = 0
+        self.on_ready = on_ready
         if hasattr(state, "on_engine_death"):
             state.on_engine_death = self.engine_died
 
@@ -57,6 +62,12 @@ class GracefulServer(uvicorn.Server):
         finally:
             if isinstance(self.config.app, AccessLog):
                 self.config.app.flush()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start as uvicorn does (the app's lifespan, then the listeners), then ``on_ready``."""
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start draining, then uvicorn's own shutdown (a second SIGINT forces it)."""
