@@ -26,6 +26,20 @@ def _loraplex():
     return [exe] if exe else [sys.executable, "-m", "loraplex.gateway.cli"]
 
 
+def test_the_cli_starts_without_the_heavy_modules():
+    # What runs before ``serve`` binds its address: the CLI module and its commands' parsers.
+    code = (
+        "import sys, loraplex.gateway.cli\n"
+        "heavy = ('torch', 'transformers', 'peft', 'triton', 'alembic', 'numpy', 'PIL',"
+        " 'litestar')\n"
+        "print([m for m in heavy if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_a_port_in_use_fails_before_anything_is_loaded(tmp_path, llava_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
