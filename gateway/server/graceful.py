@@ -77,7 +77,7 @@ class GracefulServer(uvicorn.Server):
 
 
 def freeze_startup_heap() -> int:
-    """Collect once, then move every object alive now out of the garbage collector's sight.
+    """Collect the young generations, then move every object alive now out of the collector's sight.
 
     A serving process holds hundreds of thousands of long-lived objects from start-up (torch,
     transformers, SQLAlchemy, Litestar, the model); each full (generation 2) collection walks
@@ -88,9 +88,14 @@ def freeze_startup_heap() -> int:
     vLLM applies after start-up) puts them in a permanent generation that collections skip;
     objects made later are collected as usual.
 
+    Only generations 0 and 1 are collected first (a millisecond): the automatic collections of
+    start-up have already run, and a full collection of the ~500k objects of ``serve`` on the
+    tiny model found 351 more unreachable objects for 0.5 s of CPU before the server answered
+    (measured); those few stay frozen.
+
     Returns:
         How many objects are now frozen.
     """
-    gc.collect()
+    gc.collect(1)
     gc.freeze()
     return gc.get_freeze_count()
