@@ -15,9 +15,10 @@ RUN apt-get update \
 
 WORKDIR /opt/loraplex
 COPY . .
-# README.md's install command without the CPU torch pin: the base image brings its CUDA torch.
-# The test extra stays so the suite can run on the GPU host (`docker compose run loraplex ...`).
-RUN pip install -e ".[test]"
+# README.md's test install without the CPU torch pin (the base image brings its CUDA torch), plus
+# the gpu extra: triton, for --attention-backend triton and the Triton LoRA kernels. The test
+# extra stays so the suite can run on the GPU host (`docker compose run loraplex ...`).
+RUN pip install -e ".[gpu,test]"
 
 RUN useradd --create-home --uid 1000 loraplex \
     && mkdir -p /data /models \

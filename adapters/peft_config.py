@@ -17,17 +17,37 @@ when targets are resolved, so no client pattern ever reaches Python's backtracki
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import warnings
-from typing import Any
-
-from peft import LoraConfig
+from typing import TYPE_CHECKING, Any
 
 from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.patterns import MAX_PATTERN_CHARS, is_plain_name
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(LoraConfig))
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+
+@functools.cache
+def _lora_config_class() -> type[LoraConfig]:
+    """PEFT's ``LoraConfig``, imported on the first config parsed.
+
+    ``import peft`` pulls in transformers' modeling code and ``torch._dynamo`` (seconds of
+    start-up, and triton with it); the server needs it only when an adapter is uploaded or read.
+    """
+    from peft import LoraConfig
+
+    return LoraConfig
+
+
+@functools.cache
+def _fields() -> frozenset[str]:
+    """The keyword arguments ``LoraConfig`` takes."""
+    return frozenset(f.name for f in dataclasses.fields(_lora_config_class()))
+
+
 # Keys with a truthy value that changes what the adapter computes, and why we refuse them.
 _REFUSED = {
     "use_dora": "DoRA (use_dora=true) is not supported",
@@ -120,7 +140,7 @@ def parse_lora_config(config_bytes: bytes, *, max_rank: int) -> LoraConfig:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = LoraConfig(**kwargs)
+            config = _lora_config_class()(**kwargs)
     except Exception as exc:  # noqa: BLE001 - PEFT raises ValueError, TypeError, ImportError
         raise AdapterError(f"adapter_config.json is not a valid LoRA config: {exc}") from None
     if not config.target_modules:
@@ -130,13 +150,14 @@ def parse_lora_config(config_bytes: bytes, *, max_rank: int) -> LoraConfig:
 
 def _known_kwargs(raw: dict[str, Any]) -> dict[str, Any]:
     """Drop unknown keys that are empty (a newer PEFT's feature, switched off); refuse others."""
-    unknown = {k: v for k, v in raw.items() if k not in _FIELDS}
+    fields = _fields()
+    unknown = {k: v for k, v in raw.items() if k not in fields}
     active = sorted(k for k, v in unknown.items() if v not in (None, False, "", [], {}))
     if active:
         raise AdapterError(
             f"adapter_config.json sets options this server does not know: {', '.join(active)}"
         )
-    return {k: v for k, v in raw.items() if k in _FIELDS}
+    return {k: v for k, v in raw.items() if k in fields}
 
 
 def _is_number(value: object) -> bool:

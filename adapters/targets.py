@@ -16,13 +16,15 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-from peft import LoraConfig
+from typing import TYPE_CHECKING
 
 from loraplex.adapters.base_model import CURRENT_LAYOUT, LAYOUTS, PROJECTIONS, BaseModelInfo, Layout
 from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.patterns import PatternBudget
 from loraplex.adapters.peft_match import TargetMatcher, dot_suffixes
+
+if TYPE_CHECKING:  # peft (with transformers and torch._dynamo) loads only where a config is parsed
+    from peft import LoraConfig
 
 _KEY_RE = re.compile(r"base_model\.model\.(?P<module>.+)\.(?P<ab>lora_[AB])(?:\.default)?\.weight")
 ModuleKey = tuple[int, str]

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from loraplex.hashing.image_decode import (
+from loraplex.hashing.image_limits import (
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_IMAGES,
     DEFAULT_MAX_PIXELS,

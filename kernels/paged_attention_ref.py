@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 DECODE_GROUP = 16  # decodes batched per call, grouped by context length (16: measured best)
 
@@ -198,12 +197,30 @@ def _prefill(
     values = _gather(value_cache, table, length).permute(1, 0, 2).unsqueeze(0)
     q = query[start : start + num_q].float().permute(1, 0, 2).unsqueeze(0)  # [1, H, Q, D]
     if window is None:
-        mask = causal_lower_right(num_q, length)
+        mask = _causal_lower_right(num_q, length, device)
     else:
         q_pos = torch.arange(length - num_q, length, device=device)
         k_pos = torch.arange(length, device=device)
         mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
     res = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )  # [1, H, Q, D]
     out[start : start + num_q] = res[0].permute(1, 0, 2).reshape(num_q, num_heads, head_dim)
+
+
+def _causal_lower_right(num_q: int, length: int, device: torch.device) -> torch.Tensor | None:
+    """The bottom-right aligned causal mask of ``num_q`` queries over ``length`` keys.
+
+    None when ``num_q == length`` (then SDPA's own ``is_causal=True``, the same mask). On CPU
+    otherwise the ``[Q, L]`` bool mask, exactly what ``torch.nn.attention.bias.CausalBias``
+    materialises there (no CPU kernel takes a lower-right variant); elsewhere ``CausalBias``
+    itself (flash attention's lower-right causal on CUDA). That module is imported only then:
+    importing it loads ``torch._dynamo`` (1.5 s, and triton with it).
+    """
+    if num_q == length:
+        return None
+    if device.type == "cpu":
+        return torch.ones(num_q, length, dtype=torch.bool, device=device).tril(length - num_q)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(num_q, length)

@@ -5,7 +5,8 @@ entrypoint + command parse with ``loraplex serve``'s own parser and, with the se
 environment applied, resolve (through the CLI's real code paths) to the data directory and a
 database URL that agree with the postgres service; volumes sit where the flags point; health
 checks, GPU reservation, restart policy and ports are there; the image installs with README.md's
-command minus the CPU torch pin; the data directory (secrets) never enters the build context.
+test install command minus the CPU torch pin, plus the gpu extra; the data directory (secrets)
+never enters the build context.
 """
 
 import re
@@ -173,19 +174,29 @@ def test_gpu_restart_and_port(compose, dockerfile):
     assert instruction(dockerfile, "EXPOSE") == [str(args.port)]
 
 
-def readme_install_command():
-    """The README's first ``pip install ...`` (up to ``&&``), as tokens."""
+def readme_install_commands():
+    """The README's ``pip install ... && COMMAND`` lines: {COMMAND: the install, as tokens}."""
+    found = {}
     for line in (ROOT / "README.md").read_text().splitlines():
-        if line.startswith("pip install "):
-            return shlex.split(line.split("&&")[0])
-    pytest.fail("README.md has no `pip install` command")
+        if line.startswith("pip install ") and "&&" in line:
+            install, _, then = line.partition("&&")
+            found[then.strip()] = shlex.split(install)
+    assert found, "README.md has no `pip install ... && ...` command"
+    return found
 
 
-def test_image_installs_with_the_readme_command(dockerfile):
-    readme = readme_install_command()
+def test_readme_run_command_installs_runtime_dependencies_only():
+    commands = readme_install_commands()
+    assert commands["loraplex serve"] == ["pip", "install", "torch==2.13.0", "-e", "."]
+    assert commands["python -m pytest -q"] == ["pip", "install", "torch==2.13.0", "-e", ".[test]"]
+
+
+def test_image_installs_the_gpu_and_test_extras(dockerfile):
+    readme = readme_install_commands()["python -m pytest -q"]
     pins = [t for t in readme if t.startswith("torch==")]
     assert len(pins) == 1, readme  # the CPU pin the README says to drop on a GPU host
-    expected = [t for t in readme if t not in pins]
+    # The README's test install minus the pin, plus the gpu extra (triton: the GPU kernels).
+    expected = [".[gpu,test]" if t == ".[test]" else t for t in readme if t not in pins]
     runs = [shlex.split(r) for r in instruction(dockerfile, "RUN")]
     installs = [r for r in runs if r[:2] == ["pip", "install"]]
     assert installs == [expected]

@@ -50,3 +50,30 @@ def test_transformers_sees_no_kernels_package_of_ours():
         assert importlib.metadata.distribution("kernels").metadata["Name"] != "loraplex"
     top = importlib.metadata.distribution("loraplex").read_text("top_level.txt") or ""
     assert top.split() in ([], ["loraplex"])
+
+
+def _requirement_names(requirements):
+    return {r.split(";")[0].split(">")[0].split("=")[0].split("[")[0].strip() for r in requirements}
+
+
+def test_triton_is_in_the_gpu_and_test_extras_only():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "triton" not in _requirement_names(project["dependencies"])
+    extras = project["optional-dependencies"]
+    assert "triton" in _requirement_names(extras["gpu"])
+    assert "triton" in _requirement_names(extras["test"])  # kernel tests: Triton's interpreter
+    assert "peft" in _requirement_names(project["dependencies"])  # adapters are read at runtime
+
+
+def test_the_triton_backend_without_triton_says_which_extra_installs_it():
+    # As on a runtime-only install: ``import triton`` fails.
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from loraplex.engine.attention import get_attention_backend\n"
+        "try:\n"
+        "    get_attention_backend('triton')\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "needs triton" in out.stdout and "[gpu]" in out.stdout, out.stdout + out.stderr

@@ -107,12 +107,20 @@ def get_attention_backend(name: str) -> AttentionBackend:
     before that import: the interpreter).
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name, or ``"triton"`` without triton installed (the ``gpu``
+            extra).
     """
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        from loraplex.engine.attention.triton_backend import TritonAttentionBackend
-
+        try:
+            from loraplex.engine.attention.triton_backend import TritonAttentionBackend
+        except ModuleNotFoundError as exc:
+            if exc.name != "triton":
+                raise
+            raise ValueError(
+                "the triton attention backend needs triton, which the gpu extra installs: "
+                'pip install "loraplex[gpu]" (from a checkout: pip install -e ".[gpu]")'
+            ) from None
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")

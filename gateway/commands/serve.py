@@ -247,13 +247,45 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
 
 
 def run(args: argparse.Namespace) -> int:
-    """Migrate, load the model, print where the admin key is, serve until SIGINT/SIGTERM."""
+    """Bind the address, load the model, migrate, serve until SIGINT/SIGTERM.
+
+    The listening address is bound first, before anything heavy is imported, so a port in use
+    fails at once; progress lines go to stderr from then on (:mod:`gateway.server.startup`).
+
+    Returns:
+        0 after a graceful shutdown; 1 when the address cannot be bound or the engine died.
+    """
+    from loraplex.gateway.server.startup import bind_listeners, progress, url_of
+
+    try:
+        sockets = bind_listeners(args.host, args.port)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        print(
+            f"loraplex serve: error: cannot listen on {args.host}:{args.port}: {reason}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    port = sockets[0].getsockname()[1]
+    progress(
+        f"listening address {url_of(args.host, port)} is ours (bound first; connections wait "
+        "until the server is ready)"
+    )
+    try:
+        return _serve(args, sockets, port)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
+    """Everything after the bind: model, engine, database, then uvicorn on ``sockets``."""
+    import time
+
     from loraplex.gateway.auth.redact import RedactingFilter
     from loraplex.gateway.auth.secrets_store import load_or_create_admin_key
-    from loraplex.gateway.server.access_log import AccessLog
-    from loraplex.gateway.server.build import build_gateway, served_name, start_engine
-    from loraplex.gateway.server.graceful import GracefulServer
-    from loraplex.gateway.server.transport import uvicorn_config
+    from loraplex.gateway.server.startup import keep_triton_out, process_age, progress, url_of
     from loraplex.gateway.settings import data_dir, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -261,11 +293,20 @@ def run(args: argparse.Namespace) -> int:
     directory = data_dir(args.data_dir)
     directory.mkdir(parents=True, exist_ok=True)
     engine_config = config_from_args(args, resolve_model(args.model, directory))
+    if engine_config.attention_backend != "triton":
+        keep_triton_out()  # transformers' configs import torch._dynamo, which imports triton
+
+    from loraplex.gateway.server.build import build_gateway, served_name, start_engine
+
     gateway_config = gateway_config_from_args(args, served_name(engine_config))
+    gateway_config = gateway_config.replace(port=port)
     admin_key, admin_path, created = load_or_create_admin_key(directory, args.admin_key)
+    progress(f"loading model {gateway_config.served_model_name} from {engine_config.model}")
+    t0 = time.monotonic()
     client = start_engine(engine_config, gateway_config.store_dir)
     try:
-        app, state = build_gateway(gateway_config, client, admin_key=admin_key)
+        _report_engine(client.llm.engine, time.monotonic() - t0)
+        app, state = build_gateway(gateway_config, client, admin_key=admin_key, progress=progress)
     except BaseException:
         client.shutdown()
         raise
@@ -274,17 +315,16 @@ def run(args: argparse.Namespace) -> int:
         if created
         else (f"in {admin_path}" if admin_path else "from --admin-key / $LORAPLEX_ADMIN_KEY")
     )
-    print(f"loraplex: admin key {where}", file=sys.stderr, flush=True)
-    print(
-        f"loraplex: serving {gateway_config.served_model_name} on "
-        f"http://{gateway_config.host}:{gateway_config.port} "
-        f"(database {_safe_url(gateway_config.db_url)})",
-        file=sys.stderr,
-        flush=True,
-    )
+    progress(f"admin key {where}")
+
+    from loraplex.gateway.server.access_log import AccessLog
+    from loraplex.gateway.server.graceful import GracefulServer
+    from loraplex.gateway.server.transport import uvicorn_config
+
     access = None
     if not args.no_access_log and args.log_level in ("debug", "info"):
         access = AccessLog(app)  # instead of uvicorn's: a tenth of the server's CPU per request
+    url = url_of(gateway_config.host, port)
     server = GracefulServer(
         uvicorn_config(  # httptools with the connection limits
             access or app,
@@ -294,19 +334,39 @@ def run(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=max(1, round(gateway_config.shutdown_grace_seconds)),
         ),
         state,
+        on_ready=lambda: progress(
+            f"ready on {url}: {gateway_config.served_model_name}, "
+            f"{process_age():.1f} s after launch"
+        ),
     )
-    server.run()  # writes the access log's last lines when it ends
+    server.run(sockets)  # writes the access log's last lines when it ends
     if server.exit_code:
-        print(
-            "loraplex: the engine stopped; exiting so a supervisor restarts the server",
-            file=sys.stderr,
-            flush=True,
-        )
+        progress("the engine stopped; exiting so a supervisor restarts the server")
     return server.exit_code
 
 
-def _safe_url(url: str) -> str:
-    """The URL without its password."""
-    from sqlalchemy.engine import make_url
+def _report_engine(engine, seconds: float) -> None:
+    """The model and KV pool lines: what was loaded, and what the pool holds."""
+    from loraplex.gateway.server.startup import progress
 
-    return make_url(url).render_as_string(hide_password=True)
+    model = engine.model
+    params = sum(p.numel() for p in model.parameters())
+    progress(
+        f"model loaded: {_count(params)} parameters, {engine.config.dtype} on {engine.device}, "
+        f"in {seconds:.1f} s"
+    )
+    pool = sum(k.nbytes + v.nbytes for k, v in engine.runner.kv_caches)
+    config = engine.config
+    progress(
+        f"KV pool of {config.num_kv_blocks} blocks = {pool / 2**30:.3g} GiB "
+        f"({config.block_size} tokens per block, {config.num_kv_blocks * config.block_size} "
+        f"tokens; max_model_len {engine.max_model_len})"
+    )
+
+
+def _count(n: int) -> str:
+    """``1234567`` -> ``1.23M``."""
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)

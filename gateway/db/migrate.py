@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy.engine import Connection
+from typing import TYPE_CHECKING
 
 from loraplex import migrations
 from loraplex.gateway.db.session import make_engine
+
+if TYPE_CHECKING:  # alembic is imported where it runs: the CLI starts without it
+    from alembic.config import Config
+    from sqlalchemy.engine import Connection
 
 # Serialises concurrent upgrades on PostgreSQL (SQLite does it with BEGIN IMMEDIATE).
 _PG_LOCK_ID = 0x6C70785F6D6967  # "lpx_mig"
@@ -28,6 +27,8 @@ def alembic_config(url: str | None = None) -> Config:
     Args:
         url: The database URL, for Alembic's offline mode and its own command line use.
     """
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(Path(migrations.__file__).parent))
     if url:
@@ -37,6 +38,8 @@ def alembic_config(url: str | None = None) -> Config:
 
 def head_revision() -> str:
     """The newest revision shipped in ``migrations/versions``."""
+    from alembic.script import ScriptDirectory
+
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     assert head is not None, "migrations/versions has no revision"
     return head
@@ -45,6 +48,8 @@ def head_revision() -> str:
 def _upgrade_sync(connection: Connection, revision: str) -> None:
     if connection.dialect.name == "postgresql":
         connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK_ID})")
+    from alembic import command
+
     config = alembic_config()
     config.attributes["connection"] = connection
     command.upgrade(config, revision)
@@ -72,6 +77,8 @@ def upgrade(url: str, revision: str = "head") -> None:
 
 async def current_revision(url: str) -> str | None:
     """The revision the database at ``url`` is at; None when it was never migrated."""
+    from alembic.runtime.migration import MigrationContext
+
     engine = make_engine(url)
     try:
         async with engine.connect() as connection:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +58,16 @@ def build_gateway(
     *,
     admin_key: str,
     owns_engine: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Litestar, GatewayState]:
     """Migrate the database, collect orphaned adapter weights, build the app around ``engine``.
+
+    Args:
+        gateway_config: The gateway's settings.
+        engine: The engine client the app serves.
+        admin_key: The admin API's key.
+        owns_engine: The app's shutdown stops the engine.
+        progress: Called with a line for people once the database is migrated (``serve``).
 
     Raises:
         sqlalchemy.exc.SQLAlchemyError: the database is unreachable or cannot be migrated.
@@ -67,7 +77,18 @@ def build_gateway(
     from loraplex.gateway.settings import private_dir
 
     private_dir(gateway_config.data_dir)
+    t0 = time.monotonic()
     upgrade(gateway_config.db_url)
+    if progress is not None:
+        from sqlalchemy.engine import make_url
+
+        from loraplex.gateway.db.migrate import head_revision
+
+        safe = make_url(gateway_config.db_url).render_as_string(hide_password=True)
+        progress(
+            f"database migrated to revision {head_revision()} in "
+            f"{time.monotonic() - t0:.1f} s ({safe})"
+        )
     state = build_state(gateway_config, engine, admin_key=admin_key, owns_engine=owns_engine)
     collect_orphans_at_start(gateway_config.db_url, state.store)
     return create_app(state), state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -27,15 +28,19 @@ class GracefulServer(uvicorn.Server):
     Args:
         config: uvicorn's config (the app, host, port, grace period).
         state: The app's :class:`gateway.server.state.GatewayState`.
+        on_ready: Called once the app has started and the server accepts connections.
 
     Attributes:
         exit_code: 0, or 1 once the engine died.
     """
 
-    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: Any, on_ready: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(config)
         self.gateway_state = state
         self.exit_code = 0
+        self.on_ready = on_ready
         if hasattr(state, "on_engine_death"):
             state.on_engine_death = self.engine_died
 
@@ -58,6 +63,12 @@ class GracefulServer(uvicorn.Server):
             if isinstance(self.config.app, AccessLog):
                 self.config.app.flush()
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start as uvicorn does (the app's lifespan, then the listeners), then ``on_ready``."""
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready()
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Start draining, then uvicorn's own shutdown (a second SIGINT forces it)."""
         self.gateway_state.draining = True
@@ -66,7 +77,7 @@ class GracefulServer(uvicorn.Server):
 
 
 def freeze_startup_heap() -> int:
-    """Collect once, then move every object alive now out of the garbage collector's sight.
+    """Collect the young generations, then move every object alive now out of the collector's sight.
 
     A serving process holds hundreds of thousands of long-lived objects from start-up (torch,
     transformers, SQLAlchemy, Litestar, the model); each full (generation 2) collection walks
@@ -77,9 +88,14 @@ def freeze_startup_heap() -> int:
     vLLM applies after start-up) puts them in a permanent generation that collections skip;
     objects made later are collected as usual.
 
+    Only generations 0 and 1 are collected first (a millisecond): the automatic collections of
+    start-up have already run, and a full collection of the ~500k objects of ``serve`` on the
+    tiny model found 351 more unreachable objects for 0.5 s of CPU before the server answered
+    (measured); those few stay frozen.
+
     Returns:
         How many objects are now frozen.
     """
-    gc.collect()
+    gc.collect(1)
     gc.freeze()
     return gc.get_freeze_count()
