@@ -352,7 +352,7 @@ def _report_engine(engine, seconds: float) -> None:
     model = engine.model
     params = sum(p.numel() for p in model.parameters())
     progress(
-        f"model loaded: {_count(params)} parameters, {engine.config.dtype} on {engine.device}, "
+        f"model loaded: {_count(params)} parameters, {engine.config.dtype} on {engine.config.device}, "
         f"in {seconds:.1f} s"
     )
     pool = sum(k.nbytes + v.nbytes for k, v in engine.runner.kv_caches)
