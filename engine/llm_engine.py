@@ -538,11 +538,9 @@ class LLMEngine:
                 )
             )
         first = state.seqs[0]
-        ttft = (
-            first.first_token_time - state.request.arrival_time
-            if first.first_token_time is not None
-            else None
-        )
+        arrival = state.request.arrival_time
+        ttft = None if first.first_token_time is None else first.first_token_time - arrival
+        scheduled = first.first_scheduled_time
         finished = all(s.is_finished for s in state.seqs) and (
             state.forked or state.request.sampling.n == 1 or first.finish_reason == "abort"
         )
@@ -553,6 +551,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0,
             ttft=ttft,
+            queue_time=None if scheduled is None else scheduled - arrival,
         )
 
 

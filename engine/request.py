@@ -89,6 +89,9 @@ class Sequence:
         swapped: True while its KV lives in the CPU swap pool.
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished.
         logprobs: Per generated token, ``(sampled logprob, [(token_id, logprob), ...])``.
+        first_token_time: ``time.monotonic()`` when its first token was sampled.
+        first_scheduled_time: ``time.monotonic()`` when the scheduler first admitted it from the
+            waiting queue (a later re-admission after preemption does not move it).
     """
 
     seq_id: str
@@ -106,6 +109,7 @@ class Sequence:
     stop_reason: int | str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -164,6 +168,8 @@ class RequestOutput:
         finished: True when every sequence finished.
         num_cached_tokens: Prompt tokens served from the prefix cache.
         ttft: Seconds from arrival to the first token, once there is one.
+        queue_time: Seconds from arrival to the scheduler's first admission of the request
+            (vLLM's queued interval), once it was admitted.
         error: Set (with ``finished``) when a fault in this request's part of a step failed
             it; says where, never the internals (those go to the log).
     """
@@ -174,4 +180,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     ttft: float | None = None
+    queue_time: float | None = None
     error: str | None = None

@@ -39,6 +39,7 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -349,6 +350,8 @@ class Scheduler:
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = match.num_cached_tokens
                 self._record(out, seq, num_new, alloc)
+            if seq.first_scheduled_time is None:  # its queue time ends here (not on re-admission)
+                seq.first_scheduled_time = time.monotonic()
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
