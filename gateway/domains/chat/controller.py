@@ -183,6 +183,8 @@ async def _start(
             admission.reserve_tokens(ledger.prompt_tokens + sampling.max_tokens * sampling.n)
     except OverloadedError as exc:
         raise overloaded(str(exc), exc.retry_after) from None
+    adapter = None if ledger.adapter_digest is None else chat.model
+    ledger.measure(state.metrics.latency.for_model(principal.tenant_id, adapter))
     return ChatRun(state, engine_request, ledger)
 
 

@@ -38,6 +38,7 @@ from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.gateway.db.types import utcnow
 from loraplex.gateway.domains.adapters.upload import NAME_RE
 from loraplex.gateway.server.errors import APIError, not_found
+from loraplex.gateway.server.latency import ModelSeries, TokenClock
 from loraplex.gateway.services.adapters import find_adapter
 from loraplex.gateway.services.usage import UsageRecord
 
@@ -94,6 +95,8 @@ class UsageLedger:
     Attributes:
         durable: Completes once the row is durable (None until :meth:`close`, or when the row
             could not be queued).
+        series: The latency histograms of the request's model (:meth:`measure`); None until
+            the model is resolved, and then no latency is recorded.
     """
 
     def __init__(
@@ -118,16 +121,26 @@ class UsageLedger:
         self.cached_tokens = 0
         self.images = 0
         self.ttft: float | None = None
+        self.series: ModelSeries | None = None
+        self._clock: TokenClock | None = None
         self.last: RequestOutput | None = None
         self.closed = False
         self.admission: AdmissionTicket | None = None  # released with the ticket
 
+    def measure(self, series: ModelSeries) -> None:
+        """Record this request's latencies in ``series`` (its model's; see :meth:`observe`)."""
+        self.series = series
+        self._clock = TokenClock(series.itl)
+
     def observe(self, out: RequestOutput) -> None:
         """Keep the engine's latest output (cumulative: it supersedes the previous ones).
 
-        Its counts are taken when the ledger closes, not per token.
+        Called as each output reaches the gateway: its new tokens' inter-token latency is
+        observed now; its counts are taken when the ledger closes.
         """
         self.last = out
+        if self._clock is not None:
+            self._clock.output(out, time.perf_counter())
 
     def _take_counts(self) -> None:
         out = self.last
@@ -149,6 +162,7 @@ class UsageLedger:
         self.closed = True
         self._take_counts()
         tenant = self.principal.tenant_id
+        latency = time.perf_counter() - self.started
         try:
             self.durable = self.state.usage.submit(
                 UsageRecord(
@@ -164,7 +178,7 @@ class UsageLedger:
                     status=status,
                     error_type=error_type if status != "ok" else None,
                     ttft_ms=None if self.ttft is None else self.ttft * 1000.0,
-                    latency_ms=(time.perf_counter() - self.started) * 1000.0,
+                    latency_ms=latency * 1000.0,
                     created_at=utcnow(),
                     client_request_id=self.client_request_id,
                 )
@@ -175,8 +189,10 @@ class UsageLedger:
                 self.prompt_tokens,
                 self.completion_tokens,
                 self.cached_tokens,
-                self.ttft,
             )
+            if self.series is not None:
+                queue_time = None if self.last is None else self.last.queue_time
+                self.series.finished(status == "ok", self.ttft, latency, queue_time)
         except Exception:  # a bug in a record; the request itself is not at fault
             logger.exception("could not record usage of %s", self.usage_id)
         finally:
