@@ -89,6 +89,7 @@ class _Request:
     request: EngineRequest
     outputs: dict[int, _Output] = field(default_factory=dict)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
     error: str | None = None
     core_finished: bool = False  # the core forgot the request
@@ -174,6 +175,8 @@ class OutputProcessor:
         if core.error is not None and state.error is None:
             state.error = core.error
         state.num_cached_tokens = core.num_cached_tokens
+        if state.first_scheduled_time is None:
+            state.first_scheduled_time = core.first_scheduled_time
         out = self._output(state, core.index)
         if out.finish_reason is not None:  # ended here by a stop string: late news
             return
@@ -255,6 +258,7 @@ class OutputProcessor:
             if state.first_token_time is None
             else state.first_token_time - state.request.arrival_time
         )
+        scheduled = state.first_scheduled_time
         return RequestOutput(
             request_id=state.request.request_id,
             prompt_token_ids=state.request.prompt_token_ids,
@@ -262,6 +266,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             ttft=ttft,
+            queue_time=None if scheduled is None else scheduled - state.request.arrival_time,
             error=state.error,
         )
 

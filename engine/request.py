@@ -111,6 +111,8 @@ class RequestOutput:
         finished: True when every output finished (the request's last output).
         num_cached_tokens: Prompt tokens served from the prefix cache.
         ttft: Seconds from arrival to the first token, once there is one.
+        queue_time: Seconds from arrival to the scheduler's first admission of the request
+            (vLLM's queued interval), once it was admitted.
         error: Set (with ``finished``) when a fault in this request's part of a step failed
             it; says where, never the internals (those go to the log).
     """
@@ -121,4 +123,31 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     ttft: float | None = None
+    queue_time: float | None = None
     error: str | None = None
+
+    def add(self, later: RequestOutput) -> None:
+        """Add a later ``DELTA`` output of the same request to this one (vLLM's ``add``).
+
+        Each choice's text, token ids and logprobs are appended; finish state, counts and
+        timings are the later output's where it has them.
+        """
+        by_index = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            mine = by_index.get(c.index)
+            if mine is None:
+                mine = by_index[c.index] = CompletionOutput(c.index, "", [])
+                mine.logprobs = [] if c.logprobs is not None else None
+                self.outputs.append(mine)
+            mine.text += c.text
+            mine.token_ids = [*mine.token_ids, *c.token_ids]
+            if c.logprobs is not None:
+                mine.logprobs = [*(mine.logprobs or []), *c.logprobs]
+            mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
+            mine.num_tokens = c.num_tokens
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.ttft = self.ttft if self.ttft is not None else later.ttft
+        self.queue_time = self.queue_time if self.queue_time is not None else later.queue_time
+        self.error = later.error if later.error is not None else self.error

@@ -43,6 +43,7 @@ processor, whose hit comes back through :meth:`Scheduler.finish_request`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -340,6 +341,8 @@ class Scheduler:
                     seq.num_cached_tokens = match.num_cached_tokens
                 self._record(out, seq, start, num_new, alloc)
             self.waiting.remove(seq)
+            if seq.first_scheduled_time is None:  # its queue time ends here (not on re-admission)
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.waiting.started(seq)
@@ -582,6 +585,7 @@ class Scheduler:
                 num_computed_tokens=parent.num_computed_tokens,
                 status=SequenceStatus.RUNNING,
                 num_cached_tokens=parent.num_cached_tokens,
+                first_scheduled_time=parent.first_scheduled_time,
             )
             self.kv.fork(parent.seq_id, child.seq_id)
             if child.request.lora_digest is not None:
@@ -627,6 +631,7 @@ def _output(
         finish_reason=finish_reason,
         stop_reason=stop_reason,
         num_cached_tokens=seq.num_cached_tokens or 0,
+        first_scheduled_time=seq.first_scheduled_time,
     )
 
 

@@ -180,6 +180,7 @@ class EngineCoreOutput:
         num_cached_tokens: Prompt tokens served from the prefix cache.
         error: Where a fault failed it (``finish_reason == "error"``).
         request_finished: Every sequence of its request has finished (the core forgot it).
+        first_scheduled_time: ``time.monotonic()`` of its first admission, None before.
     """
 
     request_id: str
@@ -191,3 +192,4 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     request_finished: bool = False
+    first_scheduled_time: float | None = None

@@ -45,6 +45,8 @@ class Sequence:
         stop_reason: The stop token id or stop string that finished it, if any.
         known_to_runner: The model runner holds state for it (sent once as a ``NewSeq``,
             dropped at preemption and finish).
+        first_scheduled_time: ``time.monotonic()`` when the scheduler first admitted it from
+            the waiting queue (a re-admission after preemption does not move it).
     """
 
     seq_id: str
@@ -59,6 +61,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     known_to_runner: bool = False
+    first_scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

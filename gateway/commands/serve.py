@@ -103,6 +103,14 @@ def register(subparsers) -> None:
         "503 (default %(default)s)",
     )
     p.add_argument(
+        "--metrics-max-adapter-labels",
+        type=int,
+        default=d.metrics_max_adapter_labels,
+        help="adapters that get a model_name label of their own in /metrics (TENANT_ID/NAME; the "
+        "first to be used, at most a quarter per tenant; the rest share '(other)'); 0 shows no "
+        "adapter name on /metrics, which needs no key (default %(default)s)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -200,6 +208,8 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
             raise ValueError(f"--{flag.replace('_', '-')} must be 0 (no bound) or positive")
     if args.usage_backlog_limit < 1:
         raise ValueError("--usage-backlog-limit must be at least 1")
+    if args.metrics_max_adapter_labels < 0:
+        raise ValueError("--metrics-max-adapter-labels must not be negative")
     if args.max_concurrent_uploads < 1:
         raise ValueError("--max-concurrent-uploads must be at least 1")
     if not 0.0 < args.tenant_share <= 1.0:
@@ -234,6 +244,7 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         max_concurrent_uploads=args.max_concurrent_uploads,
         usage_spool_fsync=args.usage_fsync,
         usage_backlog_limit=args.usage_backlog_limit,
+        metrics_max_adapter_labels=args.metrics_max_adapter_labels,
         max_header_bytes=args.max_header_bytes,
         max_headers=args.max_headers,
         header_timeout_seconds=args.header_timeout,
@@ -352,8 +363,8 @@ def _report_engine(engine, seconds: float) -> None:
     model = engine.model
     params = sum(p.numel() for p in model.parameters())
     progress(
-        f"model loaded: {_count(params)} parameters, {engine.config.dtype} on {engine.config.device}, "
-        f"in {seconds:.1f} s"
+        f"model loaded: {_count(params)} parameters, {engine.config.dtype} on "
+        f"{engine.config.device}, in {seconds:.1f} s"
     )
     pool = sum(k.nbytes + v.nbytes for k, v in engine.runner.kv_caches)
     config = engine.config

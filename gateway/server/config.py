@@ -78,6 +78,10 @@ class GatewayConfig:
         auth_stale_if_error_seconds: While the database is unreachable, a key verified within
             this many seconds keeps working (its cached verification is served); other keys
             get 503 + ``Retry-After``.
+        metrics_max_adapter_labels: Adapters that get a ``model_name`` label of their own in
+            ``/metrics`` (``TENANT_ID/NAME``), the first to answer a request since start, at
+            most a quarter of them per tenant; the others share ``(other)``. 0: no adapter
+            name is shown (``/metrics`` needs no key; ``docs/metrics.md``).
     """
 
     data_dir: Path
@@ -116,6 +120,7 @@ class GatewayConfig:
     usage_spool_fsync: bool = True
     usage_backlog_limit: int = 100_000
     auth_stale_if_error_seconds: float = 300.0
+    metrics_max_adapter_labels: int = 32
 
     @property
     def store_dir(self) -> Path:

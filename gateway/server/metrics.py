@@ -1,4 +1,6 @@
-"""Prometheus metrics: engine gauges read at scrape time, per-tenant counters from the gateway.
+"""Prometheus metrics: engine gauges, per-tenant counters, per-model latency histograms.
+
+The latency histograms live in :mod:`gateway.server.latency`; every series: ``docs/metrics.md``.
 
 Each app has its own ``CollectorRegistry`` (several apps can live in one test process). Engine
 figures (KV blocks, prefix-cache tokens, queue lengths, LoRA slots) come from
@@ -11,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from loraplex.gateway.server.latency import LatencyMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -59,11 +63,24 @@ class GatewayMetrics:
 
     Args:
         stats: The engine's ``stats()``.
+        base_model: The served model's name (the base model's ``model_name`` label).
+        max_adapter_labels: Adapters that may get a ``model_name`` label of their own
+            (:class:`gateway.server.latency.LatencyMetrics`).
+
+    Attributes:
+        latency: The per-model latency histograms.
     """
 
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, Any]],
+        base_model: str,
+        max_adapter_labels: int = 32,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
+        self.latency = LatencyMetrics(base_model, max_adapter_labels)
+        self.registry.register(self.latency)
         self.requests = Counter(
             "loraplex_tenant_requests",
             "Chat requests by tenant, model kind and status",
@@ -83,12 +100,6 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self._tenant_tokens: dict[str, tuple[Any, Any, Any]] = {}
-        self.ttft = Histogram(
-            "loraplex_time_to_first_token_seconds",
-            "Time from arrival to the first token",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=self.registry,
-        )
 
     def record_request(
         self,
@@ -97,16 +108,13 @@ class GatewayMetrics:
         prompt_tokens: int,
         completion_tokens: int,
         cached_tokens: int,
-        ttft_seconds: float | None,
     ) -> None:
-        """Count one finished request (any status)."""
+        """Count one finished request (any status); its latencies go to :attr:`latency`."""
         self.requests.labels(tenant_id, status).inc()
         prompt, completion, cached = self._token_counters(tenant_id)
         prompt.inc(prompt_tokens)
         completion.inc(completion_tokens)
         cached.inc(cached_tokens)
-        if ttft_seconds is not None:
-            self.ttft.observe(ttft_seconds)
 
     def _token_counters(self, tenant_id: str) -> tuple[Any, Any, Any]:
         """The tenant's prompt / completion / cached token counters (label lookups cached)."""

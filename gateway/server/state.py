@@ -114,7 +114,7 @@ def build_state(
             flush_seconds=config.usage_flush_seconds,
             backlog_limit=config.usage_backlog_limit,
         ),
-        metrics=GatewayMetrics(engine.stats),
+        metrics=GatewayMetrics(engine.stats, engine.model_name, config.metrics_max_adapter_labels),
         admission=AdmissionControl(
             config.max_outstanding_requests, config.max_outstanding_tokens, config.tenant_share
         ),

@@ -174,7 +174,7 @@ async def _start(
         lora_digest=ledger.adapter_digest,
         cache_salt=principal.tenant_id,  # always the tenant: never from the client
         tenant=principal.tenant_id,  # the scheduler's fairness group
-        output_kind=RequestOutputKind.DELTA if chat.stream else RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.DELTA,  # non-streamed too: the ledger times each token
     )
     ledger.prompt_tokens = len(prompt.prompt_token_ids)
     ledger.images = len(prompt.images)
@@ -184,6 +184,8 @@ async def _start(
             admission.reserve_tokens(ledger.prompt_tokens + sampling.max_tokens * sampling.n)
     except OverloadedError as exc:
         raise overloaded(str(exc), exc.retry_after) from None
+    adapter = None if ledger.adapter_digest is None else chat.model
+    ledger.measure(state.metrics.latency.for_model(principal.tenant_id, adapter))
     return ChatRun(state, engine_request, ledger)
 
 

@@ -38,6 +38,7 @@ from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.gateway.db.types import utcnow
 from loraplex.gateway.domains.adapters.upload import NAME_RE
 from loraplex.gateway.server.errors import APIError, not_found
+from loraplex.gateway.server.latency import ModelSeries, TokenClock
 from loraplex.gateway.services.adapters import find_adapter
 from loraplex.gateway.services.usage import UsageRecord
 
@@ -94,6 +95,8 @@ class UsageLedger:
     Attributes:
         durable: Completes once the row is durable (None until :meth:`close`, or when the row
             could not be queued).
+        series: The latency histograms of the request's model (:meth:`measure`); None until
+            the model is resolved, and then no latency is recorded.
     """
 
     def __init__(
@@ -120,12 +123,28 @@ class UsageLedger:
         self.ttft: float | None = None
         self._tokens: dict[int, int] = {}  # choice index -> tokens generated
         self._observed = False
+        self.queue_time: float | None = None
+        self.series: ModelSeries | None = None
+        self._clock: TokenClock | None = None
         self.closed = False
         self.admission: AdmissionTicket | None = None  # released with the ticket
 
+    def measure(self, series: ModelSeries) -> None:
+        """Record this request's latencies in ``series`` (its model's; see :meth:`observe`)."""
+        self.series = series
+        self._clock = TokenClock(series.itl)
+
     def observe(self, out: RequestOutput) -> None:
-        """Take an output's counts (each choice's ``num_tokens`` is its running total)."""
+        """Take a ``DELTA`` output's counts (each choice's ``num_tokens`` is its running total).
+
+        Called as each output reaches the gateway: its new tokens' inter-token latency is
+        observed now.
+        """
+        if self._clock is not None:
+            self._clock.output(out, time.perf_counter())
         self._observed = True
+        if out.queue_time is not None:
+            self.queue_time = out.queue_time
         self.prompt_tokens = len(out.prompt_token_ids)
         for o in out.outputs:
             self._tokens[o.index] = o.num_tokens
@@ -153,6 +172,7 @@ class UsageLedger:
         self.closed = True
         self._take_counts()
         tenant = self.principal.tenant_id
+        latency = time.perf_counter() - self.started
         try:
             self.durable = self.state.usage.submit(
                 UsageRecord(
@@ -168,7 +188,7 @@ class UsageLedger:
                     status=status,
                     error_type=error_type if status != "ok" else None,
                     ttft_ms=None if self.ttft is None else self.ttft * 1000.0,
-                    latency_ms=(time.perf_counter() - self.started) * 1000.0,
+                    latency_ms=latency * 1000.0,
                     created_at=utcnow(),
                     client_request_id=self.client_request_id,
                 )
@@ -179,8 +199,9 @@ class UsageLedger:
                 self.prompt_tokens,
                 self.completion_tokens,
                 self.cached_tokens,
-                self.ttft,
             )
+            if self.series is not None:
+                self.series.finished(status == "ok", self.ttft, latency, self.queue_time)
         except Exception:  # a bug in a record; the request itself is not at fault
             logger.exception("could not record usage of %s", self.usage_id)
         finally:
@@ -301,11 +322,16 @@ class ChatRun:
         return item
 
     async def final(self) -> RequestOutput:
-        """Wait for the finished output (see :meth:`next`)."""
+        """Wait for the finished request: its ``DELTA`` outputs added up (see :meth:`next`)."""
+        total: RequestOutput | None = None
         while True:
             out = await self.next()
+            if total is None:
+                total = out
+            else:
+                total.add(out)
             if out.finished:
-                return out
+                return total
 
     async def durable(self, strict: bool = True) -> None:
         """Wait until the run has ended and its usage row is durable.
