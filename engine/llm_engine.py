@@ -19,6 +19,7 @@ from loraplex.adapters.manager import LoRAManager
 from loraplex.engine.attention import get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.kv_profile import plan_kv_pool
 from loraplex.engine.lora import LoRAStepContext, install_lora, target_shapes
 from loraplex.engine.model_runner import ModelRunner, kv_block_bytes
 from loraplex.engine.models.loader import load_model
@@ -88,18 +89,6 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's {model_len} positions"
             )
-        block_bytes = kv_block_bytes(
-            model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, self.dtype
-        )
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
-        max_model_len = _fit_to_pool(
-            max_model_len, num_blocks, config.block_size, explicit=config.max_model_len is not None
-        )
-        num_cpu_blocks = (
-            config.swap_space_bytes // block_bytes if config.preemption == "swap" else 0
-        )
-        self.config = config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks)
-        self.max_model_len = max_model_len
         self.tokenizer, self.inputs = load_processor(
             config.model,
             model,
@@ -110,6 +99,43 @@ class LLMEngine:
             max_request_image_pixels=config.max_request_image_pixels,
         )
         self.eos_token_ids = _eos_ids(self.tokenizer, hf_config)
+        self.lora_context = LoRAStepContext()
+        self._adapter_dirs: dict[str, str] = {}
+        self._adapter_loader = adapter_loader
+        self.lora_manager = LoRAManager(
+            target_shapes(model),
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            max_rank=config.max_lora_rank,
+            device=self.device,
+            dtype=self.dtype,
+            loader=self._load_adapter,
+        )
+        install_lora(model, self.lora_manager.buffers, self.lora_context)
+        backend = get_attention_backend(config.attention_backend)
+        block_bytes = kv_block_bytes(
+            model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, self.dtype
+        )
+        # After the weights and LoRA slots, before the pool: what the machine has left.
+        self.kv_sizing = plan_kv_pool(
+            config,
+            model,
+            backend,
+            max_model_len=max_model_len,
+            block_bytes=block_bytes,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        num_blocks = self.kv_sizing.num_blocks
+        logger.info("%s", self.kv_sizing.describe())
+        max_model_len = _fit_to_pool(
+            max_model_len, num_blocks, config.block_size, explicit=config.max_model_len is not None
+        )
+        num_cpu_blocks = (
+            config.swap_space_bytes // block_bytes if config.preemption == "swap" else 0
+        )
+        self.config = config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks)
+        self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
@@ -130,25 +156,12 @@ class LLMEngine:
             preemption=config.preemption,
             cpu_pool=CpuBlockPool(num_cpu_blocks) if num_cpu_blocks else None,
         )
-        self.lora_context = LoRAStepContext()
-        self._adapter_dirs: dict[str, str] = {}
-        self._adapter_loader = adapter_loader
-        self.lora_manager = LoRAManager(
-            target_shapes(model),
-            max_loras=config.max_loras,
-            max_cpu_loras=config.max_cpu_loras,
-            max_rank=config.max_lora_rank,
-            device=self.device,
-            dtype=self.dtype,
-            loader=self._load_adapter,
-        )
-        install_lora(model, self.lora_manager.buffers, self.lora_context)
         self.scheduler.lora_manager = self.lora_manager
         self.runner = ModelRunner(
             model,
             num_kv_blocks=num_blocks,
             block_size=config.block_size,
-            backend=get_attention_backend(config.attention_backend),
+            backend=backend,
             device=self.device,
             dtype=self.dtype,
             num_cpu_blocks=num_cpu_blocks,
@@ -613,7 +626,8 @@ def _fit_to_pool(max_model_len: int, num_blocks: int, block_size: int, *, explic
         )
     logger.warning(
         "max_model_len clamped from the model's %d to %d tokens: the KV pool (%d blocks of %d) "
-        "cannot hold one longer sequence; give it more memory (--num-kv-blocks) to serve more",
+        "cannot hold one longer sequence; give it more memory (--kv-cache-memory, "
+        "--cpu-kv-cache-share, --gpu-memory-utilization or --num-kv-blocks) to serve more",
         max_model_len,
         capacity,
         num_blocks,
