@@ -128,6 +128,8 @@ class AsyncLLM:
         eng = self.engine
         return {
             "kv_blocks_total": eng.kv.pool.num_blocks,
+            "kv_block_size": eng.kv.block_size,
+            "kv_cache_bytes": eng.kv_sizing.pool_bytes,
             "kv_blocks_in_use": eng.kv.pool.num_used,
             "requests_running": len(eng.scheduler.running),
             "requests_waiting": len(eng.scheduler.waiting),

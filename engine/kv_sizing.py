@@ -244,3 +244,34 @@ def _too_small(
         f"blocks ({need * block_bytes / MiB:.1f} MiB). {fix[0].upper()}{fix[1:]}, or set the "
         "pool's size with --kv-cache-memory or --num-kv-blocks"
     )
+
+
+_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": MiB, "gib": GiB, "tib": 1024 * GiB}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"4GiB"``, ``"512 MiB"``, ``"1.5gib"`` or a plain byte count ``"1073741824"``.
+
+    Binary units only (KiB, MiB, GiB, TiB; B for bytes), case-insensitive: "GB" is refused
+    rather than guessed at (10**9 or 2**30).
+
+    Raises:
+        ValueError: not a positive size in those units.
+    """
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("kmgtib")
+    unit = s[len(number) :]
+    if unit not in _UNITS:
+        raise ValueError(f"bad size {text!r}: use bytes or a number with KiB, MiB, GiB or TiB")
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(
+            f"bad size {text!r}: use bytes or a number with KiB, MiB, GiB or TiB"
+        ) from None
+    if not 0 < value < float("inf"):  # NaN too
+        raise ValueError(f"bad size {text!r}: must be positive")
+    size = int(value * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"bad size {text!r}: less than one byte")
+    return size

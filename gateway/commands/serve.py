@@ -234,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     gateway_config = gateway_config_from_args(args, served_name(engine_config))
     admin_key, admin_path, created = load_or_create_admin_key(directory, args.admin_key)
     client = start_engine(engine_config, gateway_config.store_dir)
+    print(f"loraplex: {client.kv_pool.describe()}", file=sys.stderr, flush=True)
     try:
         app, state = build_gateway(gateway_config, client, admin_key=admin_key)
     except BaseException:

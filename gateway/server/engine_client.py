@@ -123,6 +123,7 @@ class LocalEngineClient:
         self.llm = llm
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.kv_pool = engine.kv_sizing  # how the pool was sized (serve prints it)
         self.adapter_limits = AdapterLimits(
             target_shapes=engine.lora_shapes,
             num_layers=engine.model.num_layers,

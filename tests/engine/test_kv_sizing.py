@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from loraplex.engine import kv_profile
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.kv_sizing import GiB, MemoryFigures, MiB, size_kv_pool
+from loraplex.engine.kv_sizing import GiB, MemoryFigures, MiB, parse_size, size_kv_pool
 from loraplex.engine.llm import LLM
 
 # One block of SmolLM-135M's shape: 30 layers x 16 tokens x 3 KV heads x 64 x K,V x 4 bytes.
@@ -232,3 +232,39 @@ def test_engine_refuses_to_start_on_a_tiny_machine(tiny_text_dir, monkeypatch):
     # An explicit size needs no figures and starts.
     llm = LLM(EngineConfig(model=tiny_text_dir, kv_cache_memory_bytes=MiB))
     assert llm.engine.kv_sizing.rule == "kv_cache_memory" and llm.engine.kv.pool.num_blocks == 64
+
+
+# ------------------------------------------------------------------------------- flags
+def test_parse_size():
+    assert parse_size("1073741824") == GiB
+    assert parse_size("4GiB") == parse_size("4 gib") == 4 * GiB
+    assert parse_size("1.5GiB") == 3 * GiB // 2
+    assert parse_size("512MiB") == 512 * MiB and parse_size("2KiB") == 2048
+    assert parse_size("10B") == 10
+    for bad in ("4GB", "4G", "", "GiB", "-1GiB", "0", "nan", "inf", "0.1B", "4 XiB"):
+        with pytest.raises(ValueError, match="bad size"):
+            parse_size(bad)
+
+
+def engine_flags(*argv):
+    from loraplex.gateway.cli import build_parser
+    from loraplex.gateway.commands.engine_args import config_from_args
+
+    args = build_parser().parse_args(["serve", *argv])
+    return config_from_args(args, "model-dir")
+
+
+def test_serve_flags_reach_the_engine_config():
+    d = engine_flags()
+    assert d.num_kv_blocks is None and d.kv_cache_memory_bytes is None
+    assert (d.gpu_memory_utilization, d.cpu_kv_cache_share) == (0.9, 0.5)
+    c = engine_flags(
+        "--kv-cache-memory", "2GiB", "--gpu-memory-utilization", "0.8",
+        "--cpu-kv-cache-share", "0.25", "--num-kv-blocks", "9",
+    )  # fmt: skip
+    assert (c.kv_cache_memory_bytes, c.num_kv_blocks) == (2 * GiB, 9)
+    assert (c.gpu_memory_utilization, c.cpu_kv_cache_share) == (0.8, 0.25)
+    with pytest.raises(SystemExit):
+        engine_flags("--kv-cache-memory", "2GB")
+    with pytest.raises(ValueError, match="cpu_kv_cache_share"):
+        engine_flags("--cpu-kv-cache-share", "1.5")
