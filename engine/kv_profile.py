@@ -208,3 +208,23 @@ def plan_kv_pool(
         cpu_kv_cache_share=config.cpu_kv_cache_share,
         memory=memory,
     )
+
+
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor for the KV pool; on CPU backed by an anonymous memory map.
+
+    The kernel hands out anonymous pages zeroed on first touch (``MAP_ANONYMOUS``), so a
+    CPU pool of several GiB costs nothing at start-up and only the blocks ever written take
+    RAM, where ``torch.zeros`` writes every byte first (18 s for a 5.6 GiB pool on a busy
+    2-core machine). Other devices: ``torch.zeros``.
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import mmap
+
+    # The tensor holds the map (frombuffer keeps a reference): it lives as long as the tensor.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

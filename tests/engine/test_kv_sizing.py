@@ -268,3 +268,15 @@ def test_serve_flags_reach_the_engine_config():
         engine_flags("--kv-cache-memory", "2GB")
     with pytest.raises(ValueError, match="cpu_kv_cache_share"):
         engine_flags("--cpu-kv-cache-share", "1.5")
+
+
+def test_cpu_pool_tensors_are_zero_writable_and_lazily_backed():
+    import gc
+
+    t = kv_profile.pool_zeros((64, 16, 2, 8), torch.float16, torch.device("cpu"))
+    assert t.shape == (64, 16, 2, 8) and t.dtype == torch.float16 and t.is_contiguous()
+    assert not t.any()
+    t[3, 1] = 2.5
+    gc.collect()  # the map lives as long as the tensor
+    assert t[3, 1].eq(2.5).all() and t.sum().item() == 2.5 * 16
+    assert kv_profile.pool_zeros((0, 16), torch.float32, torch.device("cpu")).shape == (0, 16)
