@@ -76,8 +76,8 @@ def main(quick: bool) -> None:
     from bench.throughput import run_transformers
     from loraplex.engine.tiny_model import parameter_count
 
-    num_requests, output_tokens = (8, 16) if quick else (32, 64)
-    hf_batches = [8] if quick else [8, 16, 32]
+    num_requests, output_tokens = (2, 8) if quick else (32, 64)
+    hf_batches = [2] if quick else [8, 16, 32]
     torch.manual_seed(0)
     path = model_dir()
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
