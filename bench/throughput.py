@@ -8,7 +8,9 @@ transformers runs them as a transformers user would: left-padded batches through
 forward pass), and KV memory waste (slots allocated but not holding a token, over slots
 allocated, averaged over steps), with the prefix cache on and off.
 
-Run: ``python -m bench.throughput [--quick]``. Prints a table, then one JSON line.
+Run: ``python -m bench.throughput [--quick] [--preset bench|smollm-135m]``. Prints a table, then
+one JSON line. ``--preset smollm-135m`` runs the real 135M checkpoint's shape with the engine's
+default flags instead (``bench.throughput_smollm``).
 """
 
 from __future__ import annotations
@@ -159,8 +161,20 @@ def run_transformers(path: Path, prompts, output_tokens: int, batch_size: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="16 requests, 16 tokens (< 60 s)")
+    parser.add_argument("--quick", action="store_true", help="fewer requests and tokens (< 60 s)")
+    parser.add_argument(
+        "--preset",
+        choices=["bench", "smollm-135m"],
+        default="bench",
+        help="bench: the 26M model, 64 requests (default); smollm-135m: SmolLM-135M's shape, "
+        "32 requests of 100-400 tokens, default engine flags",
+    )
     args = parser.parse_args()
+    if args.preset == "smollm-135m":
+        from bench import throughput_smollm
+
+        throughput_smollm.main(args.quick)
+        return
     num_requests, output_tokens = (16, 16) if args.quick else (64, 64)
     hf_batches = [16] if args.quick else [8, 16, 32]
     torch.manual_seed(0)

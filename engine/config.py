@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from loraplex.engine.kv_sizing import DEFAULT_CPU_KV_CACHE_SHARE, DEFAULT_GPU_MEMORY_UTILIZATION
 from loraplex.hashing.image_limits import (
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_IMAGES,
@@ -31,9 +32,16 @@ class EngineConfig:
         dtype: Weights and activations: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         seed: Seed of the engine's default sampling generator.
         block_size: Tokens per KV block.
-        num_kv_blocks: Blocks in the pool; None to size it from ``kv_cache_memory_bytes``.
-        kv_cache_memory_bytes: Memory budget for K and V of all layers when ``num_kv_blocks``
-            is None.
+        num_kv_blocks: Blocks in the pool; wins over every other sizing field. None: sized
+            from ``kv_cache_memory_bytes``, or from the machine (``engine.kv_sizing``).
+        kv_cache_memory_bytes: Bytes for K and V of all layers when ``num_kv_blocks`` is None;
+            None: a share of the machine's memory (the next two fields).
+        gpu_memory_utilization: CUDA, automatic pool: share of the device's total memory the
+            engine may use; weights and the peak activations of a profiling step come off it
+            and the rest is KV cache (vLLM's flag of the same name).
+        cpu_kv_cache_share: CPU, automatic pool: share of ``MemAvailable`` (read after the
+            weights are loaded) the pool may take, capped at ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens.
         max_model_len: Longest prompt + output, in tokens; None for the model's own limit.
         max_num_seqs: Most sequences in one step.
         max_num_batched_tokens: Token budget of one step (prefill chunks + decodes).
@@ -75,7 +83,9 @@ class EngineConfig:
     seed: int = 0
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    cpu_kv_cache_share: float = DEFAULT_CPU_KV_CACHE_SHARE
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -107,6 +117,18 @@ class EngineConfig:
             (
                 self.num_kv_blocks is None or self.num_kv_blocks > 0,
                 f"num_kv_blocks must be positive, got {self.num_kv_blocks}",
+            ),
+            (
+                self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}",
+            ),
+            (
+                0.0 < self.gpu_memory_utilization <= 1.0,
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+            ),
+            (
+                0.0 < self.cpu_kv_cache_share <= 1.0,
+                f"cpu_kv_cache_share must be in (0, 1], got {self.cpu_kv_cache_share}",
             ),
             (self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}"),
             (

@@ -25,7 +25,7 @@ from loraplex.adapters.registry import AdapterLimits, AdapterRegistry
 from loraplex.engine.attention import get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.loading import attention_cost, load_engine_model
+from loraplex.engine.loading import attention_cost, load_engine_model, size_kv_pool
 from loraplex.engine.lora import LoRAStepContext, install_lora, target_shapes
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.request import EngineRequest
@@ -67,15 +67,10 @@ class EngineCore:
         self, config: EngineConfig, *, adapter_loader: Callable[[str], Any] | None = None
     ) -> None:
         loaded = load_engine_model(config)
-        config = loaded.config
-        self.config = config
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.device, self.dtype = loaded.device, loaded.dtype
-        self.max_model_len = config.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
-        num_blocks = config.num_kv_blocks
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.adapter_limits = AdapterLimits(
             target_shapes={name: s for (_, name), s in target_shapes(self.model).items()},
             num_layers=self.model.num_layers,
@@ -93,6 +88,13 @@ class EngineCore:
         )
         lora_context = LoRAStepContext()
         install_lora(self.model, self.lora_manager.buffers, lora_context)
+        backend = get_attention_backend(config.attention_backend)
+        # After the weights and LoRA slots, before the pool: what the machine has left.
+        config, self.kv_sizing, num_cpu_blocks = size_kv_pool(loaded, backend)
+        self.config = config
+        self.max_model_len = config.max_model_len
+        num_blocks = config.num_kv_blocks
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         batched = config.max_num_batched_tokens
         self.scheduler = Scheduler(
             self.kv,
@@ -115,7 +117,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             preemption=config.preemption,
-            cpu_pool=CpuBlockPool(loaded.num_cpu_blocks) if loaded.num_cpu_blocks else None,
+            cpu_pool=CpuBlockPool(num_cpu_blocks) if num_cpu_blocks else None,
             lora_manager=self.lora_manager,
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -123,11 +125,11 @@ class EngineCore:
             self.model,
             num_kv_blocks=num_blocks,
             block_size=config.block_size,
-            backend=get_attention_backend(config.attention_backend),
+            backend=backend,
             device=self.device,
             dtype=self.dtype,
             sampler=Sampler(generator),
-            num_cpu_blocks=loaded.num_cpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
             vision_cache=VisionCache(config.vision_cache_entries),
             lora_context=lora_context,
         )
@@ -264,6 +266,8 @@ class EngineCore:
         """A snapshot of scheduler and cache figures."""
         return {
             "kv_blocks_total": self.kv.pool.num_blocks,
+            "kv_block_size": self.kv.block_size,
+            "kv_cache_bytes": self.kv_sizing.pool_bytes,
             "kv_blocks_in_use": self.kv.pool.num_used,
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting),

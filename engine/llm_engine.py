@@ -80,6 +80,11 @@ class LLMEngine:
         return self.core.lora_manager
 
     @property
+    def kv_sizing(self) -> Any:
+        """How the KV pool was sized (``engine.kv_sizing.KVPoolSizing``)."""
+        return self.core.kv_sizing
+
+    @property
     def max_model_len(self) -> int:
         """Most tokens (prompt + output) of one sequence."""
         return self.core.max_model_len

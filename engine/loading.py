@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.kv_profile import plan_kv_pool
+from loraplex.engine.kv_sizing import KVPoolSizing
 from loraplex.engine.lora import target_shapes
 from loraplex.engine.model_runner import kv_block_bytes
 from loraplex.engine.models.loader import load_model
@@ -28,13 +30,13 @@ class LoadedEngine:
     """The model and the sizes derived from it.
 
     Attributes:
-        config: The config with ``max_model_len`` and ``num_kv_blocks`` resolved.
+        config: The config as given (see :func:`size_kv_pool` for the resolved one).
         model: The loaded model.
+        max_model_len: The longest sequence before clamping to the KV pool.
         hf_config: Its transformers config.
         device: Where it runs.
         dtype: Its weights' and KV cache's dtype.
         block_bytes: Bytes of one KV block, every layer, K and V.
-        num_cpu_blocks: Blocks of the CPU swap pool (0 without ``swap``).
         eos_token_ids: Tokens that end a sequence (config, generation config, tokenizer).
     """
 
@@ -44,16 +46,16 @@ class LoadedEngine:
     device: torch.device
     dtype: torch.dtype
     block_bytes: int
-    num_cpu_blocks: int
     eos_token_ids: tuple[int, ...]
+    max_model_len: int
 
 
 def load_engine_model(config: EngineConfig) -> LoadedEngine:
-    """Load the model and size the KV pool and the model length.
+    """Load the model; check ``max_model_len`` against its positions.
 
     Raises:
-        ValueError: an unreadable model directory, an unsupported architecture, a
-            ``max_model_len`` past the model's positions, or one the pool cannot hold.
+        ValueError: an unreadable model directory, an unsupported architecture, or a
+            ``max_model_len`` past the model's positions.
     """
     device = torch.device(config.device)
     dtype = DTYPES[config.dtype]
@@ -65,21 +67,51 @@ def load_engine_model(config: EngineConfig) -> LoadedEngine:
     block_bytes = kv_block_bytes(
         model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype
     )
-    num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // block_bytes)
-    max_model_len = fit_to_pool(
-        max_model_len, num_blocks, config.block_size, explicit=config.max_model_len is not None
-    )
-    num_cpu_blocks = config.swap_space_bytes // block_bytes if config.preemption == "swap" else 0
     return LoadedEngine(
-        config=config.replace(max_model_len=max_model_len, num_kv_blocks=num_blocks),
+        config=config,
         model=model,
         hf_config=hf_config,
         device=device,
         dtype=dtype,
         block_bytes=block_bytes,
-        num_cpu_blocks=num_cpu_blocks,
         eos_token_ids=eos_token_ids(config.model, hf_config),
+        max_model_len=max_model_len,
     )
+
+
+def size_kv_pool(loaded: LoadedEngine, backend: Any) -> tuple[EngineConfig, KVPoolSizing, int]:
+    """Size the KV pool (``engine.kv_sizing``) once the weights and LoRA slots are in memory.
+
+    Returns:
+        The config with ``num_kv_blocks`` and ``max_model_len`` resolved (the model length
+        clamped to what the pool holds), how the pool was sized, and the CPU swap pool's
+        blocks (0 without ``swap``).
+
+    Raises:
+        ValueError: a pool that cannot be sized, or an explicit ``max_model_len`` it cannot
+            hold.
+    """
+    config = loaded.config
+    sizing = plan_kv_pool(
+        config,
+        loaded.model,
+        backend,
+        max_model_len=loaded.max_model_len,
+        block_bytes=loaded.block_bytes,
+        device=loaded.device,
+        dtype=loaded.dtype,
+    )
+    logger.info("%s", sizing.describe())
+    max_model_len = fit_to_pool(
+        loaded.max_model_len,
+        sizing.num_blocks,
+        config.block_size,
+        explicit=config.max_model_len is not None,
+    )
+    swap = config.preemption == "swap"
+    num_cpu_blocks = config.swap_space_bytes // loaded.block_bytes if swap else 0
+    resolved = config.replace(max_model_len=max_model_len, num_kv_blocks=sizing.num_blocks)
+    return resolved, sizing, num_cpu_blocks
 
 
 def fit_to_pool(max_model_len: int, num_blocks: int, block_size: int, *, explicit: bool) -> int:
@@ -103,7 +135,8 @@ def fit_to_pool(max_model_len: int, num_blocks: int, block_size: int, *, explici
         )
     logger.warning(
         "max_model_len clamped from the model's %d to %d tokens: the KV pool (%d blocks of %d) "
-        "cannot hold one longer sequence; give it more memory (--num-kv-blocks) to serve more",
+        "cannot hold one longer sequence; give it more memory (--kv-cache-memory, "
+        "--cpu-kv-cache-share, --gpu-memory-utilization or --num-kv-blocks) to serve more",
         max_model_len,
         capacity,
         num_blocks,

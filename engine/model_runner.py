@@ -23,6 +23,7 @@ import torch
 
 from loraplex.engine.attention import AttentionBackend, AttentionMetadata
 from loraplex.engine.kv_cache.block_table import BlockTable
+from loraplex.engine.kv_profile import pool_zeros
 from loraplex.engine.lora import LoRAStepContext
 from loraplex.engine.request import ImageInput
 from loraplex.engine.sampling.params import SamplingParams
@@ -106,10 +107,7 @@ class ModelRunner:
         shape = (num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
         # One (K, V) pair of [num_blocks, block_size, num_kv_heads, head_dim] per layer.
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            (pool_zeros(shape, dtype, device), pool_zeros(shape, dtype, device))
             for _ in range(model.num_layers)
         ]
         cpu_shape = (num_cpu_blocks, block_size, model.num_kv_heads, model.head_dim)

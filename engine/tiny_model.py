@@ -38,6 +38,7 @@ __all__ = [
     "IMAGE_ID",
     "PAD_ID",
     "SPECIAL_TOKENS",
+    "PRESET_TOKENIZER_VOCAB",
     "TEXT_PRESETS",
     "VISION",
     "init_tiny",
@@ -67,7 +68,27 @@ TEXT_PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
     },
+    # The shape of the real SmolLM-135M checkpoint (HuggingFaceTB/SmolLM-135M's config.json),
+    # random weights, for throughput benchmarks (use with text_only=True). Its 49152-entry
+    # embedding is kept; the tokenizer is the built-in one (see PRESET_TOKENIZER_VOCAB).
+    "smollm-135m": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+    },
 }
+PRESET_TOKENIZER_VOCAB = {"smollm-135m": DEFAULT_VOCAB_SIZE}
+"""Presets whose model vocabulary is larger than the tokenizer the built-in corpus can train:
+the tokenizer gets this many entries and the embedding rows above it are never produced by
+encoding (as in checkpoints whose embedding is padded past the tokenizer); they decode to
+nothing. Benchmarks feed token ids, so every row is used."""
 OVERRIDABLE = frozenset(TEXT_PRESETS["tiny"]) | {
     "vocab_size",
     "head_dim",
@@ -251,8 +272,10 @@ def init_tiny(
         seed: Seed of the weights (the tokenizer does not depend on it).
         text_only: A ``LlamaForCausalLM`` with a string-content chat template instead of the
             ``LlavaForConditionalGeneration`` (CLIP tower, image processor, image template).
-        preset: ``"tiny"`` (hidden 64, 4 layers, GQA 4/2) or ``"bench"`` (about 26M
-            parameters: hidden 512, 8 layers, 8 heads, MLP 1376).
+        preset: ``"tiny"`` (hidden 64, 4 layers, GQA 4/2), ``"bench"`` (about 26M
+            parameters: hidden 512, 8 layers, 8 heads, MLP 1376) or ``"smollm-135m"`` (the
+            real SmolLM-135M's shape: 30 layers, hidden 576, MLP 1536, GQA 9/3, head_dim 64,
+            vocab 49152, tied embeddings; 134.5M parameters).
         **overrides: LlamaConfig values replacing the preset's (see ``OVERRIDABLE``);
             ``vocab_size`` retrains the tokenizer to that size.
 
@@ -292,8 +315,11 @@ def init_tiny(
         str(directory)
     )
     save_file(_weights(spec, seed), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer_vocab = cfg["vocab_size"]
+    if preset in PRESET_TOKENIZER_VOCAB and "vocab_size" not in overrides:
+        tokenizer_vocab = PRESET_TOKENIZER_VOCAB[preset]
     _save_tokenizer_and_processor(
-        directory, cfg["vocab_size"], cfg["max_position_embeddings"], text_only
+        directory, tokenizer_vocab, cfg["max_position_embeddings"], text_only
     )
     return directory
 

@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.kv_sizing import parse_size
+
+
+def _size(text: str) -> int:
+    """The argparse type of ``--kv-cache-memory``."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +56,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-kv-blocks",
         type=int,
         default=None,
-        help="blocks in the KV cache pool (default: as many as the KV memory budget holds)",
+        help="KV blocks in the pool; wins over every other sizing flag (default: sized from "
+        "memory, see --kv-cache-memory and docs/kv_sizing.md)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="bytes of the KV pool (K and V, all layers), e.g. 4GiB, 512MiB or 1073741824 "
+        "(default: CUDA: --gpu-memory-utilization of the device less weights and the peak "
+        "activations of a profiling step; CPU: --cpu-kv-cache-share of MemAvailable after the "
+        "weights, at most max-num-seqs sequences of max-model-len tokens)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="CUDA: share of the device's total memory the engine may use; what weights and "
+        "activations leave of it is KV cache (default %(default)s)",
+    )
+    g.add_argument(
+        "--cpu-kv-cache-share",
+        type=float,
+        default=d.cpu_kv_cache_share,
+        help="CPU: share of MemAvailable (read after loading the weights) the KV pool may take "
+        "(default %(default)s)",
     )
     g.add_argument(
         "--max-model-len",
@@ -143,6 +177,9 @@ def config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         seed=args.seed,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_cache_share=args.cpu_kv_cache_share,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

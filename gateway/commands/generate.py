@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     lines = [ln for ln in Path(args.input).read_text().splitlines() if ln.strip()]
     llm = LLM(config_from_args(args, resolve_model(args.model, data_dir(args.data_dir))))
+    print(f"loraplex: {llm.engine.kv_sizing.describe()}", file=sys.stderr, flush=True)
     requests, results = [], {}
     adapters: dict[str, str] = {}  # PEFT directory -> digest
     for i, line in enumerate(lines):

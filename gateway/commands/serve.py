@@ -366,13 +366,7 @@ def _report_engine(engine, seconds: float) -> None:
         f"model loaded: {_count(params)} parameters, {engine.config.dtype} on "
         f"{engine.config.device}, in {seconds:.1f} s"
     )
-    pool = sum(k.nbytes + v.nbytes for k, v in engine.runner.kv_caches)
-    config = engine.config
-    progress(
-        f"KV pool of {config.num_kv_blocks} blocks = {pool / 2**30:.3g} GiB "
-        f"({config.block_size} tokens per block, {config.num_kv_blocks * config.block_size} "
-        f"tokens; max_model_len {engine.max_model_len})"
-    )
+    progress(f"{engine.kv_sizing.describe()}; max_model_len {engine.max_model_len}")
 
 
 def _count(n: int) -> str:

@@ -111,6 +111,7 @@ class LocalEngineClient:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.adapter_limits = engine.adapter_limits
+        self.kv_pool = engine.kv_sizing  # how the pool was sized (serve prints it)
         self._inputs = engine.inputs
         self._token_bytes = TokenBytes(engine.tokenizer)
         self.input_limits = InputLimits(

@@ -32,6 +32,11 @@ class _EngineCollector(Collector):
         s = self._stats()
         gauges = (
             ("loraplex_kv_blocks_total", "KV cache blocks in the pool", "kv_blocks_total"),
+            (
+                "loraplex_kv_cache_bytes",
+                "Bytes of the KV pool, K and V of every layer (docs/kv_sizing.md)",
+                "kv_cache_bytes",
+            ),
             ("loraplex_kv_blocks_in_use", "KV cache blocks referenced", "kv_blocks_in_use"),
             ("loraplex_requests_running", "Requests in the running batch", "requests_running"),
             ("loraplex_requests_waiting", "Requests waiting to be scheduled", "requests_waiting"),

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import shutil
 
 import pytest
@@ -304,7 +305,7 @@ def test_reduced_precision_runs(tiny_text_dir, dtype):
     assert all(0 <= t < llm.engine.model.vocab_size for t in out.outputs[0].token_ids)
 
 
-def test_default_model_is_created_in_the_data_directory(tmp_path, monkeypatch):
+def test_default_model_is_created_in_the_data_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path / "data"))
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"messages": user("hi"), "max_tokens": 3, "temperature": 0}) + "\n")
@@ -312,6 +313,12 @@ def test_default_model_is_created_in_the_data_directory(tmp_path, monkeypatch):
     assert status == 0
     assert (tmp_path / "data" / "models" / "tiny-llava" / "config.json").exists()
     assert json.loads((tmp_path / "o.jsonl").read_text())["outputs"][0]["token_ids"]
+    # No sizing flag: the pool's size and how it was decided are printed (docs/kv_sizing.md).
+    assert re.search(
+        r"loraplex: KV pool of \d+ blocks \(16 tokens each, \d+ tokens\) = [\d.]+ GiB "
+        r"\(--cpu-kv-cache-share 0.5 of [\d.]+ GiB RAM available",
+        capsys.readouterr().err,
+    )
 
 
 def test_init_tiny_cli(tmp_path, capsys):

@@ -30,6 +30,8 @@ def test_health_and_metrics_need_no_key(live):
     ):
         assert f"\n{name} " in text, name
     assert "loraplex_kv_blocks_total 512.0" in text
+    # 512 blocks of the tiny model's 16 KiB (4 layers x 16 tokens x 2 heads x 16 x K,V x 4 B).
+    assert "\nloraplex_kv_cache_bytes 8.388608e+06\n" in text
 
 
 def test_unknown_route_is_an_openai_404(live):

@@ -100,6 +100,7 @@ def test_serve_prints_the_admin_key_location_and_drains_on_sigint(serve_factory,
     assert serve.wait_healthy().json() == {"status": "ok"}
     key_path = data / "admin.key"
     assert f"admin key written to {key_path}" in serve.log()
+    assert "loraplex: KV pool of 64 blocks (16 tokens each, 1024 tokens) = " in serve.log()
     assert oct(key_path.stat().st_mode & 0o777) == "0o600"
     admin_key = key_path.read_text().strip()
 

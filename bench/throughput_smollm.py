@@ -1,0 +1,129 @@
+"""``bench.throughput --preset smollm-135m``: the real 135M checkpoint's shape, default flags.
+
+Model: the built-in text model with SmolLM-135M's shape (``tiny_model`` preset ``smollm-135m``:
+Llama, 30 layers, hidden 576, MLP 1536, 9 query / 3 KV heads, head_dim 64, vocab 49152, tied
+embeddings, 134.5M parameters), random weights, float32. Workload (issue 14): 32 requests of
+100-400 random prompt tokens, 64 output tokens each (EOS ignored), greedy, no shared prefix.
+
+loraplex runs them with the engine's default flags, so the KV pool is the one sized from the
+machine (``engine.kv_sizing``); for comparison the same batch with the old fixed 256 MiB pool
+(``kv_cache_memory_bytes``), which ran it in about twice the steps. transformers runs
+``generate`` over left-padded batches of 8, 16 and 32 in the same run; the best is the baseline.
+Reported: output tokens/s, engine steps, the pool, and the ratio to transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm import LLM
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.gateway.settings import data_dir
+
+OLD_DEFAULT_BYTES = 256 * 1024 * 1024
+
+
+def model_dir() -> Path:
+    """The smollm-135m-shaped text model, written once into the data directory (13 s)."""
+    from loraplex.engine.tiny_model import init_tiny
+
+    target = data_dir() / "bench" / "smollm-135m-shape"
+    if not (target / "config.json").exists():
+        init_tiny(target, seed=0, text_only=True, preset="smollm-135m")
+    return target
+
+
+def workload(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of 100-400 random token ids (above the special tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(100, 401, (num_requests,), generator=gen).tolist()
+    return [torch.randint(16, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def run_loraplex(path: Path, prompts, output_tokens: int, **config) -> dict:
+    """One continuous batch through ``LLM`` built with ``config`` on top of the defaults."""
+    llm = LLM(EngineConfig(model=str(path), **config))
+    engine = llm.engine
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([EngineRequest("warm", prompts[0][:32], warm)])  # not timed
+    engine.step_times.clear()
+    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    requests = [EngineRequest(f"r{i}", list(p), params) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    outs = llm.generate(requests)
+    elapsed = time.perf_counter() - t0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    sizing = engine.kv_sizing
+    return {
+        "tokens_per_s": produced / elapsed,
+        "seconds": elapsed,
+        "steps": len(engine.step_times),
+        "kv_blocks": sizing.num_blocks,
+        "kv_gib": sizing.pool_bytes / 2**30,
+        "kv_rule": sizing.rule,
+        "pool": sizing.describe(),
+    }
+
+
+def main(quick: bool) -> None:
+    """Run the preset and print the table and the JSON line."""
+    from bench.throughput import run_transformers
+    from loraplex.engine.tiny_model import parameter_count
+
+    num_requests, output_tokens = (2, 8) if quick else (32, 64)
+    hf_batches = [2] if quick else [8, 16, 32]
+    torch.manual_seed(0)
+    path = model_dir()
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = workload(num_requests, vocab)
+    sized = run_loraplex(path, prompts, output_tokens)
+    old = None if quick else run_loraplex(
+        path, prompts, output_tokens, kv_cache_memory_bytes=OLD_DEFAULT_BYTES
+    )  # fmt: skip
+    hf_runs = [run_transformers(path, prompts, output_tokens, b) for b in hf_batches]
+    hf = max(hf_runs, key=lambda r: r["tokens_per_s"])
+
+    print(
+        f"model smollm-135m shape: {parameter_count(path) / 1e6:.1f}M parameters; "
+        f"{num_requests} requests of 100-400 prompt tokens, {output_tokens} output tokens, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    print(f"default flags: {sized['pool']}")
+    print(f"{'system':<36}{'tok/s':>10}{'seconds':>10}{'steps':>8}{'KV GiB':>9}")
+    rows = [("loraplex, default (sized) pool", sized)]
+    if old is not None:
+        rows.append(("loraplex, old fixed 256 MiB pool", old))
+    for name, r in rows:
+        print(
+            f"{name:<36}{r['tokens_per_s']:>10.1f}{r['seconds']:>10.2f}{r['steps']:>8}"
+            f"{r['kv_gib']:>9.2f}"
+        )
+    for r in hf_runs:
+        name = f"transformers generate, batch {r['batch_size']}"
+        print(f"{name:<36}{r['tokens_per_s']:>10.1f}{r['seconds']:>10.2f}")
+    figures = {
+        "preset": "smollm-135m",
+        "tokens_per_s": round(sized["tokens_per_s"], 1),
+        "ratio_vs_transformers": round(sized["tokens_per_s"] / hf["tokens_per_s"], 2),
+        "steps": sized["steps"],
+        "kv_blocks": sized["kv_blocks"],
+        "kv_gib": round(sized["kv_gib"], 3),
+        "kv_rule": sized["kv_rule"],
+        "transformers_tokens_per_s": round(hf["tokens_per_s"], 1),
+        "transformers_batch_size": hf["batch_size"],
+        "requests": num_requests,
+        "output_tokens": output_tokens,
+    }
+    if old is not None:
+        figures |= {
+            "tokens_per_s_256mib_pool": round(old["tokens_per_s"], 1),
+            "ratio_vs_transformers_256mib_pool": round(old["tokens_per_s"] / hf["tokens_per_s"], 2),
+            "steps_256mib_pool": old["steps"],
+        }
+    print(json.dumps(figures))
