@@ -129,8 +129,9 @@ class RequestOutput:
     def add(self, later: RequestOutput) -> None:
         """Add a later ``DELTA`` output of the same request to this one (vLLM's ``add``).
 
-        Each choice's text, token ids and logprobs are appended; finish state, counts and
-        timings are the later output's where it has them.
+        Each choice's text, token ids and logprobs are appended (its lists are extended in
+        place: a ``DELTA`` output's lists are its own); finish state, counts and timings are
+        the later output's where it has them.
         """
         by_index = {c.index: c for c in self.outputs}
         for c in later.outputs:
@@ -140,9 +141,11 @@ class RequestOutput:
                 mine.logprobs = [] if c.logprobs is not None else None
                 self.outputs.append(mine)
             mine.text += c.text
-            mine.token_ids = [*mine.token_ids, *c.token_ids]
+            mine.token_ids.extend(c.token_ids)
             if c.logprobs is not None:
-                mine.logprobs = [*(mine.logprobs or []), *c.logprobs]
+                if mine.logprobs is None:
+                    mine.logprobs = []
+                mine.logprobs.extend(c.logprobs)
             mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
             mine.num_tokens = c.num_tokens
         self.outputs.sort(key=lambda c: c.index)
