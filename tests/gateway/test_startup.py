@@ -109,8 +109,8 @@ def test_serve_reports_progress_in_order_and_imports_no_triton_or_peft(tmp_path,
     progress = [line for line in out.stderr.splitlines() if line.startswith("loraplex: ")]
     expected = [
         f"listening address http://127.0.0.1:{port} is ours",
-        f"loading model llava from {llava_dir}",
-        "model loaded: ",
+        f"loading model {llava_dir} ",
+        "model llava loaded: ",
         "KV pool of ",
         "database migrated to revision ",
         f"admin key written to {data / 'admin.key'}",
