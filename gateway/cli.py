@@ -7,10 +7,13 @@ Subcommands register here as their parts land (CONTRACT.md lists the full set: `
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from loraplex.gateway.commands import db, generate, keys, model, serve, tenants
+COMMANDS = ("serve", "generate", "model", "tenants", "keys", "db")
+"""The subcommands, each a module of :mod:`gateway.commands` with ``register(subparsers)``."""
 
 
 def _version() -> str:
@@ -45,8 +48,12 @@ def subparsers_of(parser: argparse.ArgumentParser) -> list[argparse.ArgumentPars
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Sequence[str] = COMMANDS) -> argparse.ArgumentParser:
     """Build the top-level argument parser.
+
+    Args:
+        commands: The subcommands to register (their modules are imported here); all of them
+            by default.
 
     Returns:
         The parser; each subcommand sets ``func`` on the namespace it parses.
@@ -57,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"loraplex {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (serve, generate, model, tenants, keys, db):
-        module.register(subparsers)
+    for name in commands:
+        importlib.import_module(f"loraplex.gateway.commands.{name}").register(subparsers)
     for each in subparsers_of(parser):
         each.formatter_class = HelpFormatter
     return parser
@@ -73,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The process exit status (0 on success, 2 on a usage error).
     """
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # A named command loads only its own module: ``serve`` binds its address before the
+    # database commands' imports (SQLAlchemy's models) would have run. Anything else (no
+    # command, --help, --version, a typo) gets every command, for the full usage message.
+    parser = build_parser(argv[:1] if argv[:1] and argv[0] in COMMANDS else COMMANDS)
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:

@@ -297,26 +297,30 @@ def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
     from loraplex.gateway.auth.redact import RedactingFilter
     from loraplex.gateway.auth.secrets_store import load_or_create_admin_key
     from loraplex.gateway.server.startup import keep_triton_out, process_age, progress, url_of
-    from loraplex.gateway.settings import data_dir, resolve_model
+    from loraplex.gateway.settings import TINY_MODEL_SUBDIR, data_dir, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().addFilter(RedactingFilter())
     directory = data_dir(args.data_dir)
     directory.mkdir(parents=True, exist_ok=True)
+    tiny = directory / TINY_MODEL_SUBDIR
+    if not args.model and not (tiny / "config.json").exists():
+        progress(f"writing the built-in tiny model to {tiny} (first start)")
     engine_config = config_from_args(args, resolve_model(args.model, directory))
     if engine_config.attention_backend != "triton":
         keep_triton_out()  # transformers' configs import torch._dynamo, which imports triton
+    # Loading starts with the imports (torch, transformers, the gateway): seconds of it.
+    progress(f"loading model {engine_config.model} (torch, transformers, then the weights)")
+    t0 = time.monotonic()
 
     from loraplex.gateway.server.build import build_gateway, served_name, start_engine
 
     gateway_config = gateway_config_from_args(args, served_name(engine_config))
     gateway_config = gateway_config.replace(port=port)
     admin_key, admin_path, created = load_or_create_admin_key(directory, args.admin_key)
-    progress(f"loading model {gateway_config.served_model_name} from {engine_config.model}")
-    t0 = time.monotonic()
     client = start_engine(engine_config, gateway_config.store_dir)
     try:
-        _report_engine(client.llm.engine, time.monotonic() - t0)
+        _report_engine(client.llm.engine, gateway_config.served_model_name, time.monotonic() - t0)
         app, state = build_gateway(gateway_config, client, admin_key=admin_key, progress=progress)
     except BaseException:
         client.shutdown()
@@ -356,14 +360,14 @@ def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
     return server.exit_code
 
 
-def _report_engine(engine, seconds: float) -> None:
+def _report_engine(engine, name: str, seconds: float) -> None:
     """The model and KV pool lines: what was loaded, and what the pool holds."""
     from loraplex.gateway.server.startup import progress
 
     model = engine.model
     params = sum(p.numel() for p in model.parameters())
     progress(
-        f"model loaded: {_count(params)} parameters, {engine.config.dtype} on "
+        f"model {name} loaded: {_count(params)} parameters, {engine.config.dtype} on "
         f"{engine.config.device}, in {seconds:.1f} s"
     )
     progress(f"{engine.kv_sizing.describe()}; max_model_len {engine.max_model_len}")

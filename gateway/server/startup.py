@@ -88,8 +88,9 @@ def keep_triton_out() -> bool:
     ``torch._dynamo``, which transformers' config classes import, imports triton whenever it is
     installed (a quarter of a second, and 30 lines of ``nanobind: leaked ...`` at exit). A
     ``None`` entry in ``sys.modules`` makes that import raise ``ModuleNotFoundError``, which
-    torch takes as "no triton" (its ``has_triton_package``). Call it only where the Triton
-    backend is not selected.
+    torch takes as "no triton" (its ``has_triton_package``). It is process-wide and lasts:
+    ``loraplex serve`` calls it in its own process when the Triton backend is not selected;
+    code that runs in-process beside other work (``generate``, called by tests) does not.
 
     Returns:
         Whether triton is now kept out (False: it was already imported).

@@ -26,18 +26,33 @@ def _loraplex():
     return [exe] if exe else [sys.executable, "-m", "loraplex.gateway.cli"]
 
 
-def test_the_cli_starts_without_the_heavy_modules():
-    # What runs before ``serve`` binds its address: the CLI module and its commands' parsers.
+def test_serve_reaches_its_bind_without_the_heavy_modules():
+    # What runs before ``serve`` binds its address: the CLI module and serve's own parser.
     code = (
-        "import sys, loraplex.gateway.cli\n"
-        "heavy = ('torch', 'transformers', 'peft', 'triton', 'alembic', 'numpy', 'PIL',"
-        " 'litestar')\n"
+        "import sys, loraplex.gateway.cli as cli\n"
+        "cli.build_parser(['serve']).parse_args(['serve'])\n"
+        "heavy = ('torch', 'transformers', 'peft', 'triton', 'alembic', 'sqlalchemy', 'numpy',"
+        " 'PIL', 'litestar', 'uvicorn')\n"
         "print([m for m in heavy if m in sys.modules])"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_command_loads_only_its_own_module():
+    code = (
+        "import sys, loraplex.gateway.cli as cli\n"
+        "parser = cli.build_parser(['serve'])\n"
+        "print(sorted(m for m in sys.modules if m.startswith('loraplex.gateway.commands.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True
+    )
+    loaded = out.stdout.strip()
+    assert "commands.serve" in loaded and "commands.db" not in loaded, loaded
+    assert "commands.tenants" not in loaded and "commands.generate" not in loaded, loaded
 
 
 def test_a_port_in_use_fails_before_anything_is_loaded(tmp_path, llava_dir):
@@ -109,8 +124,8 @@ def test_serve_reports_progress_in_order_and_imports_no_triton_or_peft(tmp_path,
     progress = [line for line in out.stderr.splitlines() if line.startswith("loraplex: ")]
     expected = [
         f"listening address http://127.0.0.1:{port} is ours",
-        f"loading model llava from {llava_dir}",
-        "model loaded: ",
+        f"loading model {llava_dir} ",
+        "model llava loaded: ",
         "KV pool of ",
         "database migrated to revision ",
         f"admin key written to {data / 'admin.key'}",
