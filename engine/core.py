@@ -34,6 +34,7 @@ from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.scheduler_output import EngineCoreOutput
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.step_budget import PrefillBudget
+from loraplex.engine.structured_output import StructuredOutputs
 from loraplex.engine.swap import CpuBlockPool
 from loraplex.engine.validation import RequestLimits, validate_request
 from loraplex.engine.vision_cache import VisionCache
@@ -94,6 +95,7 @@ class EngineCore:
         self.config = config
         self.max_model_len = config.max_model_len
         num_blocks = config.num_kv_blocks
+        self.structured = StructuredOutputs(config.model, self.model.vocab_size, self.eos_token_ids)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         batched = config.max_num_batched_tokens
         self.scheduler = Scheduler(
@@ -119,6 +121,7 @@ class EngineCore:
             preemption=config.preemption,
             cpu_pool=CpuBlockPool(num_cpu_blocks) if num_cpu_blocks else None,
             lora_manager=self.lora_manager,
+            structured=self.structured,
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(
@@ -156,6 +159,7 @@ class EngineCore:
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         validate_request(request, self.request_limits)
+        self.structured.check(request.sampling.structured_output)
         digest = request.lora_digest
         if digest is not None and not (
             self.adapters.known(digest) or self.lora_manager.holds(digest)

@@ -52,6 +52,7 @@ class LLMEngine:
             max_request_image_pixels=config.max_request_image_pixels,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.core.structured.use_tokenizer(self.tokenizer)  # not read a second time
 
     # The core's parts, for statistics, benchmarks and tests.
     @property

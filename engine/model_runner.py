@@ -34,6 +34,7 @@ from loraplex.engine.scheduler_output import (
     SchedulerOutput,
 )
 from loraplex.engine.step_isolation import execute_isolating, sample_rows_isolating
+from loraplex.engine.structured_output import apply_token_bitmasks
 from loraplex.engine.vision_cache import VisionCache
 
 logger = logging.getLogger(__name__)
@@ -197,12 +198,19 @@ class ModelRunner:
         """Sample every sampling sequence's token(s); a row that fails fails its sequence."""
         rows: list[torch.Tensor] = []
         owners: list[tuple[str, str]] = []  # (sequence, generator id) per row
+        masks = {item.seq_id: item.token_bitmask for item in items}  # structured output
         for item in items:
             row = logits_of(item)
             for gen_id in item.fork_ids or (item.seq_id,):
                 rows.append(row)
                 owners.append((item.seq_id, gen_id))
         logits = torch.stack(rows)
+        constrained = [r for r, (seq_id, _) in enumerate(owners) if masks.get(seq_id) is not None]
+        for r in apply_token_bitmasks(
+            logits, constrained, [masks[owners[r][0]] for r in constrained]
+        ):
+            logger.error("%s: its grammar allows no token", owners[r][0])
+            result.failed[owners[r][0]] = "structured output"
         params = [self.seqs[seq_id].sampling for seq_id, _ in owners]
         seeds = {item.seq_id: item for item in items}
         generators = []

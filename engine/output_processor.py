@@ -189,9 +189,7 @@ class OutputProcessor:
         text = ""
         last = len(tokens) - 1
         for k, token in enumerate(tokens):
-            text += out.detokenizer.append(
-                token, stop_token=k == last and core.finish_reason == "stop"
-            )
+            text += out.detokenizer.append(token, stop_token=k == last and core.ends_on_stop_token)
             if out.detokenizer.stop_matched is not None:
                 kept = k + 1
                 break

@@ -62,6 +62,7 @@ from loraplex.engine.scheduler_output import (
 )
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.step_budget import PrefillBudget
+from loraplex.engine.structured_output import StructuredOutputs, grammar_bitmask
 from loraplex.engine.swap import CpuBlockPool
 
 
@@ -105,6 +106,7 @@ class Scheduler:
         preemption: str = "recompute",
         cpu_pool: CpuBlockPool | None = None,
         lora_manager: Any = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption policy {preemption!r}")
@@ -118,6 +120,7 @@ class Scheduler:
         self.preemption = preemption
         self.cpu_pool = cpu_pool
         self.lora_manager = lora_manager
+        self.structured = structured
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence
@@ -133,6 +136,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new request's first sequence (at the back of its tenant's queue)."""
         seq.status = SequenceStatus.WAITING
+        spec = seq.request.sampling.structured_output
+        if spec is not None and self.structured is not None:
+            seq.grammar = self.structured.matcher(spec)
         self.seqs[seq.seq_id] = seq
         self.requests[seq.request.request_id] = _RequestSeqs(seq.request, [seq])
         self.waiting.append(seq)
@@ -210,6 +216,8 @@ class Scheduler:
         for item in out.scheduled:  # computed tokens at the prompt rate, plus the sampled one
             seq = self.seqs[item.seq_id]
             self.waiting.charge(tenant_of(seq), item.num_new_tokens, int(item.sample))
+            if item.sample and seq.grammar is not None:
+                item.token_bitmask = grammar_bitmask(seq.grammar)
         return out
 
     def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
@@ -587,6 +595,8 @@ class Scheduler:
                 num_cached_tokens=parent.num_cached_tokens,
                 first_scheduled_time=parent.first_scheduled_time,
             )
+            if parent.grammar is not None:  # before the parent consumes its own token
+                child.grammar = parent.grammar.deep_copy()
             self.kv.fork(parent.seq_id, child.seq_id)
             if child.request.lora_digest is not None:
                 self.lora_manager.acquire(child.request.lora_digest)  # the parent holds it
@@ -605,15 +615,27 @@ class Scheduler:
         params = seq.request.sampling
         reason: str | None = None
         stop_reason: int | None = None
+        grammar_done = False
+        if seq.grammar is not None:
+            if not seq.grammar.consume_token(token):
+                self.finish(seq, "error")
+                out = _output(seq, [token], None if logprob is None else [logprob], "error")
+                out.error = "the request failed in structured output"
+                return out
+            grammar_done = seq.grammar.is_stopped()
         if token in params.stop_token_ids:
             reason, stop_reason = "stop", token
-        elif token in self.eos_token_ids and not params.ignore_eos:
-            reason = "stop"
+        elif (token in self.eos_token_ids and not params.ignore_eos) or grammar_done:
+            reason = "stop"  # EOS, or a structured output that is complete
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self.finish(seq, reason, stop_reason)
-        return _output(seq, [token], None if logprob is None else [logprob], reason, stop_reason)
+        out = _output(seq, [token], None if logprob is None else [logprob], reason, stop_reason)
+        out.ends_on_stop_token = reason == "stop" and (
+            token in params.stop_token_ids or token in self.eos_token_ids
+        )
+        return out
 
 
 def _output(

@@ -82,6 +82,8 @@ class ScheduledSeq:
         image_spans: The image features its tokens of this step take.
         fork_ids: ``n > 1``: the step samples one token for each of these ids (the sequence
             itself first), and the scheduler forks the others from it; empty otherwise.
+        token_bitmask: Structured output: the ids its grammar allows for the sampled token,
+            one bit each (``engine.structured_output.grammar_bitmask``); None when free.
     """
 
     seq_id: str
@@ -93,6 +95,7 @@ class ScheduledSeq:
     lora_slot: int = -1
     image_spans: list[ImageSpan] = field(default_factory=list)
     fork_ids: tuple[str, ...] = ()
+    token_bitmask: bytes | None = None
 
 
 @dataclass
@@ -172,7 +175,7 @@ class EngineCoreOutput:
         request_id: Its request.
         index: Its output index (``0 .. n-1``).
         new_token_ids: Tokens generated this step (the last may be a stop token: see
-            ``finish_reason``).
+            ``ends_on_stop_token``).
         new_logprobs: Their logprobs when asked, else None.
         finish_reason: None while running, then ``"stop"``, ``"length"``, ``"abort"`` or
             ``"error"``.
@@ -181,6 +184,9 @@ class EngineCoreOutput:
         error: Where a fault failed it (``finish_reason == "error"``).
         request_finished: Every sequence of its request has finished (the core forgot it).
         first_scheduled_time: ``time.monotonic()`` of its first admission, None before.
+        ends_on_stop_token: The last new token is the EOS or stop token id that finished it
+            (its text is left out unless ``include_stop_str_in_output``); False when a
+            complete structured output finished it (the token is content).
     """
 
     request_id: str
@@ -193,3 +199,4 @@ class EngineCoreOutput:
     error: str | None = None
     request_finished: bool = False
     first_scheduled_time: float | None = None
+    ends_on_stop_token: bool = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from loraplex.engine.request import EngineRequest
 from loraplex.hashing.request_hasher import RequestBlockHasher
@@ -47,6 +48,8 @@ class Sequence:
             dropped at preemption and finish).
         first_scheduled_time: ``time.monotonic()`` when the scheduler first admitted it from
             the waiting queue (a re-admission after preemption does not move it).
+        grammar: Its structured-output matcher (llguidance ``LLMatcher``, advanced by every
+            token it appends), or None for free text.
     """
 
     seq_id: str
@@ -62,6 +65,7 @@ class Sequence:
     stop_reason: int | str | None = None
     known_to_runner: bool = False
     first_scheduled_time: float | None = None
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from loraplex.engine.structured_output import StructuredOutputSpec
+
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -63,6 +65,8 @@ class SamplingParams:
         logprobs: None for no logprobs; otherwise return the sampled token's logprob plus this
             many top alternatives (``0..20``; 0 means only the sampled token's).
         skip_special_tokens: Drop special tokens from the output text.
+        structured_output: Constrain the output to a JSON schema, any JSON object, a regex or
+            a grammar (``engine.structured_output``); None for free text.
 
     Raises:
         ValueError: A field is out of range; the message names the field.
@@ -81,6 +85,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         # Normalize list / str inputs before validating (frozen: go through object.__setattr__).
@@ -127,6 +132,10 @@ class SamplingParams:
                 f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
                 f"got {len(self.stop_token_ids)}"
             )
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutputSpec
+        ):
+            raise ValueError("structured_output must be a StructuredOutputSpec")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
 

@@ -186,7 +186,7 @@ async def _start(
         raise overloaded(str(exc), exc.retry_after) from None
     adapter = None if ledger.adapter_digest is None else chat.model
     ledger.measure(state.metrics.latency.for_model(principal.tenant_id, adapter))
-    return ChatRun(state, engine_request, ledger)
+    return ChatRun(state, engine_request, ledger, chat.structured_param)
 
 
 async def _complete(

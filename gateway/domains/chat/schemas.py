@@ -4,7 +4,9 @@ Everything the gateway can refuse without the engine is refused here, with a 400
 field (OpenAI's ``param``): malformed JSON (syntax, invalid UTF-8, nesting too deep), a missing
 or empty ``messages``, wrong types, an ``image_url`` that is not a ``data:`` URL (nothing is
 ever fetched), out-of-range values, ``max_tokens`` over the server's limit, ``n`` over
-``max_n``. Unknown fields are ignored, and an explicit ``null`` means "not given". No field
+``max_n``, a ``response_format`` (or vLLM ``guided_*`` field) of the wrong shape
+(``gateway.domains.chat.response_format``). Unknown fields are ignored, and an explicit
+``null`` means "not given". No field
 sets the cache salt: a client ``cache_salt`` is one more unknown field.
 
 Numeric fields and their ranges (a value outside gets a 400 naming the field; JSON has no NaN,
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.sampling.params import MAX_LOGPROBS, SamplingParams
+from loraplex.gateway.domains.chat.response_format import parse_structured_output
 from loraplex.gateway.server.errors import APIError, bad_request
 from loraplex.gateway.server.json_body import decode_json
 
@@ -58,6 +61,8 @@ class ChatRequest:
         images: ``image_url`` parts in the messages.
         text_bytes: UTF-8 bytes of every string a chat template may render (contents, text
             parts, roles and other string fields of the messages).
+        structured_param: The field that asked for structured output (``response_format``,
+            ``guided_json`` ...), named by a 400 when the engine cannot enforce it; "" if none.
     """
 
     model: str
@@ -71,6 +76,7 @@ class ChatRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     images: int = 0
     text_bytes: int = 0
+    structured_param: str = ""
 
     def check_size(self, max_model_len: int, max_token_bytes: int, image_tokens: int) -> None:
         """Refuse, before tokenizing, a prompt that cannot fit ``max_model_len`` tokens.
@@ -207,6 +213,9 @@ def parse_chat_request(
         "seed": _get(data, "seed", int),
         "stop": stop,
     }
+    structured, structured_param = parse_structured_output(data)
+    if structured is not None:
+        sampling["structured_output"] = structured
     request = ChatRequest(
         model=model,
         messages=messages,
@@ -219,6 +228,7 @@ def parse_chat_request(
         sampling=sampling,
         images=images,
         text_bytes=text_bytes,
+        structured_param=structured_param,
     )
     _sampling(max_tokens=1, logprobs=None, **sampling)  # range checks now, not after processing
     return request

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.async_llm import EngineDeadError, RequestFailedError
 from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.engine.structured_output import StructuredOutputError
 from loraplex.gateway.db.types import utcnow
 from loraplex.gateway.domains.adapters.upload import NAME_RE
 from loraplex.gateway.server.errors import APIError, not_found
@@ -243,11 +244,20 @@ class ChatRun:
         state: The gateway (the task joins ``state.in_flight``).
         request: The engine request.
         ledger: Its usage; the run closes it when it ends, whatever the way.
+        structured_param: The body field that asked for structured output: a spec the engine
+            refuses is a 400 naming it.
     """
 
-    def __init__(self, state: GatewayState, request: EngineRequest, ledger: UsageLedger) -> None:
+    def __init__(
+        self,
+        state: GatewayState,
+        request: EngineRequest,
+        ledger: UsageLedger,
+        structured_param: str = "",
+    ) -> None:
         self.state = state
         self.request = request
+        self.structured_param = structured_param
         self.ledger = ledger
         self.cancel_reason = "shutdown"  # what a cancel from outside (app shutdown) means
         self.client_left = False
@@ -374,7 +384,10 @@ class ChatRun:
         except ValueError as exc:  # refused at admission: nothing ran, nothing to count
             ledger.forget_outputs()
             error_type = "invalid_request_error"
-            self._put(APIError(400, str(exc)))
+            param = None
+            if isinstance(exc, StructuredOutputError):  # a schema the engine cannot enforce
+                param = self.structured_param or None
+            self._put(APIError(400, str(exc), param=param))
         except Exception:
             logger.exception("chat request %s failed", self.request.request_id)
             self._put(APIError(500, "internal server error"))
