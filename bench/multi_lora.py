@@ -142,7 +142,7 @@ def run_engine(path, dirs, prompts, output_tokens, max_loras) -> dict:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                produced += len(out.outputs[0].token_ids)
+                produced += out.outputs[0].num_tokens  # running total (DELTA outputs)
     elapsed = time.perf_counter() - t0
     # Cold load: an adapter in neither tier, read from disk, validated, copied into a slot.
     manager = engine.lora_manager

@@ -102,7 +102,7 @@ def run_loraplex(path: Path, prompts, output_tokens: int, caching: bool) -> dict
         held += h
         for out in engine.step():
             if out.finished:
-                produced += len(out.outputs[0].token_ids)
+                produced += out.outputs[0].num_tokens  # running total (DELTA outputs)
     elapsed = time.perf_counter() - t0
     step = sum(s for s, _ in engine.step_times)
     forward = sum(f for _, f in engine.step_times)

@@ -1,0 +1,29 @@
+"""``bench.structured --quick`` runs: both batches produce the same tokens, every constrained
+output is a valid prefix of its schema (the bench asserts it), compile times are reported."""
+
+import json
+import os
+import subprocess
+import sys
+
+from bench.structured import valid_prefix
+
+
+def test_valid_prefix_is_strict():
+    assert valid_prefix('["alpha","be') and valid_prefix("[") and valid_prefix('["gamma"]')
+    assert not valid_prefix('["alphx",') and not valid_prefix("x") and not valid_prefix("[1,")
+
+
+def test_bench_structured_quick(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.structured", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "LORAPLEX_DATA_DIR": str(tmp_path)},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["half_constrained"]["constrained_rows"] == 4
+    assert result["half_constrained"]["tokens"] == result["unconstrained"]["tokens"] == 8 * 16
+    assert result["compile"]["cold_ms"] > result["compile"]["cached_ms"] > 0
