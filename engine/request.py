@@ -9,14 +9,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from loraplex.engine.sampling.params import SamplingParams  # at run time: msgspec decodes it
 from loraplex.hashing.extra_keys import MMPlaceholder
-
-if TYPE_CHECKING:
-    from loraplex.engine.sampling.params import SamplingParams
 
 
 class RequestOutputKind(enum.Enum):

@@ -111,6 +111,14 @@ def register(subparsers) -> None:
         "adapter name on /metrics, which needs no key (default %(default)s)",
     )
     p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core (scheduler and model) in its own process, restarted if it "
+        "dies while the gateway keeps serving; --no-engine-process runs it on a thread of the "
+        "gateway's process, which then exits if it dies (default: own process)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -318,9 +326,11 @@ def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
     gateway_config = gateway_config_from_args(args, served_name(engine_config))
     gateway_config = gateway_config.replace(port=port)
     admin_key, admin_path, created = load_or_create_admin_key(directory, args.admin_key)
-    client = start_engine(engine_config, gateway_config.store_dir)
+    client = start_engine(
+        engine_config, gateway_config.store_dir, in_process=not args.engine_process
+    )
     try:
-        _report_engine(client.llm.engine, gateway_config.served_model_name, time.monotonic() - t0)
+        _report_engine(client, gateway_config.served_model_name, time.monotonic() - t0)
         app, state = build_gateway(gateway_config, client, admin_key=admin_key, progress=progress)
     except BaseException:
         client.shutdown()
@@ -360,17 +370,17 @@ def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
     return server.exit_code
 
 
-def _report_engine(engine, name: str, seconds: float) -> None:
+def _report_engine(client, name: str, seconds: float) -> None:
     """The model and KV pool lines: what was loaded, and what the pool holds."""
     from loraplex.gateway.server.startup import progress
 
-    model = engine.model
-    params = sum(p.numel() for p in model.parameters())
+    info = client.describe()
+    where = f" (engine core: process {info['pid']})" if info.get("pid") else " (in process)"
     progress(
-        f"model {name} loaded: {_count(params)} parameters, {engine.config.dtype} on "
-        f"{engine.config.device}, in {seconds:.1f} s"
+        f"model {name} loaded: {_count(info['num_parameters'])} parameters, "
+        f"{info['dtype']} on {info['device']}, in {seconds:.1f} s{where}"
     )
-    progress(f"{engine.kv_sizing.describe()}; max_model_len {engine.max_model_len}")
+    progress(f"{info['kv_pool']}; max_model_len {client.max_model_len}")
 
 
 def _count(n: int) -> str:

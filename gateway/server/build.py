@@ -24,12 +24,25 @@ def served_name(engine_config: EngineConfig) -> str:
     return engine_config.served_model_name or Path(engine_config.model).name
 
 
-def start_engine(engine_config: EngineConfig, store_root: Path) -> LocalEngineClient:
-    """Load the model and start the engine thread, reading tenant adapters from the store.
+def start_engine(
+    engine_config: EngineConfig, store_root: Path, *, in_process: bool = True
+) -> EngineClient:
+    """Load the model and start the engine, reading tenant adapters from the store.
+
+    Args:
+        engine_config: The engine's settings.
+        store_root: The adapter store.
+        in_process: The engine core on a thread of this process (``LLM``, tests); else in its
+            own process (``serve``'s default: ``gateway.server.process_client``).
 
     Raises:
-        ValueError: the model or config is unusable.
+        ValueError: the model or config is unusable (in process).
+        RuntimeError: the core process exited before it was ready (its error is logged).
     """
+    if not in_process:
+        from loraplex.gateway.server.process_client import ProcessEngineClient
+
+        return ProcessEngineClient(engine_config, str(store_root), served_name(engine_config))
     from loraplex.adapters.store import AdapterStore
     from loraplex.engine.async_llm import AsyncLLM
     from loraplex.engine.llm_engine import LLMEngine

@@ -121,6 +121,16 @@ class LocalEngineClient:
         )
         self._workers = FairWorkerPool(default_workers())
 
+    def describe(self) -> dict[str, Any]:
+        """What was loaded: ``num_parameters``, ``dtype``, ``device``, ``kv_pool``."""
+        engine = self.llm.engine
+        return {
+            "num_parameters": sum(p.numel() for p in engine.model.parameters()),
+            "dtype": str(engine.config.dtype).removeprefix("torch."),
+            "device": str(engine.config.device),
+            "kv_pool": engine.kv_sizing.describe(),
+        }
+
     @property
     def is_running(self) -> bool:
         """See :class:`EngineClient`."""

@@ -6,6 +6,10 @@ once and calls ``state.on_engine_death``: ``loraplex serve`` (``GracefulServer``
 and exits non-zero, so a supervisor (systemd, Docker's restart policy, Kubernetes) restarts
 the whole process. Without that hook (tests, embedded use) only the log line and ``/health``
 tell.
+
+An engine core in its own process (``gateway.server.process_client``) is restarted by its
+client: while it is ``recovering`` the gateway keeps running (``/health`` answers 503); only a
+client that gave up restarting counts as dead here.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ POLL_SECONDS = 0.2
 async def watch_engine(state: GatewayState, poll_seconds: float = POLL_SECONDS) -> None:
     """Return once the engine stopped (after calling ``state.on_engine_death``) or draining."""
     while not state.draining:
-        if not state.engine.is_running:
+        if not state.engine.is_running and not getattr(state.engine, "recovering", False):
             logger.critical(
                 "the engine stopped; in-flight requests failed with 503 and the server exits "
                 "(non-zero) so that its supervisor restarts it"

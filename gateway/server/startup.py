@@ -13,6 +13,8 @@ import socket
 import sys
 import time
 
+from loraplex.engine.triton_guard import keep_triton_out  # noqa: F401 - re-exported
+
 _IMPORTED = time.monotonic()
 
 
@@ -80,22 +82,3 @@ def bind_listeners(host: str, port: int, backlog: int = 2048) -> list[socket.soc
 def url_of(host: str, port: int) -> str:
     """``http://HOST:PORT`` (IPv6 addresses bracketed)."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def keep_triton_out() -> bool:
-    """Make ``import triton`` fail in this process (it runs no Triton kernel).
-
-    ``torch._dynamo``, which transformers' config classes import, imports triton whenever it is
-    installed (a quarter of a second, and 30 lines of ``nanobind: leaked ...`` at exit). A
-    ``None`` entry in ``sys.modules`` makes that import raise ``ModuleNotFoundError``, which
-    torch takes as "no triton" (its ``has_triton_package``). It is process-wide and lasts:
-    ``loraplex serve`` calls it in its own process when the Triton backend is not selected;
-    code that runs in-process beside other work (``generate``, called by tests) does not.
-
-    Returns:
-        Whether triton is now kept out (False: it was already imported).
-    """
-    if sys.modules.get("triton", None) is not None:
-        return False
-    sys.modules["triton"] = None  # type: ignore[assignment]
-    return True

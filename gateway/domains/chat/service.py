@@ -376,8 +376,8 @@ class ChatRun:
             status, error_type = "aborted", self.cancel_reason
             self._put(_Cancelled())
             raise
-        except EngineDeadError:
-            error_type = "engine_unavailable"
+        except EngineDeadError:  # the engine (core process) died under it: not the client's
+            status, error_type = "aborted", "engine_unavailable"
             self._put(APIError(503, "the engine is not running", code="engine_unavailable"))
         except RequestFailedError:  # a fault admitting it; logged by the engine
             self._put(APIError(500, "an internal error ended this request", code="internal_error"))

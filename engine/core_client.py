@@ -1,0 +1,414 @@
+"""The client side of an engine core running in its own process (vLLM v1's ``EngineCoreClient``).
+
+:class:`CoreProcessClient` starts ``engine.core_proc.run_core`` in a child process (``spawn``:
+no CUDA or thread state is inherited), talks to it with the typed messages of
+``engine.core_wire`` over two ZMQ PUSH/PULL sockets on private IPC paths, and keeps the
+client-side half of the engine: the :class:`OutputProcessor` (detokenizers, stop strings, delta
+outputs). A reader thread polls the core's socket and the child's process sentinel together, so
+a core that dies is noticed at once (well within a second):
+
+1. every in-flight request's stream ends with :class:`EngineDeadError` (the gateway answers
+   503 and records the request as aborted), and pending calls fail with it too;
+2. ``is_running`` is False (``/health`` fails) while a new core starts, after a back-off of
+   0.5 s doubling to 8 s;
+3. when the new core is ready, service resumes; adapters are read again from the store on
+   demand. More than :data:`MAX_RESTARTS` restarts within :data:`RESTART_WINDOW_S` and the
+   client gives up for good (``failed`` is True, ``is_running`` stays False), so a core that
+   crashes at start-up cannot spin.
+
+The same async API as :class:`engine.async_llm.AsyncLLM`: ``generate``, ``abort``,
+``add_lora`` (by digest), ``remove_lora``, ``stats``, ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from loraplex.engine import core_wire as wire
+from loraplex.engine.async_llm import EngineDeadError, RequestFailedError
+from loraplex.engine.output_processor import OutputProcessor
+from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.engine.structured_output import StructuredOutputError
+
+logger = logging.getLogger(__name__)
+
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 300.0
+READY_TIMEOUT_S = 900.0  # a big model on a slow disk
+
+
+class CoreProcessClient:
+    """An engine core in a child process, and the output processing on this side.
+
+    Args:
+        config: The ``EngineConfig`` (sent to the child as its start argument).
+        store_root: The adapter store the core reads adapters from by digest, or None.
+        tokenizer: The model's tokenizer (for the output processor); may be given later with
+            :meth:`set_tokenizer`, before the first request.
+
+    Raises:
+        RuntimeError: (from :meth:`start`) the first core exited or did not become ready.
+    """
+
+    def __init__(self, config: Any, store_root: str | None, tokenizer: Any = None) -> None:
+        self.config = config
+        self.store_root = store_root
+        self.output_processor = OutputProcessor(tokenizer)
+        self.info: wire.CoreInfo | None = None
+        self.failed = False  # gave up restarting
+        self.restarts = 0
+        self._restart_times: list[float] = []
+        self._running = False
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # output processor, streams, calls, the push socket
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._stats: dict[str, Any] = {}
+        self._dir = tempfile.TemporaryDirectory(prefix="loraplex-core-")
+        self._incarnation = 0
+        self._enc = wire.encoder()
+        self._dec = wire.client_decoder()
+        self._ctx: Any = None
+        self._push: Any = None
+        self._pull: Any = None
+        self._proc: Any = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> wire.CoreInfo:
+        """Start the first core and wait until it is ready; then the reader thread.
+
+        Raises:
+            RuntimeError: the core exited (a bad model directory, say) or timed out.
+        """
+        import zmq
+
+        self._ctx = zmq.Context()
+        self.info = self._spawn()
+        self._running = True
+        self._thread = threading.Thread(target=self._read, name="loraplex-core-reader", daemon=True)
+        self._thread.start()
+        return self.info
+
+    def _spawn(self) -> wire.CoreInfo:
+        """A new core process and sockets; block until its ``Ready``."""
+        import zmq
+
+        from loraplex.engine.core_proc import run_core
+
+        self._incarnation += 1
+        base = Path(self._dir.name)
+        in_addr = f"ipc://{base}/in-{self._incarnation}"
+        out_addr = f"ipc://{base}/out-{self._incarnation}"
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.bind(in_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(out_addr)
+        spawn = multiprocessing.get_context("spawn")
+        self._proc = spawn.Process(
+            target=run_core,
+            args=(self.config, self.store_root, in_addr, out_addr),
+            name="loraplex-engine-core",
+            daemon=True,
+        )
+        self._proc.start()
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._proc.sentinel, zmq.POLLIN)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            events = dict(poller.poll(200))
+            if self._pull in events:
+                msg = self._dec.decode(self._pull.recv())
+                if isinstance(msg, wire.Ready):
+                    return msg.info
+            if self._proc.sentinel in events or not self._proc.is_alive():
+                self._proc.join(1)
+                raise RuntimeError(
+                    f"the engine core exited with status {self._proc.exitcode} before it was "
+                    "ready (its error is in the log above)"
+                )
+            if self._stopping.is_set():
+                raise RuntimeError("shut down while the engine core was starting")
+        self._proc.kill()
+        raise RuntimeError(f"the engine core was not ready within {READY_TIMEOUT_S:.0f} s")
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """The tokenizer the output processor detokenizes with (before any request)."""
+        with self._lock:
+            self.output_processor = OutputProcessor(tokenizer)
+
+    @property
+    def is_running(self) -> bool:
+        """True while a core is up and answering (False while one restarts, and after)."""
+        return self._running and not self._stopping.is_set()
+
+    @property
+    def recovering(self) -> bool:
+        """True while a dead core is being replaced (the gateway should wait, not exit)."""
+        return not self._running and not self.failed and not self._stopping.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        """The current core process's id."""
+        return None if self._proc is None else self._proc.pid
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight, stop the core and the reader."""
+        self._stopping.set()
+        with self._lock:
+            if self._push is not None and self._running:
+                try:
+                    self._push.send(self._enc.encode(wire.Shutdown()))
+                except Exception:  # noqa: BLE001 - best effort; the process is killed below
+                    pass
+        if self._proc is not None:
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(1)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._running = False
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._dir.cleanup()
+
+    # --------------------------------------------------------------------- requests
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs, the last one finished.
+
+        Raises:
+            ValueError: the core refused it (``StructuredOutputError`` for a structured
+                output it cannot enforce).
+            RequestFailedError: a fault admitting it.
+            EngineDeadError: no core is running, or the core died while it ran.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            self.output_processor.add_request(request)
+            self._streams[rid] = (loop, stream)
+            self._send(wire.AddRequest(request))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+                if not finished:
+                    self.output_processor.abort(rid)
+                    self._send(wire.Abort(rid))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its stream, if any, is not told: the consumer left)."""
+        with self._lock:
+            self.output_processor.abort(request_id)
+            self._send(wire.Abort(request_id))
+
+    async def add_lora(self, digest: str) -> None:
+        """Load an adapter of the store into the core's CPU tier (later requests find it).
+
+        Raises:
+            RuntimeError: the core could not load it (the message says why).
+            EngineDeadError: no core is running.
+        """
+        await self._call("add_lora", digest)
+
+    async def remove_lora(self, digest: str) -> bool:
+        """Drop an adapter from the core; False while a running request uses it."""
+        return bool(await self._call("remove_lora", digest))
+
+    async def _call(self, method: str, digest: str) -> Any:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = (loop, future)
+            self._send(wire.Call(call_id, method, digest))
+        return await future
+
+    def stats(self) -> dict[str, Any]:
+        """The core's statistics after its latest step (refreshed at least every 0.25 s)."""
+        return dict(self._stats)
+
+    def _send(self, msg: Any) -> None:
+        """Push a message to the core (caller holds ``_lock``); dropped while none runs."""
+        if self._running and self._push is not None:
+            self._push.send(self._enc.encode(msg))
+
+    # ----------------------------------------------------------------- reader thread
+    def _read(self) -> None:
+        import zmq
+
+        while not self._stopping.is_set():
+            poller = zmq.Poller()
+            poller.register(self._pull, zmq.POLLIN)
+            poller.register(self._proc.sentinel, zmq.POLLIN)
+            while not self._stopping.is_set():
+                events = dict(poller.poll(100))
+                if self._pull in events:
+                    self._drain()
+                if self._proc.sentinel in events:
+                    break
+            if self._stopping.is_set():
+                return
+            self._on_death()
+            if not self._restart():
+                return
+
+    def _drain(self) -> None:
+        import zmq
+
+        while True:
+            try:
+                frame = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._dec.decode(frame)
+            if isinstance(msg, wire.Outputs):
+                self._stats = msg.stats
+                if msg.outputs:
+                    self._deliver_outputs(msg.outputs)
+            elif isinstance(msg, wire.Rejected):
+                error = {
+                    "structured": StructuredOutputError,
+                    "fault": RequestFailedError,
+                }.get(msg.kind, ValueError)(msg.message)
+                with self._lock:
+                    self.output_processor.remove(msg.request_id)
+                self._deliver(msg.request_id, error)
+            elif isinstance(msg, wire.CallResult):
+                with self._lock:
+                    target = self._calls.pop(msg.call_id, None)
+                if target is not None:
+                    error = None if msg.error is None else RuntimeError(msg.error)
+                    target[0].call_soon_threadsafe(_settle, target[1], msg.value, error)
+
+    def _deliver_outputs(self, outputs: list) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._lock:
+            processed = self.output_processor.process(outputs)
+            for f in processed.finish:  # stop strings found here: the core stops them
+                self._send(wire.FinishRequest(f.request_id, f.reason, f.stop_reason, f.index))
+            for out in processed.request_outputs:
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        with self._lock:
+            target = self._streams.get(rid)
+        if target is not None:
+            try:
+                target[0].call_soon_threadsafe(target[1].put_nowait, item)
+            except RuntimeError:
+                pass
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """End every stream and call with ``error``; forget every request."""
+        with self._lock:
+            streams = list(self._streams.items())
+            calls, self._calls = list(self._calls.values()), {}
+            for rid in list(self.output_processor.requests):
+                self.output_processor.remove(rid)
+        for _, (loop, queue) in streams:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, error)
+            except RuntimeError:
+                pass
+        for loop, future in calls:
+            try:
+                loop.call_soon_threadsafe(_settle, future, None, error)
+            except RuntimeError:
+                pass
+
+    def _on_death(self) -> None:
+        with self._lock:
+            self._running = False
+        self._proc.join(1)
+        logger.error(
+            "the engine core (pid %s) died with status %s; failing its requests and restarting it",
+            self._proc.pid,
+            self._proc.exitcode,
+        )
+        self._fail_all(EngineDeadError("the engine core died; retry the request"))
+
+    def _restart(self) -> bool:
+        """Start a new core with back-off; False when giving up (or shutting down)."""
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
+        if len(self._restart_times) >= MAX_RESTARTS:
+            self.failed = True
+            logger.critical(
+                "the engine core died %d times within %.0f s; giving up (the server stays "
+                "unhealthy until restarted)",
+                MAX_RESTARTS + 1,
+                RESTART_WINDOW_S,
+            )
+            return False
+        delay = min(8.0, 0.5 * 2 ** len(self._restart_times))
+        self._restart_times.append(now)
+        if self._stopping.wait(delay):
+            return False
+        try:
+            self.info = self._spawn()
+        except RuntimeError:
+            logger.exception("restarting the engine core failed")
+            return self._restart()
+        self.restarts += 1
+        with self._lock:
+            self._running = True
+        logger.warning("the engine core is back (pid %s)", self._proc.pid)
+        return True
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

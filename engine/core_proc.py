@@ -1,0 +1,156 @@
+"""The engine core's own process: load the model, then step while there is work.
+
+:func:`run_core` is the entry point of the child process that ``engine.core_client`` starts. It
+builds an :class:`EngineCore` (adapters read from the gateway's adapter store by digest), sends
+:class:`~engine.core_wire.Ready`, then loops: drain the client's messages (a blocking poll only
+while nothing is in flight), run one step, push its outputs with the core's statistics. A step
+that raises ``EngineFaultError`` (or any bug in the loop) ends the process with status 1; the
+client sees the process end and restarts it. Nothing here tokenizes or detokenizes: that is the
+client's side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STATS_EVERY_S = 0.25  # statistics ride on outputs, and go alone at least this often when idle
+
+
+def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -> None:
+    """Child process body: serve one engine core until shut down or broken.
+
+    Args:
+        config: The ``EngineConfig``.
+        store_root: The gateway's adapter store (``adapters.store.AdapterStore``), or None.
+        in_addr: ZMQ address the client pushes messages to (this process pulls).
+        out_addr: ZMQ address this process pushes messages to (the client pulls).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway handles Ctrl-C and tells us
+    if config.attention_backend != "triton":
+        from loraplex.engine.triton_guard import keep_triton_out
+
+        keep_triton_out()  # before the engine's imports: no triton, no leak report at exit
+    import zmq
+
+    from loraplex.engine import core_wire as wire
+    from loraplex.engine.core import EngineCore
+
+    logging.basicConfig(level=os.environ.get("LORAPLEX_CORE_LOG_LEVEL", "WARNING"))
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(out_addr)
+    enc, dec = wire.encoder(), wire.core_decoder()
+
+    core = EngineCore(config, adapter_loader=_store_loader(store_root, lambda: core))
+    model = core.model
+    push.send(
+        enc.encode(
+            wire.Ready(
+                wire.CoreInfo(
+                    max_model_len=core.max_model_len,
+                    adapter_limits=core.adapter_limits,
+                    image_token_id=getattr(model, "image_token_id", None),
+                    num_image_tokens=getattr(model, "num_image_tokens", 0),
+                    num_parameters=sum(p.numel() for p in model.parameters()),
+                    dtype=str(core.dtype).removeprefix("torch."),
+                    device=str(core.device),
+                    kv_pool=core.kv_sizing.describe(),
+                    pid=os.getpid(),
+                )
+            )
+        )
+    )
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    last_stats = 0.0
+    try:
+        while True:
+            busy = core.has_unfinished_requests()
+            if poller.poll(0 if busy else int(STATS_EVERY_S * 1000)):
+                while True:
+                    try:
+                        frame = pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = _handle(core, dec.decode(frame))
+                    if reply is _SHUTDOWN:
+                        return
+                    if reply is not None:
+                        push.send(enc.encode(reply))
+            outputs = core.step() if core.has_unfinished_requests() else []
+            now = time.monotonic()
+            if outputs or now - last_stats >= STATS_EVERY_S:
+                push.send(enc.encode(wire.Outputs(outputs, _stats(core))))
+                last_stats = now
+    finally:
+        push.close()
+        pull.close(linger=0)
+        ctx.term()
+
+
+_SHUTDOWN = object()
+
+
+def _handle(core: Any, msg: Any) -> Any:
+    """Apply one client message; the reply to send, if any."""
+    from loraplex.engine import core_wire as wire
+    from loraplex.engine.structured_output import StructuredOutputError
+
+    if isinstance(msg, wire.AddRequest):
+        rid = msg.request.request_id
+        try:
+            core.add_request(msg.request)
+        except StructuredOutputError as exc:
+            return wire.Rejected(rid, str(exc), "structured")
+        except ValueError as exc:
+            return wire.Rejected(rid, str(exc), "value")
+        except Exception as exc:  # a fault admitting this request: it alone fails
+            logger.exception("admitting request %s failed", rid)
+            return wire.Rejected(rid, type(exc).__name__, "fault")
+        return None
+    if isinstance(msg, wire.Abort):
+        core.abort_request(msg.request_id)
+        return None
+    if isinstance(msg, wire.FinishRequest):
+        core.finish_request(msg.request_id, msg.reason, msg.stop_reason, msg.index)
+        return None
+    if isinstance(msg, wire.Call):
+        try:
+            if msg.method == "add_lora":
+                core.add_lora(core.adapters.load(msg.digest))
+                return wire.CallResult(msg.call_id, value=True)
+            if msg.method == "remove_lora":
+                return wire.CallResult(msg.call_id, value=core.remove_lora(msg.digest))
+            return wire.CallResult(msg.call_id, error=f"unknown call {msg.method!r}")
+        except Exception as exc:  # the caller gets it; the core runs on
+            return wire.CallResult(msg.call_id, error=f"{type(exc).__name__}: {exc}")
+    if isinstance(msg, wire.Shutdown):
+        return _SHUTDOWN
+    return None
+
+
+def _stats(core: Any) -> dict[str, int | float]:
+    return {k: v for k, v in core.stats().items() if isinstance(v, int | float)}
+
+
+def _store_loader(store_root: str | None, get_core: Any) -> Any:
+    """``digest -> LoraAdapter`` read from the adapter store, validated against the model."""
+    if store_root is None:
+        return None
+    from loraplex.adapters.store import AdapterStore
+
+    store = AdapterStore(store_root)
+
+    def load(digest: str) -> Any:
+        return store.load(digest, **get_core().adapter_limits.kwargs())
+
+    return load
