@@ -1,0 +1,34 @@
+"""``bench.serving_latency --quick`` runs end to end: a real ``loraplex serve`` (engine core in its
+own process) and a direct engine client, the same streams through both, figures for both."""
+
+import json
+import os
+import subprocess
+import sys
+
+from bench.serving_latency import percentile, summary
+
+
+def test_percentile_and_summary():
+    assert percentile([], 0.5) == 0.0
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0, 2.0], 0.99) == 2.0
+    s = summary([0.1, 0.2], [0.01, 0.03, 0.02])
+    assert s["streams"] == 2 and s["gaps"] == 3 and abs(s["itl_p50_ms"] - 20.0) < 1e-9
+
+
+def test_bench_serving_latency_quick(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.serving_latency", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "LORAPLEX_DATA_DIR": str(tmp_path)},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    for way in ("gateway", "direct"):
+        best = result["best"][way]
+        assert best["streams"] == 8 and best["gaps"] > 0 and best["ttft_p50_ms"] > 0
+    # At most 7 gaps per stream of 8 tokens (fewer when a chunk carries several tokens).
+    assert result["best"]["gateway"]["gaps"] <= 8 * 7 and result["best"]["direct"]["gaps"] <= 8 * 7
+    assert result["itl_p99_ratio"] > 0
