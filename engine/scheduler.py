@@ -54,12 +54,12 @@ from loraplex.engine.request import EngineRequest
 from loraplex.engine.scheduler_output import (
     EngineCoreOutput,
     ImageSpan,
-    Logprob,
-    ModelRunnerOutput,
     NewSeq,
     ScheduledSeq,
     SchedulerOutput,
 )
+from loraplex.engine.scheduler_preempt import Preemption
+from loraplex.engine.scheduler_update import OutputUpdate, core_output
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.step_budget import PrefillBudget
 from loraplex.engine.structured_output import StructuredOutputs, grammar_bitmask
@@ -75,7 +75,7 @@ class _RequestSeqs:
     forked: bool = False
 
 
-class Scheduler:
+class Scheduler(Preemption, OutputUpdate):
     """Waiting and running queues over one KV cache manager.
 
     Args:
@@ -220,35 +220,6 @@ class Scheduler:
                 item.token_bitmask = grammar_bitmask(seq.grammar)
         return out
 
-    def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
-        """Preempt one running sequence of an over-served tenant if the fair head is blocked.
-
-        See step 0 of the module docstring. The victim is the newest running sequence of the
-        tenant that runs the most sequences above its share, among those whose counter is
-        higher than the head's tenant's; with ``recompute`` its computed blocks stay cached,
-        so resuming it is mostly prefix hits.
-        """
-        head = self.waiting.peek()
-        if head is None or not self.running:
-            return
-        if len(self.running) < self.max_num_seqs and self._fits(head):
-            return
-        fair = self.waiting
-        tenant = tenant_of(head)
-        counts = fair.running
-        share = -(-self.max_num_seqs // len(set(counts) | {tenant}))  # ceil: no ping-pong
-        floor = fair.counter(tenant)
-        over = [
-            t for t, n in counts.items() if t != tenant and n > share and fair.counter(t) > floor
-        ]
-        if not over:
-            return
-        victim_tenant = max(over, key=lambda t: (counts[t], fair.counter(t)))
-        victim = next(s for s in reversed(self.running) if tenant_of(s) == victim_tenant)
-        self.running.remove(victim)
-        fair.stopped(victim)
-        self._preempt(victim, out)
-
     def _fits(self, seq: Sequence) -> bool:
         """Whether the pool has free (or evictable) blocks for the sequence's first chunk."""
         if seq.swapped:
@@ -311,7 +282,7 @@ class Scheduler:
                 if got is None:  # the adapter is gone: fail this request, go on
                     self.finish(seq, "abort")
                     out.failed.append(seq.seq_id)
-                    self._pending.append(_output(seq, [], None, "abort", seq.stop_reason))
+                    self._pending.append(core_output(seq, [], None, "abort", seq.stop_reason))
                     continue
                 if not got:
                     break
@@ -375,7 +346,7 @@ class Scheduler:
             return False
         self.finish(seq, "length")
         out.capped.append(seq.seq_id)
-        self._pending.append(_output(seq, [], None, "length"))
+        self._pending.append(core_output(seq, [], None, "length"))
         return True
 
     def _acquire_lora(self, seq: Sequence) -> bool | None:
@@ -442,219 +413,6 @@ class Scheduler:
             images=seq.request.images,
             cache_salt=seq.request.cache_salt,
         )
-
-    def _allocate_or_preempt(
-        self, seq: Sequence, num_new: int, out: SchedulerOutput
-    ) -> SlotAllocation | None:
-        """Allocate for a running sequence, preempting the newest ones until it fits."""
-        while True:
-            alloc = self.kv.allocate_slots(
-                seq.seq_id,
-                num_new,
-                num_computed_tokens=seq.num_computed_tokens,
-                block_hashes=seq.hasher.block_hashes,
-            )
-            if alloc is not None:
-                return alloc
-            if self.running[-1] is seq and len(self.running) == 1:
-                # Alone and still no room: every other block is free or evictable, so the
-                # pool can never hold this sequence's next token. Preempting it would only
-                # re-admit it forever (a livelock at 100% CPU); it ends here instead.
-                self.finish(seq, "length")
-                out.capped.append(seq.seq_id)
-                self._pending.append(_output(seq, [], None, "length"))
-                return None
-            victim = self.running.pop()
-            self.waiting.stopped(victim)
-            self._preempt(victim, out)
-            if victim is seq:
-                return None
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput, allow_swap: bool = True) -> None:
-        """Move a running sequence back to the front of the waiting queue."""
-        self.num_preemptions += 1
-        out.preempted.append(seq.seq_id)
-        self._release_lora(seq)
-        swapped = False
-        if (
-            allow_swap
-            and self.preemption == "swap"
-            and self.cpu_pool is not None
-            and seq.num_computed_tokens
-        ):
-            bs = self.kv.block_size
-            device_blocks = self.kv.get_block_ids(seq.seq_id)[: -(-seq.num_computed_tokens // bs)]
-            cpu_blocks = self.cpu_pool.allocate(len(device_blocks))
-            if cpu_blocks is not None:
-                out.swap_out.extend(zip(device_blocks, cpu_blocks, strict=True))
-                self.swap_tables[seq.seq_id] = cpu_blocks
-                self.num_swapped_out += 1
-                swapped = True
-        self.kv.free(seq.seq_id)
-        seq.swapped = swapped
-        if not swapped:
-            seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.PREEMPTED
-        if seq.known_to_runner:
-            seq.known_to_runner = False
-            self._dropped.append(seq.seq_id)
-        self.waiting.appendleft(seq)
-
-    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
-        """Admit a swapped sequence: fresh device blocks, KV copied back from the CPU pool."""
-        restored = seq.num_computed_tokens
-        num_new = min(seq.num_tokens - restored, budget)
-        alloc = self.kv.allocate_slots(
-            seq.seq_id, restored + num_new, block_hashes=seq.hasher.block_hashes
-        )
-        if alloc is None:
-            return False
-        cpu_blocks = self.swap_tables.pop(seq.seq_id)
-        out.swap_in.extend(zip(cpu_blocks, alloc.new_block_ids, strict=False))
-        self.cpu_pool.free(cpu_blocks)  # the copy happens before anything reuses them
-        seq.swapped = False
-        self._record(out, seq, restored, num_new, SlotAllocation())
-        return True
-
-    # ------------------------------------------------------------------- update_from_output
-    def update_from_output(
-        self, sched: SchedulerOutput, result: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
-        """Apply what a step produced: the one writer of tokens, hashes, status and finishes.
-
-        For each sampling sequence: its token (or, at an ``n > 1`` request's first token, one
-        per fork) is appended and hashed, and the sequence finishes on a stop token id, EOS
-        (unless ``ignore_eos``), ``max_tokens`` or the model length. A sequence whose part of
-        the step failed (``result.failed``) fails its whole request with ``"error"``; the
-        blocks it was filling lose their cached hashes (their KV may be half written), and a
-        sequence of the step holding one of them (a prefix hit taken this step) is requeued
-        to be recomputed, its token discarded.
-
-        Returns:
-            One output per sequence that produced a token or finished.
-        """
-        outputs, self._pending = self._pending, []  # finished while scheduling
-        by_id = {item.seq_id: item for item in sched.scheduled}
-        bad_blocks = self._fail(result.failed, by_id, outputs)
-        for item in sched.scheduled:
-            seq = self.seqs.get(item.seq_id)
-            if seq is None or seq.is_finished:  # failed (or aborted) meanwhile
-                continue
-            if bad_blocks and bad_blocks.intersection(self.kv.get_block_ids(seq.seq_id)):
-                self.requeue(seq)
-                continue
-            seq.num_computed_tokens = item.start + item.num_new_tokens
-            tokens = result.sampled.get(item.seq_id) if item.sample else None
-            if not tokens:
-                continue
-            logprobs = result.logprobs.get(item.seq_id)
-            targets = self._fork(seq, item.fork_ids) if item.fork_ids else [seq]
-            for k, target in enumerate(targets):
-                outputs.append(self._append(target, tokens[k], logprobs[k] if logprobs else None))
-        for out in outputs:
-            out.request_finished = out.request_id not in self.requests
-        return outputs
-
-    def _fail(
-        self, failed: dict[str, str], by_id: dict[str, ScheduledSeq], outputs: list
-    ) -> set[int]:
-        """Fail the requests of sequences whose part of the step raised; their fresh blocks."""
-        bad_blocks: set[int] = set()
-        requests: dict[str, str] = {}
-        for seq_id, where in failed.items():
-            seq = self.seqs.get(seq_id)
-            if seq is None:
-                continue
-            item = by_id.get(seq_id)
-            if item is not None:
-                bad_blocks.update(self.kv.uncache_from(seq_id, item.start // self.kv.block_size))
-            requests.setdefault(seq.request.request_id, where)
-        for rid, where in requests.items():
-            state = self.requests.get(rid)
-            for seq in list(state.seqs) if state is not None else []:
-                if not seq.is_finished:
-                    self.finish(seq, "error")
-                    out = _output(seq, [], None, "error")
-                    out.error = f"the request failed in {where}"
-                    outputs.append(out)
-        return bad_blocks
-
-    def _fork(self, parent: Sequence, fork_ids: tuple[str, ...]) -> list[Sequence]:
-        """Fork an ``n > 1`` request's sequence into ``n`` sharing its prompt blocks."""
-        state = self.requests[parent.request.request_id]
-        children = [parent]
-        for i, child_id in enumerate(fork_ids[1:], start=1):
-            child = Sequence(
-                seq_id=child_id,
-                request=parent.request,
-                index=i,
-                token_ids=list(parent.token_ids),
-                hasher=parent.hasher.fork(),
-                num_computed_tokens=parent.num_computed_tokens,
-                status=SequenceStatus.RUNNING,
-                num_cached_tokens=parent.num_cached_tokens,
-                first_scheduled_time=parent.first_scheduled_time,
-            )
-            if parent.grammar is not None:  # before the parent consumes its own token
-                child.grammar = parent.grammar.deep_copy()
-            self.kv.fork(parent.seq_id, child.seq_id)
-            if child.request.lora_digest is not None:
-                self.lora_manager.acquire(child.request.lora_digest)  # the parent holds it
-            self.running.insert(self.running.index(children[-1]) + 1, child)
-            self.waiting.started(child)
-            self.seqs[child_id] = child
-            children.append(child)
-        state.seqs = children
-        state.forked = True
-        return children
-
-    def _append(self, seq: Sequence, token: int, logprob: Logprob | None) -> EngineCoreOutput:
-        """Add a sampled token; finish the sequence on a stop token, EOS, or a length limit."""
-        seq.token_ids.append(token)
-        seq.hasher.extend([token])
-        params = seq.request.sampling
-        reason: str | None = None
-        stop_reason: int | None = None
-        grammar_done = False
-        if seq.grammar is not None:
-            if not seq.grammar.consume_token(token):
-                self.finish(seq, "error")
-                out = _output(seq, [token], None if logprob is None else [logprob], "error")
-                out.error = "the request failed in structured output"
-                return out
-            grammar_done = seq.grammar.is_stopped()
-        if token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif (token in self.eos_token_ids and not params.ignore_eos) or grammar_done:
-            reason = "stop"  # EOS, or a structured output that is complete
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self.finish(seq, reason, stop_reason)
-        out = _output(seq, [token], None if logprob is None else [logprob], reason, stop_reason)
-        out.ends_on_stop_token = reason == "stop" and (
-            token in params.stop_token_ids or token in self.eos_token_ids
-        )
-        return out
-
-
-def _output(
-    seq: Sequence,
-    tokens: list[int],
-    logprobs: list[Logprob] | None,
-    finish_reason: str | None,
-    stop_reason: int | str | None = None,
-) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id=seq.request.request_id,
-        index=seq.index,
-        new_token_ids=tokens,
-        new_logprobs=logprobs,
-        finish_reason=finish_reason,
-        stop_reason=stop_reason,
-        num_cached_tokens=seq.num_cached_tokens or 0,
-        first_scheduled_time=seq.first_scheduled_time,
-    )
 
 
 def _image_spans(seq: Sequence, start: int, end: int) -> list[ImageSpan]:
