@@ -4,44 +4,18 @@ directly, and the usage rows as stored."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
-import struct
 import time
 import uuid
-import zlib
 
-import numpy as np
-from PIL import Image
-from skimage import data as skdata
 from sqlalchemy import select
 
 from loraplex.engine.request import EngineRequest, RequestOutputKind
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.db.models import Adapter, UsageEvent
 from tests.gateway.conftest import with_db
+from tests.media import data_url, encode, long_text, photo, png_bomb  # noqa: F401 - re-exported
 
 BLOCK_SIZE = 16
-
-
-def photo(name: str = "astronaut", size: int = 96) -> Image.Image:
-    """A real photo from scikit-image, RGB, downsized to ``size`` x ``size``."""
-    arr = getattr(skdata, name)()
-    if arr.ndim == 2:
-        arr = np.stack([arr] * 3, axis=-1)
-    return Image.fromarray(arr[..., :3].astype(np.uint8)).resize((size, size), Image.LANCZOS)
-
-
-def encode(img: Image.Image, fmt: str = "PNG", **save) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt, **save)
-    return buf.getvalue()
-
-
-def data_url(payload: bytes | Image.Image, mime: str = "image/png", fmt: str = "PNG", **save):
-    if isinstance(payload, Image.Image):
-        payload = encode(payload, fmt, **save)
-    return f"data:{mime};base64," + base64.b64encode(payload).decode()
 
 
 def image_part(url: str) -> dict:
@@ -52,32 +26,6 @@ def user(*parts) -> dict:
     """A user message from str (text parts) and dicts (image parts)."""
     content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
     return {"role": "user", "content": content}
-
-
-def long_text(words: int, seed: int = 0) -> str:
-    """Deterministic prose-like filler of ``words`` words."""
-    vocab = (
-        "the cat sat on a warm mat while the quick brown fox jumped over lazy dogs and "
-        "small birds sang songs about rivers mountains stars cities bread honey"
-    ).split()
-    rng = np.random.default_rng(seed)
-    return " ".join(vocab[i] for i in rng.integers(0, len(vocab), size=words))
-
-
-def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
-    """A valid PNG header claiming ``width x height`` pixels, with a tiny IDAT (~70 bytes)."""
-
-    def chunk(tag: bytes, body: bytes) -> bytes:
-        crc = zlib.crc32(tag + body) & 0xFFFFFFFF
-        return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", crc)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(b"\0" * 16))
-        + chunk(b"IEND", b"")
-    )
 
 
 def prompt_ids(engine_client, messages) -> list[int]:

@@ -104,7 +104,7 @@ def test_text_chat_equals_the_engine_and_usage_is_what_the_client_saw(live, engi
 def test_image_chat_streamed_and_not(live, engine_client):
     tenant = live.create_tenant("pics")
     client = live.openai(tenant["api_key"])
-    messages = [user(image_part(data_url(photo("astronaut"))), "What is in this picture?")]
+    messages = [user(image_part(data_url(photo("astronaut", 96))), "What is in this picture?")]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     direct = engine_direct(engine_client, messages, max_tokens=10, temperature=0.0)
     assert r.choices[0].message.content == direct.outputs[0].text
@@ -252,7 +252,7 @@ def test_chat_with_the_tenants_adapter_by_name(live, engine_client, tiny_adapter
     owner = live.create_tenant("owner")
     other = live.create_tenant("other")
     digest = register_adapter(live, owner["id"], "my-lora", tiny_adapter)
-    messages = [user(image_part(data_url(photo("coffee"))), "Describe it")]
+    messages = [user(image_part(data_url(photo("coffee", 96))), "Describe it")]
     client = live.openai(owner["api_key"])
     r = client.chat.completions.create(
         model="my-lora", messages=messages, max_tokens=8, temperature=0
