@@ -47,7 +47,9 @@ def slot_view(
 
 
 class SlotBuffers:
-    """One projection's stacked slot weights (duck-typed as ``engine.lora.LoRASlotBuffers``).
+    """One projection's stacked slot weights (the LoRA manager writes, the LoRA layers read).
+
+    The one type of them: ``engine.lora`` and ``engine.lora_backend`` use it too.
 
     Attributes:
         lora_a: ``[max_loras, max_rank, in_features]``.
@@ -74,6 +76,27 @@ class SlotBuffers:
         self.host_scales = [0.0] * max_loras
         self.ranks = [0] * max_loras
         self.views: list[tuple[torch.Tensor, torch.Tensor, float] | None] = [None] * max_loras
+
+    @classmethod
+    def of(
+        cls, lora_a: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor, ranks: list[int]
+    ) -> SlotBuffers:
+        """Buffers over given stacked weights, with their host scales and views.
+
+        Args:
+            lora_a: ``[S, R, in]``.
+            lora_b: ``[S, out, R]``.
+            scales: ``[S]`` float32.
+            ranks: Each slot's rank (0: none).
+        """
+        buffers = cls.__new__(cls)
+        buffers.lora_a, buffers.lora_b, buffers.scales = lora_a, lora_b, scales
+        buffers.ranks = list(ranks)
+        buffers.host_scales = [float(s) for s in scales.tolist()]
+        buffers.views = [
+            slot_view(lora_a, lora_b, s, r, buffers.host_scales[s]) for s, r in enumerate(ranks)
+        ]
+        return buffers
 
 
 class LoRAManager:

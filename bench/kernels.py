@@ -213,7 +213,7 @@ def triton_lora(y, x, a, b, scales, batch):
 
 
 def reference_lora(y, x, a, b, scales, slots):
-    """The float32 references of the shrink and the expand (the CPU path of the dispatcher)."""
+    """The float32 references of the shrink and the expand (``kernels.lora_ref``)."""
     from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 
     token_slots = torch.tensor(slots, device=x.device)
@@ -242,7 +242,7 @@ def bench_lora(p, device, time_fn, kernels) -> list[dict]:
         row["base_us"] = base_t * 1e6
         row["torch_loop_vs_base"] = row["torch_loop_us"] / row["base_us"]
         row["reference_us"] = None
-        if device.type == "cpu":  # what the dispatcher runs on CPU: kernels.lora_ref
+        if device.type == "cpu":  # the float32 references: kernels.lora_ref
             row["reference_us"] = time_fn(partial(reference_lora, y, x, a, b, scales, slots)) * 1e6
         if kernels:
             from loraplex.kernels.lora_ops import make_lora_batch

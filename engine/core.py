@@ -27,6 +27,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.loading import attention_cost, load_engine_model, size_kv_pool
 from loraplex.engine.lora import LoRAStepContext, install_lora, target_shapes
+from loraplex.engine.lora_backend import select_lora_backend
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.sampler import Sampler
@@ -87,7 +88,8 @@ class EngineCore:
             dtype=self.dtype,
             loader=self.adapters.load,
         )
-        lora_context = LoRAStepContext()
+        # The LoRA backend is chosen once, here: Triton kernels with the Triton attention backend.
+        lora_context = LoRAStepContext(backend=select_lora_backend(config.attention_backend))
         install_lora(self.model, self.lora_manager.buffers, lora_context)
         backend = get_attention_backend(config.attention_backend)
         # After the weights and LoRA slots, before the pool: what the machine has left.

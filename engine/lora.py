@@ -8,10 +8,10 @@ Each targeted projection adds, for token ``i`` with slot ``s = token_slots[i]``:
 with the stacked slot buffers ``A: [max_loras, max_rank, in]`` and ``B: [max_loras, out,
 max_rank]`` (ranks below ``max_rank`` are zero-padded; the slot's own rank is sliced off so
 padding costs nothing). Tokens are grouped by slot once per step, so the work is one shrink and
-one expand per distinct adapter and projection, never a Python loop per token. With the triton
-attention backend (``LoRAStepContext.use_triton``, set by the model runner) :func:`add_lora`
-runs the Triton shrink/expand of :mod:`kernels.lora_ops` instead: one launch each per
-projection, whatever the number of adapters.
+one expand per distinct adapter and projection, never a Python loop per token. The arithmetic lives
+in one :class:`engine.lora_backend.LoRABackend`, chosen once per engine: the torch one (the
+paths above) or the Triton one (the shrink/expand of :mod:`kernels.lora_ops`: one launch each
+per projection, whatever the number of adapters).
 
 Source: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), SGMV semantics
 ``y[s[i]:s[i+1]] += x @ A.T @ B.T``; Sheng et al., "S-LoRA" (MLSys 2024).
@@ -25,43 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from loraplex.adapters.manager import slot_view
+from loraplex.adapters.manager import SlotBuffers
+from loraplex.engine.lora_backend import LoRABackend, TorchLoRABackend
 
 if TYPE_CHECKING:
     from loraplex.kernels.lora_ops import LoRABatch
-
-
-@dataclass
-class LoRASlotBuffers:
-    """The stacked device weights of one targeted projection, shared with the LoRA manager.
-
-    Attributes:
-        lora_a: ``[max_loras, max_rank, in_features]``.
-        lora_b: ``[max_loras, out_features, max_rank]``.
-        scales: ``[max_loras]`` float32: ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA),
-            0 where the slot's adapter does not target this projection.
-        ranks: Host list, the rank of each slot's adapter for this projection (0: none).
-        host_scales: Host list, ``scales`` again (no device read on the per-slot path).
-        views: Host list, per slot ``(A[s, :r].T, B[s, :, :r].T, scale)`` views of the
-            buffers (None: rank 0), made once when a slot is loaded so the per-slot path
-            does no indexing per step (see :func:`slot_view`).
-    """
-
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
-    scales: torch.Tensor
-    ranks: list[int]
-    host_scales: list[float] = field(default_factory=list)
-    views: list[tuple[torch.Tensor, torch.Tensor, float] | None] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.host_scales:
-            self.host_scales = [float(s) for s in self.scales.tolist()]
-        if not self.views:
-            self.views = [
-                slot_view(self.lora_a, self.lora_b, s, r, self.host_scales[s])
-                for s, r in enumerate(self.ranks)
-            ]
 
 
 @dataclass
@@ -82,8 +50,9 @@ class LoRAStepContext:
         padded_index: ``[S, n_max]`` int64 token indices per slot, padded with 0.
         valid: ``[S * n_max]`` bool, which padded entries are real tokens.
         flat_index: ``[sum n]`` int64 token index of each valid entry, in ``valid`` order.
-        use_triton: Run the Triton kernels (set once by the model runner with the triton
-            attention backend); then ``kernel_batch`` replaces the torch paths' indices.
+        backend: Computes the deltas (``engine.lora_backend``: torch or Triton), chosen once
+            when the engine is built; with Triton, ``kernel_batch`` replaces the torch paths'
+            indices.
         kernel_batch: The step's ``kernels.lora_ops.LoRABatch`` (Triton path).
     """
 
@@ -95,9 +64,14 @@ class LoRAStepContext:
     padded_index: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     flat_index: torch.Tensor | None = None
-    use_triton: bool = False
+    backend: LoRABackend = field(default_factory=TorchLoRABackend)
     kernel_batch: LoRABatch | None = None
     _rank_tensors: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def use_triton(self) -> bool:
+        """Whether the backend is the Triton one (its per-step batch is built here)."""
+        return self.backend.name == "triton"
 
     def set_token_slots(
         self, token_slots: list[int], device: torch.device, batched: bool | None = None
@@ -191,16 +165,13 @@ BATCHED_MIN_SLOTS = 2  # above this many adapters in a step, one padded bmm beat
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
-    buffers: LoRASlotBuffers,
+    buffers: SlotBuffers,
     context: LoRAStepContext,
 ) -> torch.Tensor:
     """Add every token's LoRA delta to a projection's output, in place.
 
-    Two exact implementations of the same semantics: segments (the adapter tokens gathered
-    once sorted by slot, a shrink and an expand per slot on contiguous views, one scatter
-    back), or, past ``BATCHED_MIN_SLOTS`` adapters with little padding, one batched shrink and
-    one batched expand over the tokens grouped per slot and zero-padded
-    (``[S, n_max, in] x [S, in, R]``).
+    The context's backend (``engine.lora_backend``: torch or Triton, chosen once per engine)
+    does the arithmetic.
 
     Args:
         y: ``[T, out]`` the base projection's output.
@@ -211,48 +182,7 @@ def add_lora(
     Returns:
         ``y``, with ``y[i] += scale[s] * (x[i] @ A[s, :r].T) @ B[s, :, :r].T`` for each token.
     """
-    batch = context.kernel_batch
-    if batch is not None:  # Triton: one shrink and one expand launch for every adapter
-        if not any(buffers.ranks[s] for s in batch.slots):
-            return y  # no adapter of the step targets this projection
-        from loraplex.kernels.lora_ops import lora_expand, lora_shrink
-
-        ranks = context.device_ranks(buffers.ranks, x.device)
-        h = lora_shrink(x, buffers.lora_a, batch, ranks)
-        return lora_expand(y, h, buffers.lora_b, buffers.scales, batch, ranks)
-    if context.contiguous:  # SGMV layout: each slot's tokens are rows [start, end) already
-        views = buffers.views
-        for slot, start, end in context.segments:
-            view = views[slot]
-            if view is not None:
-                a_t, b_t, scale = view
-                y[start:end].addmm_(x[start:end] @ a_t, b_t, alpha=scale)  # shrink, expand
-        return y
-    if context.slot_ids is not None:
-        slots = context.slot_ids
-        xg = x[context.padded_index]  # [S, n, in]
-        a = buffers.lora_a.index_select(0, slots)  # [S, R, in] (zero past each rank)
-        b = buffers.lora_b.index_select(0, slots)  # [S, out, R]
-        h = torch.bmm(xg, a.transpose(1, 2).to(xg.dtype))  # shrink: [S, n, R]
-        delta = torch.bmm(h, b.transpose(1, 2).to(h.dtype))  # expand: [S, n, out]
-        delta = delta * buffers.scales.index_select(0, slots)[:, None, None].to(delta.dtype)
-        flat = delta.reshape(-1, delta.shape[-1])[context.valid]
-        y.index_add_(0, context.flat_index, flat.to(y.dtype))
-        return y
-    # Segment path (SGMV-style): gather the adapter tokens once, sorted by slot, then one
-    # shrink and one expand per slot on contiguous views, and one scatter back.
-    xs = x.index_select(0, context.perm)  # [N, in]
-    delta = x.new_zeros((xs.shape[0], y.shape[1]))  # [N, out]
-    for slot, start, end in context.segments:
-        rank = buffers.ranks[slot]
-        if rank == 0:
-            continue
-        h = xs[start:end] @ buffers.lora_a[slot, :rank].T  # shrink: [n, r]
-        seg = delta[start:end]
-        torch.matmul(h, buffers.lora_b[slot, :, :rank].T, out=seg)  # expand: [n, out]
-        seg.mul_(buffers.scales[slot])
-    y.index_add_(0, context.perm, delta.to(y.dtype))
-    return y
+    return context.backend.apply(y, x, buffers, context)
 
 
 class LoRALinear(nn.Module):
@@ -264,7 +194,7 @@ class LoRALinear(nn.Module):
         context: The step context shared by every LoRA layer of the model.
     """
 
-    def __init__(self, base: nn.Linear, buffers: LoRASlotBuffers, context: LoRAStepContext):
+    def __init__(self, base: nn.Linear, buffers: SlotBuffers, context: LoRAStepContext):
         super().__init__()
         self.base = base
         self.buffers = buffers
@@ -294,7 +224,7 @@ class LoRALinear(nn.Module):
 
 
 def install_lora(
-    model: nn.Module, buffers: dict[tuple[int, str], LoRASlotBuffers], context: LoRAStepContext
+    model: nn.Module, buffers: dict[tuple[int, str], SlotBuffers], context: LoRAStepContext
 ) -> int:
     """Replace the model's LoRA targets (``model.lora_targets()``) with :class:`LoRALinear`.
 

@@ -99,8 +99,6 @@ class ModelRunner:
         self.sampler = sampler
         self.vision_cache = vision_cache
         self.lora_context = lora_context
-        if lora_context is not None:  # the triton backend brings the Triton LoRA kernels
-            lora_context.use_triton = backend.name == "triton"
         self.num_images_encoded = 0
         self.last_forward_seconds = 0.0  # model forward + logits of the last step
         self.seqs: dict[str, _RunnerSeq] = {}

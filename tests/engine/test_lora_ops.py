@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from loraplex.engine.lora import LoRASlotBuffers, LoRAStepContext, add_lora
+from loraplex.adapters.manager import SlotBuffers
+from loraplex.engine.lora import LoRAStepContext, add_lora
+from loraplex.engine.lora_backend import TorchLoRABackend, TritonLoRABackend, select_lora_backend
 
 
 @pytest.mark.parametrize("layout", ["scattered", "grouped"])
@@ -19,7 +21,7 @@ def test_add_lora_matches_a_per_token_loop(popularity, num_slots, layout):
         a[s, :r] = torch.randn(r, fan_in, generator=gen)
         b[s, :, :r] = torch.randn(fan_out, r, generator=gen)
     scales = torch.rand(max_loras, generator=gen) + 0.5
-    buffers = LoRASlotBuffers(a, b, scales, ranks)
+    buffers = SlotBuffers.of(a, b, scales, ranks)
     pool = list(range(num_slots))
     if popularity == "distinct":
         slots = [pool[i % num_slots] for i in range(tokens)]
@@ -53,3 +55,37 @@ def test_add_lora_matches_a_per_token_loop(popularity, num_slots, layout):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         ctx.clear()
         assert ctx.groups == [] and ctx.slot_ids is None
+
+
+@pytest.mark.parametrize("layout", ["scattered", "grouped"])
+def test_the_triton_backend_equals_the_torch_backend(layout):
+    """The two implementations of ``engine.lora_backend`` on the same step (interpreter)."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, fan_in, fan_out, max_rank, max_loras = 19, 16, 24, 8, 4
+    ranks = [8, 0, 4, 2]
+    a = torch.zeros(max_loras, max_rank, fan_in)
+    b = torch.zeros(max_loras, fan_out, max_rank)
+    for s, r in enumerate(ranks):
+        a[s, :r] = torch.randn(r, fan_in, generator=gen)
+        b[s, :, :r] = torch.randn(fan_out, r, generator=gen)
+    buffers = SlotBuffers.of(a, b, torch.rand(max_loras, generator=gen) + 0.5, ranks)
+    slots = torch.randint(-1, max_loras, (tokens,), generator=gen).tolist()
+    if layout == "grouped":
+        slots = sorted(slots)
+    x = torch.randn(tokens, fan_in, generator=gen)
+    y0 = torch.randn(tokens, fan_out, generator=gen)
+    out = {}
+    for backend in (TorchLoRABackend(), TritonLoRABackend()):
+        ctx = LoRAStepContext(backend=backend)
+        ctx.set_token_slots(slots, torch.device("cpu"))
+        assert ctx.use_triton == (backend.name == "triton")
+        out[backend.name] = add_lora(y0.clone(), x, buffers, ctx)
+    torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
+    assert not torch.equal(out["torch"], y0)  # the adapters did something
+
+
+def test_the_backend_is_chosen_by_the_attention_backend():
+    assert select_lora_backend("torch").name == "torch"
+    assert select_lora_backend("triton").name == "triton"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_lora_backend("cuda")

@@ -10,7 +10,6 @@ import random
 import pytest
 import torch
 
-from loraplex.kernels import dispatch
 from loraplex.kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_ref
 from loraplex.kernels.triton_attention import paged_attention
 from loraplex.kernels.triton_cache import reshape_and_cache
@@ -164,16 +163,3 @@ def test_reshape_and_cache_matches_reference(dtype):
     assert torch.equal(k_cache.nan_to_num(123.0), k_ref.nan_to_num(123.0))
     assert torch.equal(v_cache.nan_to_num(123.0), v_ref.nan_to_num(123.0))
     assert int(k_cache.isnan().any(dim=(2, 3)).sum()) == 8 * block_size - (tokens - 2)
-
-
-def test_dispatch_picks_reference_on_cpu_and_kernel_when_asked():
-    assert not dispatch.use_triton(torch.device("cpu"))
-    assert dispatch.use_triton(torch.device("cpu"), "triton")
-    assert dispatch.use_triton(torch.device("cuda"))
-    with pytest.raises(ValueError):
-        dispatch.use_triton(torch.device("cpu"), "cuda")
-    args = make_problem([(5, 1), (0, 4)], 4, 2, 64, 16, torch.float32, 0)
-    kw = dict(max_query_len=4, max_seq_len=6)
-    ref = dispatch.paged_attention(*args, 0.125, **kw)
-    tri = dispatch.paged_attention(*args, 0.125, backend="triton", **kw)
-    torch.testing.assert_close(tri, ref, atol=2e-5, rtol=2e-5)

@@ -10,7 +10,6 @@ import random
 import pytest
 import torch
 
-from loraplex.kernels import dispatch
 from loraplex.kernels.lora_ops import lora_expand, lora_shrink, make_lora_batch
 from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 
@@ -146,18 +145,3 @@ def test_random_shapes():
             rng.choice(list(H_TOL)),
             seed=case,
         )
-
-
-def test_dispatch_runs_reference_on_cpu_and_kernel_when_asked():
-    gen = torch.Generator().manual_seed(8)
-    a, b, scales, ranks = make_stacks(3, 8, 32, [24], torch.float32, gen)
-    slots = [0, 1, -1, 2, 2, 0]
-    batch = make_lora_batch(slots, "cpu")
-    x = torch.randn(len(slots), 32, generator=gen)
-    y0 = torch.randn(len(slots), 24, generator=gen)
-    h_ref = dispatch.lora_shrink(x, a, batch, ranks)
-    h_tri = dispatch.lora_shrink(x, a, batch, ranks, backend="triton")
-    assert torch.equal(h_ref[:, 2], torch.zeros_like(h_ref[:, 2]))
-    y_ref = dispatch.lora_expand(y0.clone(), h_ref, b, scales, batch, ranks)
-    y_tri = dispatch.lora_expand(y0.clone(), h_tri, b, scales, batch, ranks, backend="triton")
-    torch.testing.assert_close(y_tri, y_ref, atol=1e-5, rtol=1e-5)
