@@ -18,6 +18,7 @@ from typing import Any
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.engine.streams import StreamState, put_all, read_outputs, settle
 
 logger = logging.getLogger(__name__)
 
@@ -75,21 +76,14 @@ class AsyncLLM:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self._streams[rid] = (loop, stream)
         self._commands.put(("add", request))
-        finished = False
+        state = StreamState()
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+            async for item in read_outputs(stream, state):
                 yield item
-                if finished:
-                    return
         finally:
             with self._lock:
                 self._streams.pop(rid, None)
-            if not finished:
+            if not state.finished:
                 self._commands.put(("abort", rid))
 
     async def add_lora(self, adapter: Any) -> None:
@@ -152,7 +146,7 @@ class AsyncLLM:
                     by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_all, items)
             except RuntimeError:  # the consumer's loop is closed
                 pass
 
@@ -176,7 +170,7 @@ class AsyncLLM:
                     result, error = fn(*args), None
                 except Exception as exc:  # handed to the caller
                     result, error = None, exc
-                loop.call_soon_threadsafe(_settle, future, result, error)
+                loop.call_soon_threadsafe(settle, future, result, error)
             elif cmd == "abort":
                 try:
                     out = self.engine.abort_request(arg)
@@ -216,18 +210,3 @@ class AsyncLLM:
                 pending = list(self._streams)
             for rid in pending:
                 self._deliver(rid, EngineDeadError(str(self._dead)))
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    """On the consumer's loop: each output into its stream's queue."""
-    for stream, item in items:
-        stream.put_nowait(item)
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

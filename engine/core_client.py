@@ -37,6 +37,7 @@ from loraplex.engine import core_wire as wire
 from loraplex.engine.async_llm import EngineDeadError, RequestFailedError
 from loraplex.engine.output_processor import OutputProcessor
 from loraplex.engine.request import EngineRequest, RequestOutput
+from loraplex.engine.streams import StreamState, put_all, read_outputs, settle
 from loraplex.engine.structured_output import StructuredOutputError
 
 logger = logging.getLogger(__name__)
@@ -212,21 +213,14 @@ class CoreProcessClient:
             self.output_processor.add_request(request)
             self._streams[rid] = (loop, stream)
             self._send(wire.AddRequest(request))
-        finished = False
+        state = StreamState()
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+            async for item in read_outputs(stream, state):
                 yield item
-                if finished:
-                    return
         finally:
             with self._lock:
                 self._streams.pop(rid, None)
-                if not finished:
+                if not state.finished:
                     self.output_processor.abort(rid)
                     self._send(wire.Abort(rid))
 
@@ -315,7 +309,7 @@ class CoreProcessClient:
                     target = self._calls.pop(msg.call_id, None)
                 if target is not None:
                     error = None if msg.error is None else RuntimeError(msg.error)
-                    target[0].call_soon_threadsafe(_settle, target[1], msg.value, error)
+                    target[0].call_soon_threadsafe(settle, target[1], msg.value, error)
 
     def _deliver_outputs(self, outputs: list) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
@@ -329,7 +323,7 @@ class CoreProcessClient:
                     by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_all, items)
             except RuntimeError:  # the consumer's loop is closed
                 pass
 
@@ -356,7 +350,7 @@ class CoreProcessClient:
                 pass
         for loop, future in calls:
             try:
-                loop.call_soon_threadsafe(_settle, future, None, error)
+                loop.call_soon_threadsafe(settle, future, None, error)
             except RuntimeError:
                 pass
 
@@ -398,17 +392,3 @@ class CoreProcessClient:
             self._running = True
         logger.warning("the engine core is back (pid %s)", self._proc.pid)
         return True
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for stream, item in items:
-        stream.put_nowait(item)
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
