@@ -133,7 +133,7 @@ class EngineCore:
             backend=backend,
             device=self.device,
             dtype=self.dtype,
-            sampler=Sampler(generator),
+            sampler=Sampler(generator, self.eos_token_ids),
             num_cpu_blocks=num_cpu_blocks,
             vision_cache=VisionCache(config.vision_cache_entries),
             lora_context=lora_context,

@@ -27,6 +27,7 @@ from loraplex.engine.kv_profile import pool_zeros
 from loraplex.engine.lora import LoRAStepContext
 from loraplex.engine.request import ImageInput
 from loraplex.engine.sampling.params import SamplingParams
+from loraplex.engine.sampling.penalties import TokenHistory, needs_history
 from loraplex.engine.sampling.sampler import Sampler, make_generator
 from loraplex.engine.scheduler_output import (
     ModelRunnerOutput,
@@ -53,6 +54,7 @@ class _RunnerSeq:
     """What the runner knows of one sequence."""
 
     token_ids: list[int]
+    num_prompt_tokens: int
     table: BlockTable
     sampling: SamplingParams
     images: list[ImageInput]
@@ -134,6 +136,7 @@ class ModelRunner:
         for new in sched.new_seqs:
             self.seqs[new.seq_id] = _RunnerSeq(
                 token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
                 table=BlockTable(self.block_size, new.block_ids),
                 sampling=new.sampling,
                 images=new.images,
@@ -210,6 +213,12 @@ class ModelRunner:
             logger.error("%s: its grammar allows no token", owners[r][0])
             result.failed[owners[r][0]] = "structured output"
         params = [self.seqs[seq_id].sampling for seq_id, _ in owners]
+        histories = [
+            TokenHistory(seq.token_ids, seq.num_prompt_tokens)
+            if needs_history(seq.sampling)
+            else None
+            for seq in (self.seqs[seq_id] for seq_id, _ in owners)
+        ]
         seeds = {item.seq_id: item for item in items}
         generators = []
         for seq_id, gen_id in owners:
@@ -226,6 +235,7 @@ class ModelRunner:
                 logits if len(which) == len(owners) else logits[which],
                 [params[r] for r in which],
                 [generators[r] for r in which],
+                histories=[histories[r] for r in which],
             )
 
         results, failed_rows = sample_rows_isolating(sample, len(owners))

@@ -406,6 +406,7 @@ class Scheduler(Preemption, OutputUpdate):
         return NewSeq(
             seq_id=seq.seq_id,
             token_ids=list(seq.token_ids),
+            num_prompt_tokens=seq.num_prompt_tokens,
             block_ids=self.kv.get_block_ids(seq.seq_id),
             sampling=seq.request.sampling,
             seed=None if seed is None else seed + seq.index,

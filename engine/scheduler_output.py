@@ -30,6 +30,8 @@ class NewSeq:
     Attributes:
         seq_id: Its id.
         token_ids: Every token it has (prompt, plus outputs when resumed or forked).
+        num_prompt_tokens: How many of ``token_ids`` are the prompt (penalties and
+            ``min_tokens`` tell the two apart).
         block_ids: Its whole block table after this step's allocation.
         sampling: Its sampling params.
         seed: Its generator's seed (the request's seed plus its index), None for the engine's
@@ -41,6 +43,7 @@ class NewSeq:
 
     seq_id: str
     token_ids: list[int]
+    num_prompt_tokens: int
     block_ids: list[int]
     sampling: SamplingParams
     seed: int | None

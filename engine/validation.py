@@ -54,6 +54,11 @@ def validate_request(request: EngineRequest, limits: RequestLimits) -> None:
     vocab = limits.vocab_size
     if any(not 0 <= t < vocab for t in request.prompt_token_ids):
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    sampling = request.sampling
+    if any(t >= vocab for t in sampling.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+    if sampling.logit_bias and any(t >= vocab for t in sampling.logit_bias):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
     check_images(request, limits)
     blocks_needed = -(-min(n_prompt + 1, limits.max_model_len) // limits.block_size)
     if blocks_needed > limits.num_kv_blocks:

@@ -164,7 +164,8 @@ class TextStream:
 class IncrementalDetokenizer:
     """Detokenizes one completion as it is generated and finds its stop strings.
 
-    Only stop *strings* are found here: they need the text. EOS, stop token ids, ``max_tokens``
+    Only stop *strings* are found here: they need the text; none is looked for before
+    ``min_tokens`` tokens (a match must end in the text of a later token). EOS, stop token ids, ``max_tokens``
     and the model length are the engine core's finish rules (``Scheduler.update_from_output``);
     the caller passes ``stop_token=True`` with a token that finished the sequence as EOS or a
     stop token id, then calls :meth:`finish`. A stop string found here goes back to the core
@@ -184,6 +185,7 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._stream = TextStream(tokenizer, params.skip_special_tokens)
         self._stop = StopChecker(params.stop, params.include_stop_str_in_output)
+        self._min_tokens = params.min_tokens  # no stop string is looked for before this many
         self.token_ids: list[int] = []
         self._finished = False
         self._text = ""
@@ -226,7 +228,8 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         delta = ""
         if not stop_token or self._include_stop:
-            delta = self._stop.append(self._stream.step(token_id))
+            armed = len(self.token_ids) >= self._min_tokens
+            delta = self._stop.append(self._stream.step(token_id), search=armed)
         if self._stop.matched is not None:
             self._finished = True
         self._text += delta

@@ -17,6 +17,10 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # the detokenizer holds back and searches this much text per step
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence / frequency penalties
+MAX_REPETITION_PENALTY = 100.0
 MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary keeps every token; bounded so it fits int64
 SEED_RANGE = (-(2**63), 2**64 - 1)  # reduced modulo 2**64 by ``make_generator``
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as vLLM does
@@ -65,6 +69,19 @@ class SamplingParams:
         logprobs: None for no logprobs; otherwise return the sampled token's logprob plus this
             many top alternatives (``0..20``; 0 means only the sampled token's).
         skip_special_tokens: Drop special tokens from the output text.
+        presence_penalty: OpenAI's: subtracted once from the logit of every token that already
+            appears in the output; in ``[-2, 2]``.
+        frequency_penalty: OpenAI's: subtracted from a token's logit once per time it appears
+            in the output; in ``[-2, 2]``.
+        repetition_penalty: vLLM's / HF's (Keskar et al. 2019, CTRL): the logit of every token
+            in the prompt or the output is divided by it when positive, multiplied when
+            negative; in ``(0, 100]``, 1 disables it.
+        logit_bias: OpenAI's: token id -> value in ``[-100, 100]`` added to its logit before
+            anything else; at most 300 entries (ids are checked against the vocabulary by the
+            engine).
+        min_tokens: Until this many tokens are generated, EOS and ``stop_token_ids`` cannot
+            be sampled and stop strings are not looked for (vLLM's); ``0 <= min_tokens <=
+            max_tokens``.
         structured_output: Constrain the output to a JSON schema, any JSON object, a regex or
             a grammar (``engine.structured_output``); None for free text.
 
@@ -85,6 +102,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
     structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
@@ -93,6 +115,8 @@ class SamplingParams:
         object.__setattr__(
             self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids, int)
         )
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self.validate()
 
     def validate(self) -> None:
@@ -138,6 +162,32 @@ class SamplingParams:
             raise ValueError("structured_output must be a StructuredOutputSpec")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+                f"got {self.repetition_penalty}"
+            )
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
+
+    @property
+    def penalized(self) -> bool:
+        """True when a presence, frequency or repetition penalty changes the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when penalties, ``logit_bias`` or ``min_tokens`` touch the logits."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
@@ -148,6 +198,26 @@ class SamplingParams:
     def top_k_enabled(self) -> bool:
         """True when ``top_k`` restricts the candidates (not 0 or -1)."""
         return self.top_k > 0
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """``logit_bias`` as ``{int id: float}``, range-checked (keys may be decimal strings, as
+    JSON object keys are)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+            key = int(key)
+        if not isinstance(key, int) or isinstance(key, bool) or key < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        _check_float("logit_bias", bias)
+        if not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        out[key] = float(bias)
+    return out
 
 
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:

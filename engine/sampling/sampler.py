@@ -5,7 +5,9 @@ One step samples one token for each of ``N`` rows (``logits: [N, V]``), each row
 
 Pipeline for a random row (the order of Hugging Face's logits warpers)::
 
-    x      = logits / temperature
+    x      = processors(logits)  logit_bias, min_tokens, repetition / frequency / presence
+                        penalties, for the rows that ask (``engine.sampling.penalties``)
+    x      = x / temperature
     x      = top_k(x)   drop x_i < (k-th largest x); ties at the k-th value are kept
                         (HF ``TopKLogitsWarper``, vLLM)
     x      = top_p(x)   sort descending; keep token i iff the probability of the tokens before
@@ -24,7 +26,7 @@ is vectorized over the batch; the only per-row Python loop draws ``q`` from the 
 own probabilities, so its tokens are the same whatever the batch's size, order or other rows
 (up to the float arithmetic of ``softmax`` being row-independent, which it is on CPU). Unseeded
 rows draw one ``[R, V]`` block from the sampler's shared generator (or torch's global RNG).
-Greedy rows (temperature 0) take ``argmax`` of the raw logits (ties -> lowest index) and consume
+Greedy rows (temperature 0) take ``argmax`` of the processed logits (ties -> lowest index) and consume
 no randomness.
 
 **Logprobs** are those of the raw model distribution, ``log_softmax(logits)`` before temperature
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.sampling.logprobs import TopLogprobs, gather_logprobs
+from loraplex.engine.sampling.penalties import TokenHistory, apply_logits_processors
 from loraplex.engine.sampling.params import SamplingParams
 
 _Q_MIN = torch.finfo(torch.float32).tiny  # exponential_ may return 0; p / 0 would be inf or nan
@@ -166,10 +169,14 @@ class Sampler:
     Args:
         generator: Shared generator for unseeded rows (seed it from the engine's ``--seed``);
             None means torch's global RNG. Must live on the logits' device.
+        eos_token_ids: The model's EOS ids (``min_tokens`` keeps them from being sampled).
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, generator: torch.Generator | None = None, eos_token_ids: Sequence[int] = ()
+    ) -> None:
         self.generator = generator
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(
         self,
@@ -177,6 +184,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
         default_generator: torch.Generator | None = None,
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplerOutput:
         """Sample one token for each row.
 
@@ -188,13 +196,16 @@ class Sampler:
                 rows, kept across steps by the caller), or None for all-shared.
             default_generator: Shared generator for this call's unseeded rows, overriding the
                 one given at construction.
+            histories: ``N`` token histories (prompt and output so far), needed by rows with
+                penalties or ``min_tokens``; None when no row needs one.
 
         Returns:
-            A :class:`SamplerOutput` with ``N`` entries in row order.
+            A :class:`SamplerOutput` with ``N`` entries in row order; logprobs are those of
+            the raw ``logits``.
 
         Raises:
-            ValueError: ``logits`` is not 2-D or the lengths of ``params`` / ``generators``
-                differ from ``N``.
+            ValueError: ``logits`` is not 2-D, the lengths of ``params`` / ``generators`` /
+                ``histories`` differ from ``N``, or a row that needs its history has none.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
@@ -206,18 +217,22 @@ class Sampler:
                 f"got {num_rows} logit rows, {len(params)} params, {len(generators)} generators"
             )
         logits = logits.float()
+        scores = apply_logits_processors(
+            logits, params, histories if histories is not None else [None] * num_rows,
+            self.eos_token_ids,
+        )
         device = logits.device
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
         greedy = [r for r, p in enumerate(params) if p.greedy]
         rand = [r for r, p in enumerate(params) if not p.greedy]
         if greedy:
             idx = torch.tensor(greedy, dtype=torch.long, device=device)
-            token_ids[idx] = logits[idx].argmax(dim=-1)
+            token_ids[idx] = scores[idx].argmax(dim=-1)
         if rand:
             idx = torch.tensor(rand, dtype=torch.long, device=device)
             sub = [params[r] for r in rand]
             probs = filter_probs(
-                logits[idx],
+                scores[idx],
                 temperature=_column([p.temperature for p in sub], torch.float32, device),
                 top_k=_column([p.top_k for p in sub], torch.long, device, off=(0, -1)),
                 top_p=_column([p.top_p for p in sub], torch.float32, device, off=(1.0,)),

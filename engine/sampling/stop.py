@@ -54,7 +54,7 @@ class StopChecker:
         """Characters of :attr:`text` not yet returned by :meth:`append`."""
         return len(self._text) - self._sent
 
-    def append(self, delta: str) -> str:
+    def append(self, delta: str, *, search: bool = True) -> str:
         """Add newly decoded text; return the text that is now safe to stream.
 
         After a match, the returned text ends the output (cut before the stop string, or after
@@ -62,6 +62,8 @@ class StopChecker:
 
         Args:
             delta: New text from the detokenizer (may be empty).
+            search: Look for stop strings ending in this delta (False while ``min_tokens``
+                is not reached: vLLM's rule).
 
         Returns:
             The next piece of output text, possibly empty.
@@ -70,7 +72,7 @@ class StopChecker:
             return ""
         old_len = len(self._text)
         self._text += delta
-        if self._stops and delta:
+        if self._stops and delta and search:
             hit = self._find(max(0, old_len - self._max_len + 1))
             if hit is not None:
                 start, stop = hit

@@ -200,22 +200,40 @@ def test_sampling_parameters_and_logprobs(live):
     assert s.choices[0].finish_reason == "stop" and word not in s.choices[0].message.content
 
 
-def test_unknown_fields_are_ignored_and_cache_salt_cannot_be_set(live):
+def test_unknown_fields_are_refused_and_ignorable_ones_accepted(live):
     tenant = live.create_tenant("extra")
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2,
-        "cache_salt": "someone-else",
-        "frequency_penalty": 0.5,
         "user": "u1",
-        "whatever": {"nested": [1, 2]},
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
         "seed": None,
     }
     with live.client(tenant["api_key"]) as c:
         r = c.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["role"] == "assistant"
+        for extra, param in (
+            ({"whatever": {"nested": [1, 2]}}, "whatever"),
+            ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+            ({"audio": {"voice": "alloy"}}, "audio"),
+            ({"functions": [{"name": "f"}]}, "functions"),
+            ({"modalities": ["text", "audio"]}, "modalities"),
+            ({"n": "2"}, "n"),
+            ({"stop": ["ok", 3]}, "stop[1]"),
+            ({"logit_bias": {"5": 101}}, "logit_bias"),
+            ({"presence_penalty": 2.5}, "presence_penalty"),
+            ({"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
+            ({"cache_salt": ""}, "cache_salt"),
+        ):
+            r = c.post("/v1/chat/completions", json={**body, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            assert r.json()["error"]["param"] == param, (extra, r.text)
+        totals = c.get("/v1/usage").json()["totals"]
+    assert totals["completion_tokens"] == 2  # the refused requests generated nothing
 
 
 def test_each_executed_request_is_billed_whatever_its_x_request_id(live):

@@ -238,7 +238,7 @@ def test_oversized_body_is_413(engine_client, tmp_path):
         err = assert_openai_error(r, 413)
         assert err["code"] == "request_too_large"
         # just under the limit is served (an ignored field makes the bulk: a cheap prompt)
-        body = chat_body(padding="p" * 60_000)
+        body = chat_body(user="p" * 60_000)
         assert 60_000 < len(json.dumps(body)) < 64 * 1024
         assert post(gw, tenant["api_key"], body).status_code == 200
         rows = usage_events(gw, tenant["api_key"])  # the body is read before admission:

@@ -19,8 +19,8 @@ or a database outage is not billed twice. The client's ``X-Request-Id`` is recor
 (``client_request_id``) and never merges requests: two requests sending the same one are two
 rows. The response's last bytes (the JSON body; the final chunk and ``[DONE]`` of a stream) go
 out only once the row is durable (``ChatRun.durable``; ``docs/usage.md``); an error answer also
-waits for its row. The engine request's cache salt is always the tenant's id: no client field
-reaches it.
+waits for its row. The engine request's cache salt always starts with the tenant's id; a
+client ``cache_salt`` can only split the tenant's own cache further.
 
 The client is watched while the engine works (``ChatRun.watch_client``, one task per request):
 one that disconnects (before the answer, or mid-stream) gets its engine request aborted and its
@@ -36,9 +36,11 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, post
+from litestar.di import Provide
 from litestar.exceptions import HTTPException
 
 from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
+from loraplex.gateway.domains.chat.body import ChatCompletionBody
 from loraplex.gateway.domains.chat.responses import completion_body
 from loraplex.gateway.domains.chat.schemas import ChatRequest, parse_chat_request
 from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger, resolve_model
@@ -62,7 +64,16 @@ REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,64}$")  # printable ASCII, no spaces
 
 
-@post("/v1/chat/completions", status_code=200)
+def _documented_body(data: ChatCompletionBody) -> None:  # pragma: no cover - never called
+    """Names the body's type for ``/docs``: the handler reads and checks the raw body itself
+    (``parse_chat_request``), after the rate limiter and admission, so Litestar must not."""
+
+
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    dependencies={"documented_body": Provide(_documented_body, sync_to_thread=False)},
+)
 async def chat_completions(request: Request) -> Response:
     """Answer one chat request, as JSON or as server-sent events (``stream: true``).
 
@@ -172,7 +183,7 @@ async def _start(
         sampling=sampling,
         images=prompt.images,
         lora_digest=ledger.adapter_digest,
-        cache_salt=principal.tenant_id,  # always the tenant: never from the client
+        cache_salt=chat.engine_cache_salt(principal.tenant_id),  # the tenant's id first
         tenant=principal.tenant_id,  # the scheduler's fairness group
         output_kind=RequestOutputKind.DELTA,  # non-streamed too: the ledger times each token
     )
@@ -217,6 +228,7 @@ async def _stream(
         model=chat.model,
         n=run.request.sampling.n,
         include_usage=chat.include_usage,
+        continuous_usage=chat.continuous_usage,
         want_logprobs=chat.logprobs,
         token_bytes=state.engine.token_bytes,
     )

@@ -5,9 +5,11 @@ field (OpenAI's ``param``): malformed JSON (syntax, invalid UTF-8, nesting too d
 or empty ``messages``, wrong types, an ``image_url`` that is not a ``data:`` URL (nothing is
 ever fetched), out-of-range values, ``max_tokens`` over the server's limit, ``n`` over
 ``max_n``, a ``response_format`` (or vLLM ``guided_*`` field) of the wrong shape
-(``gateway.domains.chat.response_format``). Unknown fields are ignored, and an explicit
-``null`` means "not given". No field
-sets the cache salt: a client ``cache_salt`` is one more unknown field.
+(``gateway.domains.chat.response_format``). The body's type is
+:class:`~gateway.domains.chat.body.ChatCompletionBody`: an unknown field, or one that would
+change the output in a way this server cannot honour, is a 400 naming it; an explicit ``null``
+means "not given". A client ``cache_salt`` (1 to 256 characters) only splits the tenant's
+own prefix cache: :meth:`ChatRequest.engine_cache_salt` puts the tenant's id first.
 
 Numeric fields and their ranges (a value outside gets a 400 naming the field; JSON has no NaN,
 and a number out of float range such as ``1e999`` is malformed JSON)::
@@ -20,6 +22,12 @@ and a number out of float range such as ``1e999`` is malformed JSON)::
     seed                                 integer, -2**63 .. 2**64 - 1
     top_logprobs                         integer, 0 .. 20 (needs logprobs: true)
     stop                                 string or at most 16 strings of 1 .. 1024 characters
+    presence_penalty / frequency_penalty number, -2 .. 2
+    repetition_penalty                   number, (0, 100] (vLLM's; 1: off)
+    logit_bias                           at most 300 token ids -> number, -100 .. 100
+    min_p                                number, 0 .. 1
+    min_tokens                           integer, 0 .. max_tokens
+    stop_token_ids                       at most 64 token ids
 
 Cheap bounds run before any expensive step: at most ``max_model_len`` messages and content
 parts (a chat template spends at least one token on each), and :meth:`ChatRequest.check_size`
@@ -33,15 +41,18 @@ the model length is checked later by :meth:`ChatRequest.sampling_params`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.sampling.params import MAX_LOGPROBS, SamplingParams
+from loraplex.gateway.domains.chat.body import ChatCompletionBody, StreamOptions, convert_body
 from loraplex.gateway.domains.chat.response_format import parse_structured_output
 from loraplex.gateway.server.errors import APIError, bad_request
 from loraplex.gateway.server.json_body import decode_json
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,8 @@ class ChatRequest:
         max_tokens_param: Which of the two fields set it (for error messages).
         stream: Answer with server-sent events.
         include_usage: ``stream_options.include_usage``: a last chunk with the usage.
+        continuous_usage: ``stream_options.continuous_usage_stats`` (vLLM's): every chunk
+            carries the usage so far.
         logprobs: Return each token's logprob.
         top_logprobs: Alternatives per token (0..20) when ``logprobs``.
         sampling: ``SamplingParams`` fields other than ``max_tokens`` and ``logprobs``.
@@ -63,6 +76,7 @@ class ChatRequest:
             parts, roles and other string fields of the messages).
         structured_param: The field that asked for structured output (``response_format``,
             ``guided_json`` ...), named by a 400 when the engine cannot enforce it; "" if none.
+        cache_salt: The client's ``cache_salt`` (vLLM's), None if not given.
     """
 
     model: str
@@ -71,12 +85,25 @@ class ChatRequest:
     max_tokens_param: str = "max_tokens"
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
     sampling: dict[str, Any] = field(default_factory=dict)
     images: int = 0
     text_bytes: int = 0
     structured_param: str = ""
+    cache_salt: str | None = None
+
+    def engine_cache_salt(self, tenant_id: str) -> str:
+        """The engine request's cache salt: the tenant's id, then the client's ``cache_salt``.
+
+        JSON-encoded as a pair when the client sent one, so no (tenant, salt) pair can spell
+        another's; a request without one keeps the bare tenant id (its blocks are shared by
+        the tenant's other requests without a salt).
+        """
+        if self.cache_salt is None:
+            return tenant_id
+        return json.dumps([tenant_id, self.cache_salt])
 
     def check_size(self, max_model_len: int, max_token_bytes: int, image_tokens: int) -> None:
         """Refuse, before tokenizing, a prompt that cannot fit ``max_model_len`` tokens.
@@ -157,11 +184,11 @@ def parse_chat_request(
     data = decode_json(body)
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
+    req: ChatCompletionBody = convert_body(data, ChatCompletionBody)
+    if not req.model:
         raise bad_request("'model' is required and must be a non-empty string", param="model")
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
+    messages = req.messages
+    if not messages:
         raise bad_request("'messages' is required and must be a non-empty array", param="messages")
     if len(messages) > max_parts:
         raise bad_request(
@@ -170,10 +197,14 @@ def parse_chat_request(
             code=CONTEXT_LENGTH_EXCEEDED,
         )
     images, text_bytes = check_messages(messages, max_parts=max_parts)
+    if req.modalities is not None and any(m != "text" for m in req.modalities):
+        raise bad_request(
+            "'modalities' may only hold 'text': this server generates text", param="modalities"
+        )
 
     max_tokens, max_tokens_param = None, "max_tokens"
     for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
-        value = _get(data, name, int)
+        value = getattr(req, name)
         if value is not None:
             max_tokens, max_tokens_param = value, name
             break
@@ -186,52 +217,70 @@ def parse_chat_request(
                 f"{max_tokens_limit}",
                 param=max_tokens_param,
             )
-    n = _get(data, "n", int, 1)
+    n = 1 if req.n is None else req.n
     if not 1 <= n <= max_n:
         raise bad_request(f"'n' must be between 1 and {max_n}, got {n}", param="n")
-    stream = _get(data, "stream", bool, False)
-    options = _get(data, "stream_options", dict, {})
-    include_usage = _get(options, "include_usage", bool, False, where="stream_options.")
-    logprobs = _get(data, "logprobs", bool, False)
-    top_logprobs = _get(data, "top_logprobs", int)
+    stream = bool(req.stream)
+    options = req.stream_options or StreamOptions()
+    if req.stream_options is not None and not stream:
+        raise bad_request("'stream_options' needs 'stream': true", param="stream_options")
+    logprobs = bool(req.logprobs)
+    top_logprobs = req.top_logprobs
     if top_logprobs is not None and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
         raise bad_request(
             f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", param="top_logprobs"
         )
-    stop = data.get("stop")
-    if stop is not None and not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-    ):
-        raise bad_request("'stop' must be a string or an array of strings", param="stop")
     sampling = {
         "n": n,
-        "temperature": _get(data, "temperature", float, 1.0),
-        "top_p": _get(data, "top_p", float, 1.0),
-        "top_k": _get(data, "top_k", int, 0),
-        "seed": _get(data, "seed", int),
-        "stop": stop,
+        "temperature": _or(req.temperature, 1.0),
+        "top_p": _or(req.top_p, 1.0),
+        "top_k": _or(req.top_k, 0),
+        "min_p": _or(req.min_p, 0.0),
+        "seed": req.seed,
+        "stop": req.stop,
+        "presence_penalty": _or(req.presence_penalty, 0.0),
+        "frequency_penalty": _or(req.frequency_penalty, 0.0),
+        "repetition_penalty": _or(req.repetition_penalty, 1.0),
+        "logit_bias": req.logit_bias or None,
+        "min_tokens": _or(req.min_tokens, 0),
+        "ignore_eos": bool(req.ignore_eos),
+        "stop_token_ids": tuple(req.stop_token_ids or ()),
+        "include_stop_str_in_output": bool(req.include_stop_str_in_output),
+        "skip_special_tokens": _or(req.skip_special_tokens, True),
     }
     structured, structured_param = parse_structured_output(data)
     if structured is not None:
         sampling["structured_output"] = structured
     request = ChatRequest(
-        model=model,
+        model=req.model,
         messages=messages,
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
         stream=stream,
-        include_usage=stream and include_usage,
+        include_usage=stream and bool(options.include_usage),
+        continuous_usage=stream and bool(options.continuous_usage_stats),
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,
         sampling=sampling,
         images=images,
         text_bytes=text_bytes,
         structured_param=structured_param,
+        cache_salt=req.cache_salt,
     )
-    _sampling(max_tokens=1, logprobs=None, **sampling)  # range checks now, not after processing
+    if req.cache_salt is not None and not 1 <= len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request(
+            f"'cache_salt' must be 1 to {MAX_CACHE_SALT_CHARS} characters", param="cache_salt"
+        )
+    # range checks now, not after processing (min_tokens is checked against max_tokens later)
+    _sampling(max_tokens=max(1, sampling["min_tokens"]), logprobs=None, **sampling)
     return request
+
+
+def _or(value: Any, default: Any) -> Any:
+    """``value``, or ``default`` when the field was not given (absent or null)."""
+    return default if value is None else value
 
 
 def check_messages(messages: list[Any], *, max_parts: int = 1 << 20) -> tuple[int, int]:
@@ -307,22 +356,6 @@ def _utf8_len(text: str) -> int:
     if text.isascii():
         return len(text)
     return len(text.encode("utf-8", "surrogatepass"))
-
-
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", dict: "an object"}
-
-
-def _get(data: dict, name: str, kind: type, default: Any = None, *, where: str = "") -> Any:
-    """``data[name]`` checked to be of ``kind`` (ints pass as floats, bools never as numbers)."""
-    value = data.get(name)
-    if value is None:
-        return default
-    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
-        raise bad_request(f"'{where}{name}' must be {_TYPE_NAMES[kind]}", param=where + name)
-    return value
 
 
 def _sampling(**fields: Any) -> SamplingParams:

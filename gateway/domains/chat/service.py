@@ -387,6 +387,8 @@ class ChatRun:
             param = None
             if isinstance(exc, StructuredOutputError):  # a schema the engine cannot enforce
                 param = self.structured_param or None
+            elif str(exc).split(" ", 1)[0] in _ENGINE_CHECKED:  # ids outside the vocabulary
+                param = str(exc).split(" ", 1)[0]
             self._put(APIError(400, str(exc), param=param))
         except Exception:
             logger.exception("chat request %s failed", self.request.request_id)
@@ -403,6 +405,9 @@ class ChatRun:
         if not self.ledger.closed:
             self._put(_Cancelled())
             self.ledger.close("aborted", self.cancel_reason)
+
+
+_ENGINE_CHECKED = ("logit_bias", "stop_token_ids")  # fields only the engine can check
 
 
 def _final_status(out: RequestOutput) -> tuple[str, str | None]:

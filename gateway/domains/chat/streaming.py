@@ -9,6 +9,9 @@
     data: {choices: [], usage: {...}}          only with stream_options.include_usage
     data: [DONE]
 
+With vLLM's ``stream_options.continuous_usage_stats`` every chunk carries the usage so far
+(``completion_tokens`` counts the tokens of the chunks sent up to and including it).
+
 A failure after the headers went out (engine death, shutdown) is sent as
 ``data: {"error": {...}}`` before ``[DONE]``, which the ``openai`` SDK raises as an APIError.
 The last write (the final chunks and ``[DONE]``) waits until the request's usage row is
@@ -98,6 +101,8 @@ class StreamMeta:
         model: The model as asked.
         n: Choices.
         include_usage: Send ``usage: null`` in every chunk and a last usage chunk.
+        continuous_usage: Send the usage so far in every chunk (vLLM's
+            ``continuous_usage_stats``).
         want_logprobs: Send each delta's logprobs.
         token_bytes: Token ids to their bytes (for logprobs).
     """
@@ -109,6 +114,7 @@ class StreamMeta:
     include_usage: bool
     want_logprobs: bool
     token_bytes: TokenBytes
+    continuous_usage: bool = False
 
 
 def sse(obj: Any) -> bytes:
@@ -125,7 +131,7 @@ def chunk_body(meta: StreamMeta, choices: list[dict[str, Any]]) -> dict[str, Any
         "model": meta.model,
         "choices": choices,
     }
-    if meta.include_usage:
+    if meta.include_usage or meta.continuous_usage:
         body["usage"] = None
     return body
 
@@ -186,13 +192,24 @@ async def chunk_stream(
     pending: list[bytes] = []  # encoded events not yet written
     failed: APIError | None = None
     encoder = ChunkEncoder(meta)
+    ledger = run.ledger
+    completion_tokens = 0
+
+    def encode(choices: list[dict[str, Any]]) -> bytes:
+        if not meta.continuous_usage:
+            return encoder.encode(choices)
+        body = chunk_body(meta, choices)
+        body["usage"] = usage_body(ledger.prompt_tokens, completion_tokens, ledger.cached_tokens)
+        return sse(body)
+
     try:
         for i in range(meta.n):
             delta = {"role": "assistant", "content": ""}
-            pending.append(encoder.encode([_choice(i, delta, None, None)]))
+            pending.append(encode([_choice(i, delta, None, None)]))
         out = first
-        plain = meta.n == 1 and not meta.want_logprobs
+        plain = meta.n == 1 and not meta.want_logprobs and not meta.continuous_usage
         while True:
+            completion_tokens += sum(len(c.token_ids) for c in out.outputs)
             only = out.outputs[0] if len(out.outputs) == 1 else None
             if plain and only is not None and only.index == 0 and only.finish_reason is None:
                 if only.text:  # the per-token event: only the text is encoded
@@ -200,7 +217,7 @@ async def chunk_stream(
             else:
                 choices = _choices(out, meta, finished)
                 if choices:
-                    pending.append(encoder.encode(choices))
+                    pending.append(encode(choices))
             if out.finished:
                 break
             ready = run.next_nowait()
@@ -210,8 +227,7 @@ async def chunk_stream(
                 ready = await run.next()
             out = ready
         if meta.include_usage:
-            body = chunk_body(meta, [])
-            ledger = run.ledger  # closed before the last output was handed over
+            body = chunk_body(meta, [])  # the ledger closed before the last output came
             body["usage"] = usage_body(
                 ledger.prompt_tokens, ledger.completion_tokens, ledger.cached_tokens
             )

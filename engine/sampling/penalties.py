@@ -1,0 +1,177 @@
+"""Logits processors that need a sequence's tokens: penalties, ``logit_bias``, ``min_tokens``.
+
+They run on the raw logits of the rows that ask for them, before temperature and the filters
+of :mod:`engine.sampling.sampler`, in vLLM's order::
+
+    x = logits + logit_bias                                   (OpenAI)
+    x[eos, stop_token_ids] = -inf   while len(output) < min_tokens   (vLLM)
+    x = where(seen, where(x > 0, x / r, x * r), x)            repetition penalty r (Keskar et
+                                                              al. 2019, CTRL; HF, vLLM): seen =
+                                                              in the prompt or the output
+    x = x - frequency * count - presence * (count > 0)        (OpenAI; count over the output)
+
+Everything is batched: per-row values become ``[R]`` columns and the token histories one
+``index_put_`` into an ``[R, V]`` count (or mask) tensor; the only Python loops are over the
+rows and their token lists, never over the vocabulary. Rows that ask for none of it are not
+touched (bit-identical to a batch without processors), and the logprobs a request gets stay
+those of the raw logits (vLLM's default), computed by the sampler from its input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.engine.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """One row's tokens so far.
+
+    Attributes:
+        token_ids: The prompt's tokens, then the output's (the runner's list; not copied).
+        num_prompt_tokens: How many of ``token_ids`` are the prompt.
+    """
+
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def needs_history(params: SamplingParams) -> bool:
+    """True when ``params`` can only be applied knowing the row's tokens."""
+    return params.penalized or params.min_tokens > 0
+
+
+def apply_logits_processors(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None],
+    eos_token_ids: Iterable[int] = (),
+) -> torch.Tensor:
+    """The logits the sampler draws from, after penalties, ``logit_bias`` and ``min_tokens``.
+
+    Args:
+        logits: ``[N, V]`` float32 raw logits (not modified).
+        params: ``N`` sampling params.
+        histories: ``N`` token histories; may be None for a row whose params need none
+            (:func:`needs_history`).
+        eos_token_ids: The model's EOS ids, masked by ``min_tokens`` unless ``ignore_eos``.
+
+    Returns:
+        ``logits`` itself when no row asks for processing, else a new ``[N, V]`` float32
+        tensor whose unprocessed rows equal ``logits``'.
+
+    Raises:
+        ValueError: a row needs its history and has none, or the lengths differ.
+    """
+    if len(params) != logits.shape[0] or len(histories) != logits.shape[0]:
+        raise ValueError(
+            f"got {logits.shape[0]} rows, {len(params)} params, {len(histories)} histories"
+        )
+    rows = [r for r, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return logits
+    for r in rows:
+        if histories[r] is None and needs_history(params[r]):
+            raise ValueError(f"row {r} needs its token history (penalties or min_tokens)")
+    device = logits.device
+    idx = torch.tensor(rows, dtype=torch.long, device=device)
+    sub = logits.index_select(0, idx)  # [R, V], a copy
+    sub_params = [params[r] for r in rows]
+    sub_hist = [histories[r] for r in rows]
+    _logit_bias(sub, sub_params)
+    _min_tokens(sub, sub_params, sub_hist, tuple(eos_token_ids))
+    _repetition_penalty(sub, sub_params, sub_hist)
+    _frequency_presence(sub, sub_params, sub_hist)
+    return logits.index_copy(0, idx, sub)
+
+
+def _index(pairs_rows: list[int], pairs_cols: list[int], device) -> tuple[torch.Tensor, ...]:
+    return (
+        torch.tensor(pairs_rows, dtype=torch.long, device=device),
+        torch.tensor(pairs_cols, dtype=torch.long, device=device),
+    )
+
+
+def _logit_bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
+    rows, cols, vals = [], [], []
+    for r, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([r] * len(p.logit_bias))
+            cols.extend(p.logit_bias.keys())
+            vals.extend(p.logit_bias.values())
+    if rows:
+        value = torch.tensor(vals, dtype=x.dtype, device=x.device)
+        x.index_put_(_index(rows, cols, x.device), value, accumulate=True)
+
+
+def _min_tokens(
+    x: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[TokenHistory | None],
+    eos: tuple[int, ...],
+) -> None:
+    rows, cols = [], []
+    for r, (p, h) in enumerate(zip(params, histories, strict=True)):
+        if p.min_tokens > 0 and h is not None and h.num_output_tokens < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+            rows.extend([r] * len(stops))
+            cols.extend(stops)
+    if rows:
+        x.index_put_(_index(rows, cols, x.device), torch.tensor(float("-inf"), device=x.device))
+
+
+def _repetition_penalty(
+    x: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory | None]
+) -> None:
+    which = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if not which:
+        return
+    rows, cols = [], []
+    for k, r in enumerate(which):
+        tokens = histories[r].token_ids  # prompt and output
+        rows.extend([k] * len(tokens))
+        cols.extend(tokens)
+    seen = torch.zeros((len(which), x.shape[1]), dtype=torch.bool, device=x.device)
+    seen.index_put_(_index(rows, cols, x.device), torch.tensor(True, device=x.device))
+    idx = torch.tensor(which, dtype=torch.long, device=x.device)
+    penalty = torch.tensor(
+        [params[r].repetition_penalty for r in which], dtype=x.dtype, device=x.device
+    ).unsqueeze(1)
+    sub = x.index_select(0, idx)
+    penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+    x.index_copy_(0, idx, torch.where(seen, penalized, sub))
+
+
+def _frequency_presence(
+    x: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory | None]
+) -> None:
+    which = [
+        r for r, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if not which:
+        return
+    rows, cols = [], []
+    for k, r in enumerate(which):
+        h = histories[r]
+        output = h.token_ids[h.num_prompt_tokens :]
+        rows.extend([k] * len(output))
+        cols.extend(output)
+    counts = torch.zeros((len(which), x.shape[1]), dtype=x.dtype, device=x.device)
+    if rows:
+        counts.index_put_(
+            _index(rows, cols, x.device), torch.ones(len(rows), device=x.device), accumulate=True
+        )
+    idx = torch.tensor(which, dtype=torch.long, device=x.device)
+    freq = torch.tensor([params[r].frequency_penalty for r in which], device=x.device)
+    pres = torch.tensor([params[r].presence_penalty for r in which], device=x.device)
+    delta = freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).to(x.dtype)
+    x.index_copy_(0, idx, x.index_select(0, idx) - delta)
