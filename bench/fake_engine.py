@@ -92,7 +92,9 @@ class InstantEngine:
         """True until :meth:`shutdown`."""
         return self._running
 
-    async def process(self, messages: Any, *, tenant: str = "") -> ProcessedPrompt:
+    async def process(
+        self, messages: Any, *, tenant: str = "", tools: list[dict] | None = None
+    ) -> ProcessedPrompt:
         """One prompt token per 4 characters of message text, no images.
 
         Raises:

@@ -155,6 +155,7 @@ class InputProcessor:
             self.tokenizer, "chat_template", None
         )
         self.content_format = detect_content_format(template)
+        self.chat_template = template if isinstance(template, str) else None
 
     def normalize(self, messages: Any) -> tuple[list[dict], list]:
         """Validate messages and put them in the template's form.
@@ -248,8 +249,12 @@ class InputProcessor:
             return entry
         raise ValueError(f"{where} has unsupported type {kind!r} (text or image_url)")
 
-    def __call__(self, messages: Any) -> ProcessedPrompt:
+    def __call__(self, messages: Any, tools: list[dict] | None = None) -> ProcessedPrompt:
         """Process chat messages.
+
+        Args:
+            messages: OpenAI chat messages.
+            tools: OpenAI ``tools`` for the chat template to render (None or empty: none).
 
         Raises:
             ValueError: bad messages or images, or placeholders that do not match the images.
@@ -259,6 +264,7 @@ class InputProcessor:
         try:
             encoded = self.processor.apply_chat_template(
                 normalized,
+                tools=tools or None,
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=True,

@@ -19,9 +19,24 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")  # ids 0..4
 UNK_ID, BOS_ID, EOS_ID, PAD_ID, IMAGE_ID = range(5)
 DEFAULT_VOCAB_SIZE = 1024
 
+# Tools (Hermes / Qwen style): listed after the BOS token, an assistant's calls rendered as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, tool results as "TOOL: ..." turns.
+# Without tools the templates render exactly what they did before tools existed.
+_TOOLS = (
+    "{% if tools %}{{ 'SYSTEM: You can call these functions:\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools>\nTo call one, answer <tool_call>{\"name\": <name>, \"arguments\": "
+    "<object>}</tool_call>\n' }}{% endif %}"
+)
+_TOOL_CALLS = (
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}"
+    "{{ '}</tool_call>' }}{% endfor %}{% endif %}"
+)
 LLAVA_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
+    "{{ bos_token }}" + _TOOLS + "{% for message in messages %}"
     "{% if message['content'] is string %}"
     "{% set parts = [{'type': 'text', 'text': message['content']}] %}"
     "{% else %}{% set parts = message['content'] %}{% endif %}"
@@ -29,16 +44,15 @@ LLAVA_CHAT_TEMPLATE = (
     "{% for part in parts %}"
     "{% if part['type'] == 'image' %}{{ '<image>\n' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}"
+    "{% endfor %}" + _TOOL_CALLS + ""
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 TEXT_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
+    "{{ bos_token }}" + _TOOLS + "{% for message in messages %}"
     "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
-    "{{ message['content'] }}"
+    "{{ message['content'] or '' }}" + _TOOL_CALLS + ""
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"

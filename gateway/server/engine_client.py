@@ -18,6 +18,7 @@ from loraplex.engine.inputs import ProcessedPrompt
 from loraplex.engine.processing import max_token_bytes
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.sampling.logprobs import TokenBytes
+from loraplex.engine.tool_call_format import detect_tool_call_format
 from loraplex.gateway.server.fair_pool import FairWorkerPool, default_workers
 
 
@@ -31,11 +32,14 @@ class InputLimits:
             normalizes text, which may shrink it); 0 when unknown (no check).
         image_tokens: Placeholder tokens each image takes in the prompt.
         max_images: Most images in one request.
+        tool_call_format: The tool-call syntax the chat template teaches the model
+            (``gateway.domains.chat.tool_calls.FORMATS``), None when it teaches none.
     """
 
     max_token_bytes: int = 0
     image_tokens: int = 0
     max_images: int = 8
+    tool_call_format: str | None = None
 
 
 class EngineClient(Protocol):
@@ -58,8 +62,11 @@ class EngineClient(Protocol):
         """True while the engine can take requests."""
         ...
 
-    async def process(self, messages: Any, *, tenant: str = "") -> ProcessedPrompt:
-        """Chat messages to prompt token ids and images, on a worker shared fairly by tenants.
+    async def process(
+        self, messages: Any, *, tenant: str = "", tools: list[dict] | None = None
+    ) -> ProcessedPrompt:
+        """Chat messages (and tools, for the template) to prompt token ids and images, on a
+        worker shared fairly by tenants.
 
         Raises:
             ValueError: bad messages or images (``InvalidImageError`` is one).
@@ -118,6 +125,7 @@ class LocalEngineClient:
             max_token_bytes=max_token_bytes(engine.tokenizer),
             image_tokens=getattr(engine.model, "num_image_tokens", 0),
             max_images=engine.inputs.max_images,
+            tool_call_format=detect_tool_call_format(engine.inputs.chat_template),
         )
         self._workers = FairWorkerPool(default_workers())
 
@@ -136,9 +144,11 @@ class LocalEngineClient:
         """See :class:`EngineClient`."""
         return self.llm.is_running
 
-    async def process(self, messages: Any, *, tenant: str = "") -> ProcessedPrompt:
+    async def process(
+        self, messages: Any, *, tenant: str = "", tools: list[dict] | None = None
+    ) -> ProcessedPrompt:
         """See :class:`EngineClient`."""
-        return await self._workers.run(tenant, self._inputs, messages)
+        return await self._workers.run(tenant, self._inputs, messages, tools)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """See :class:`EngineClient`."""

@@ -18,6 +18,7 @@ from loraplex.engine.inputs import ProcessedPrompt
 from loraplex.engine.processing import load_processor, max_token_bytes
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.sampling.logprobs import TokenBytes
+from loraplex.engine.tool_call_format import detect_tool_call_format
 from loraplex.gateway.server.engine_client import InputLimits
 from loraplex.gateway.server.fair_pool import FairWorkerPool, default_workers
 
@@ -66,6 +67,7 @@ class ProcessEngineClient:
             max_token_bytes=max_token_bytes(tokenizer),
             image_tokens=info.num_image_tokens,
             max_images=self._inputs.max_images,
+            tool_call_format=detect_tool_call_format(self._inputs.chat_template),
         )
         self._workers = FairWorkerPool(default_workers())
 
@@ -90,9 +92,11 @@ class ProcessEngineClient:
         """The core died and a new one is starting (the gateway waits instead of exiting)."""
         return self.core is not None and self.core.recovering
 
-    async def process(self, messages: Any, *, tenant: str = "") -> ProcessedPrompt:
+    async def process(
+        self, messages: Any, *, tenant: str = "", tools: list[dict] | None = None
+    ) -> ProcessedPrompt:
         """See :class:`EngineClient`."""
-        return await self._workers.run(tenant, self._inputs, messages)
+        return await self._workers.run(tenant, self._inputs, messages, tools)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """See :class:`EngineClient`."""

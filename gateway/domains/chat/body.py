@@ -25,7 +25,7 @@ never a boolean for either); ranges by :class:`engine.sampling.params.SamplingPa
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -58,6 +58,35 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_obfuscation: bool | None = None  # OpenAI's: padding against side channels; ignored
 
 
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """``tools[].function``: a function the model may call."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # the arguments always validate (they do here, whatever it says)
+
+
+class ToolDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    """``tools[]``: only ``function`` tools exist in Chat Completions."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    """``tool_choice.function``."""
+
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionBody(msgspec.Struct, forbid_unknown_fields=True):
     """A Chat Completions request body (OpenAI's fields, then vLLM's; see the module doc)."""
 
@@ -79,8 +108,8 @@ class ChatCompletionBody(msgspec.Struct, forbid_unknown_fields=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     temperature: float | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[ToolDefinition] | None = None
     top_logprobs: int | None = None
     top_p: float | None = None
     # OpenAI, ignored: they cannot change the output

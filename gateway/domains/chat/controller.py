@@ -33,6 +33,7 @@ import asyncio
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, post
@@ -163,8 +164,17 @@ async def _start(
             "per request",
             param="messages",
         )
+    tools = chat.tools
+    if tools is not None and tools.mode == "auto" and limits.tool_call_format is None:
+        raise bad_request(
+            "this model's chat template teaches no tool-call format this server can parse, so "
+            "'tool_choice': 'auto' cannot work; use 'required' or name a function",
+            param="tool_choice",
+        )
     try:
-        prompt = await engine.process(chat.messages, tenant=principal.tenant_id)
+        prompt = await engine.process(
+            chat.messages, tenant=principal.tenant_id, tools=tools.tools if tools else None
+        )
     except ValueError as exc:  # InvalidImageError included
         raise bad_request(str(exc), param=_part_of(str(exc))) from None
     except PoolBusyError:
@@ -213,6 +223,7 @@ async def _complete(
         model=chat.model,
         want_logprobs=chat.logprobs,
         token_bytes=state.engine.token_bytes,
+        tool_calls=_tool_parsers(state, chat),
     )
     return Response(body, media_type="application/json")
 
@@ -231,8 +242,18 @@ async def _stream(
         continuous_usage=chat.continuous_usage,
         want_logprobs=chat.logprobs,
         token_bytes=state.engine.token_bytes,
+        tool_calls=_tool_parsers(state, chat),
     )
     return EventStream(chunk_stream(run, first, meta), headers=HEADERS)
+
+
+def _tool_parsers(state: GatewayState, chat: ChatRequest) -> Callable[[], Any]:
+    """Makes a fresh tool-call parser per choice (None when the request offers no tools)."""
+    tools = chat.tools
+    if tools is None:
+        return lambda: None
+    fmt = state.engine.input_limits.tool_call_format
+    return lambda: tools.streamer(fmt)
 
 
 async def _unless_client_left(run: ChatRun, waiting: Any) -> RequestOutput:

@@ -2,8 +2,8 @@
 
 Shapes (OpenAI's API reference, what the ``openai`` SDK parses)::
 
-    chat.completion  {id, object, created, model, choices: [{index, message: {role, content},
-                      finish_reason, logprobs}], usage}
+    chat.completion  {id, object, created, model, choices: [{index, message: {role, content,
+                      tool_calls?}, finish_reason, logprobs}], usage}
     usage            {prompt_tokens, completion_tokens, total_tokens,
                       prompt_tokens_details: {cached_tokens}}
     logprobs         {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loraplex.engine.request import CompletionOutput, RequestOutput
+from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer, fold
 
 # log(0) has no JSON form: vLLM reports -9999.0 for it, and so do we.
 _MIN_LOGPROB = -9999.0
@@ -69,16 +70,29 @@ def _entry(raw: bytes, logprob: float) -> dict[str, Any]:
 
 
 def choice_body(
-    choice: CompletionOutput, want_logprobs: bool, token_bytes: TokenBytes
+    choice: CompletionOutput,
+    want_logprobs: bool,
+    token_bytes: TokenBytes,
+    tool_calls: ToolCallStreamer | None = None,
 ) -> dict[str, Any]:
-    """One ``choices[]`` entry of a finished, non-streamed completion."""
+    """One ``choices[]`` entry of a finished, non-streamed completion.
+
+    With ``tool_calls`` (a fresh parser for the request's tool choice), the text becomes
+    ``content`` and ``tool_calls`` as a stream of it would (``tool_calls.fold``).
+    """
     logprobs = None
     if want_logprobs:
         logprobs = logprobs_body(choice.token_ids, choice.logprobs or [], token_bytes)
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+    finish_reason = choice.finish_reason
+    if tool_calls is not None:
+        deltas = tool_calls.feed(choice.text)
+        last, finish_reason = tool_calls.finish(finish_reason)
+        message = fold(deltas + last)
     return {
         "index": choice.index,
-        "message": {"role": "assistant", "content": choice.text},
-        "finish_reason": choice.finish_reason,
+        "message": message,
+        "finish_reason": finish_reason,
         "logprobs": logprobs,
     }
 
@@ -91,15 +105,19 @@ def completion_body(
     model: str,
     want_logprobs: bool,
     token_bytes: TokenBytes,
+    tool_calls: Callable[[], ToolCallStreamer | None] = lambda: None,
 ) -> dict[str, Any]:
-    """The ``chat.completion`` object for a finished request's ``FINAL_ONLY`` output."""
+    """The ``chat.completion`` object for a finished request's ``FINAL_ONLY`` output.
+
+    ``tool_calls`` makes a fresh tool-call parser per choice (None: plain text).
+    """
     return {
         "id": response_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "choices": [
-            choice_body(c, want_logprobs, token_bytes)
+            choice_body(c, want_logprobs, token_bytes, tool_calls())
             for c in sorted(out.outputs, key=lambda c: c.index)
         ],
         "usage": usage_body(

@@ -45,9 +45,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from loraplex.engine.sampling.params import MAX_LOGPROBS, SamplingParams
 from loraplex.gateway.domains.chat.body import ChatCompletionBody, StreamOptions, convert_body
 from loraplex.gateway.domains.chat.response_format import parse_structured_output
+from loraplex.gateway.domains.chat.tools import ToolRequest, check_tool_messages, parse_tools
 from loraplex.gateway.server.errors import APIError, bad_request
 from loraplex.gateway.server.json_body import decode_json
 
@@ -77,6 +80,8 @@ class ChatRequest:
         structured_param: The field that asked for structured output (``response_format``,
             ``guided_json`` ...), named by a 400 when the engine cannot enforce it; "" if none.
         cache_salt: The client's ``cache_salt`` (vLLM's), None if not given.
+        tools: The tools offered and ``tool_choice`` (``gateway.domains.chat.tools``), None
+            without tools.
     """
 
     model: str
@@ -93,6 +98,7 @@ class ChatRequest:
     text_bytes: int = 0
     structured_param: str = ""
     cache_salt: str | None = None
+    tools: ToolRequest | None = None
 
     def engine_cache_salt(self, tenant_id: str) -> str:
         """The engine request's cache salt: the tenant's id, then the client's ``cache_salt``.
@@ -197,6 +203,7 @@ def parse_chat_request(
             code=CONTEXT_LENGTH_EXCEEDED,
         )
     images, text_bytes = check_messages(messages, max_parts=max_parts)
+    text_bytes += check_tool_messages(messages)
     if req.modalities is not None and any(m != "text" for m in req.modalities):
         raise bad_request(
             "'modalities' may only hold 'text': this server generates text", param="modalities"
@@ -251,6 +258,15 @@ def parse_chat_request(
         "skip_special_tokens": _or(req.skip_special_tokens, True),
     }
     structured, structured_param = parse_structured_output(data)
+    tools = parse_tools(req, structured is not None)
+    if tools is not None:
+        text_bytes += len(msgspec.json.encode(tools.tools))  # the template renders them
+        try:
+            forced = tools.structured_output()
+        except ValueError as exc:
+            raise bad_request(str(exc), param="tools") from None
+        if forced is not None:
+            structured, structured_param = forced, "tools"
     if structured is not None:
         sampling["structured_output"] = structured
     request = ChatRequest(
@@ -268,6 +284,7 @@ def parse_chat_request(
         text_bytes=text_bytes,
         structured_param=structured_param,
         cache_salt=req.cache_salt,
+        tools=tools,
     )
     if req.cache_salt is not None and not 1 <= len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
         raise bad_request(

@@ -26,7 +26,7 @@ down), its ``finally`` cancels the run the same way.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from litestar.types import Receive, Send
 from loraplex.engine.request import RequestOutput
 from loraplex.gateway.domains.chat.responses import TokenBytes, logprobs_body, usage_body
 from loraplex.gateway.domains.chat.service import ChatRun
+from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer
 from loraplex.gateway.server.errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class StreamMeta:
         include_usage: Send ``usage: null`` in every chunk and a last usage chunk.
         continuous_usage: Send the usage so far in every chunk (vLLM's
             ``continuous_usage_stats``).
+        tool_calls: Makes a fresh tool-call parser for a choice (None: plain text).
         want_logprobs: Send each delta's logprobs.
         token_bytes: Token ids to their bytes (for logprobs).
     """
@@ -115,6 +117,7 @@ class StreamMeta:
     want_logprobs: bool
     token_bytes: TokenBytes
     continuous_usage: bool = False
+    tool_calls: Callable[[], ToolCallStreamer | None] = lambda: None
 
 
 def sse(obj: Any) -> bytes:
@@ -189,6 +192,7 @@ async def chunk_stream(
         Encoded ``data:`` events (one or more per chunk), ending with ``data: [DONE]``.
     """
     finished: set[int] = set()
+    parsers = _Parsers(meta.tool_calls)
     pending: list[bytes] = []  # encoded events not yet written
     failed: APIError | None = None
     encoder = ChunkEncoder(meta)
@@ -208,6 +212,7 @@ async def chunk_stream(
             pending.append(encode([_choice(i, delta, None, None)]))
         out = first
         plain = meta.n == 1 and not meta.want_logprobs and not meta.continuous_usage
+        plain = plain and not parsers.active
         while True:
             completion_tokens += sum(len(c.token_ids) for c in out.outputs)
             only = out.outputs[0] if len(out.outputs) == 1 else None
@@ -215,7 +220,7 @@ async def chunk_stream(
                 if only.text:  # the per-token event: only the text is encoded
                     pending.append(encoder.content0(only.text))
             else:
-                choices = _choices(out, meta, finished)
+                choices = _choices(out, meta, finished, parsers)
                 if choices:
                     pending.append(encode(choices))
             if out.finished:
@@ -248,7 +253,37 @@ async def chunk_stream(
     yield FinalChunk(b"".join(pending))
 
 
-def _choices(out: RequestOutput, meta: StreamMeta, finished: set[int]) -> list[dict[str, Any]]:
+class _Parsers:
+    """One tool-call parser per choice index, made on first use."""
+
+    def __init__(self, make: Callable[[], ToolCallStreamer | None]) -> None:
+        self._make = make
+        self._by_index: dict[int, ToolCallStreamer | None] = {}
+        self.active = make() is not None
+
+    def delta(self, index: int, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """The chunk delta for a choice's new text, and its (possibly renamed) finish."""
+        if not self.active:
+            return ({"content": text} if text else {}), finish
+        if index not in self._by_index:
+            self._by_index[index] = self._make()
+        parser = self._by_index[index]
+        deltas = parser.feed(text)
+        if finish is not None:
+            last, finish = parser.finish(finish)
+            deltas += last
+        merged: dict[str, Any] = {}
+        for d in deltas:
+            if d.get("content"):
+                merged["content"] = merged.get("content", "") + d["content"]
+            if d.get("tool_calls"):
+                merged.setdefault("tool_calls", []).extend(d["tool_calls"])
+        return merged, finish
+
+
+def _choices(
+    out: RequestOutput, meta: StreamMeta, finished: set[int], parsers: _Parsers
+) -> list[dict[str, Any]]:
     """The chunk's choices for a ``DELTA`` output: each unfinished choice's text, logprobs, finish.
 
     Updates ``finished`` (choices whose finish reason was sent).
@@ -263,9 +298,9 @@ def _choices(out: RequestOutput, meta: StreamMeta, finished: set[int]) -> list[d
             logprobs = logprobs_body(c.token_ids, c.logprobs, meta.token_bytes)
         if c.finish_reason is not None:
             finished.add(c.index)
-        if c.text or logprobs is not None or c.finish_reason is not None:
-            delta = {"content": c.text} if c.text else {}
-            choices.append(_choice(c.index, delta, logprobs, c.finish_reason))
+        delta, finish = parsers.delta(c.index, c.text, c.finish_reason)
+        if delta or logprobs is not None or finish is not None:
+            choices.append(_choice(c.index, delta, logprobs, finish))
     return choices
 
 

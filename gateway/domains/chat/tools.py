@@ -1,0 +1,176 @@
+"""``tools``, ``tool_choice`` and ``parallel_tool_calls``: what a request offers and demands.
+
+- The tools are rendered by the model's own chat template (``apply_chat_template(...,
+  tools=...)``), except with ``tool_choice: "none"``, where the model is not told of tools it
+  may not call.
+- ``"required"`` and a named function are decoded under a grammar (vLLM's approach, through
+  ``engine.structured_output``): the arguments always validate against the function's
+  ``parameters`` schema, whatever the model and its template.
+- ``"auto"`` (the default with tools) leaves the choice to the model, whose output is parsed in
+  its family's format (``gateway.domains.chat.tool_calls``); a model whose template teaches no
+  format this server can parse gets a 400 for it.
+
+Refused with a 400 naming the field: duplicate or malformed names (OpenAI's rule: 1 to 64
+letters, digits, ``_`` or ``-``), more than 128 tools, a named function not among the tools,
+``tool_choice`` without ``tools``, and a tool choice together with a ``response_format`` or
+``guided_*`` constraint (one output cannot follow two grammars).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from loraplex.engine.structured_output import StructuredOutputSpec
+from loraplex.gateway.domains.chat.body import ChatCompletionBody, NamedToolChoice
+from loraplex.engine.tool_call_format import FORMATS
+from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer
+from loraplex.gateway.server.errors import bad_request
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """The tools a request offers and how it wants them used.
+
+    Attributes:
+        tools: OpenAI's ``tools`` as plain objects, for the chat template (empty: render none).
+        parameters: Each function's ``parameters`` schema by name.
+        mode: ``"none"``, ``"auto"``, ``"required"`` or ``"named"``.
+        name: The function ``tool_choice`` names (``mode == "named"``).
+        parallel: ``parallel_tool_calls`` (default true).
+    """
+
+    tools: list[dict[str, Any]]
+    parameters: dict[str, dict[str, Any]]
+    mode: str
+    name: str | None = None
+    parallel: bool = True
+
+    def structured_output(self) -> StructuredOutputSpec | None:
+        """The grammar that forces the call (``required`` / ``named``); None otherwise.
+
+        Raises:
+            ValueError: a schema too large for the engine (``MAX_SPEC_CHARS``).
+        """
+        if self.mode == "named":
+            return StructuredOutputSpec.json_schema(self.parameters[self.name])
+        if self.mode != "required":
+            return None
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, schema in self.parameters.items()
+        ]
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return StructuredOutputSpec.json_schema(array)
+
+    def streamer(self, tool_call_format: str | None) -> ToolCallStreamer | None:
+        """A fresh per-choice parser of the output; None when no call can come."""
+        if self.mode == "none":
+            return None
+        return ToolCallStreamer(
+            mode=self.mode,
+            functions=frozenset(self.parameters),
+            name=self.name,
+            fmt=FORMATS.get(tool_call_format or ""),
+            parallel=self.parallel,
+        )
+
+
+def parse_tools(req: ChatCompletionBody, structured: bool) -> ToolRequest | None:
+    """The request's tool use, checked; None when it offers no tools.
+
+    Args:
+        req: The typed body.
+        structured: The body also asks for structured output (``response_format`` ...).
+
+    Raises:
+        APIError: 400 naming the field at fault (see the module doc).
+    """
+    if not req.tools:
+        if req.tool_choice is not None and req.tool_choice != "none":
+            raise bad_request("'tool_choice' needs 'tools'", param="tool_choice")
+        if req.tools is not None:
+            raise bad_request("'tools' must hold at least one tool", param="tools")
+        return None
+    if len(req.tools) > MAX_TOOLS:
+        raise bad_request(f"'tools' holds more than {MAX_TOOLS} tools", param="tools")
+    parameters: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(req.tools):
+        name = tool.function.name
+        where = f"tools[{i}].function"
+        if not _NAME.fullmatch(name):
+            raise bad_request(
+                f"'{where}.name' must be 1 to 64 letters, digits, '_' or '-'",
+                param=f"{where}.name",
+            )
+        if name in parameters:
+            raise bad_request(f"'{where}.name' repeats {name!r}", param=f"{where}.name")
+        schema = tool.function.parameters
+        parameters[name] = _NO_ARGUMENTS if schema is None else schema
+    choice = req.tool_choice or "auto"
+    name = None
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in parameters:
+            raise bad_request(
+                f"'tool_choice' names {name!r}, which is not among the tools",
+                param="tool_choice.function.name",
+            )
+        choice = "named"
+    if structured and choice != "none":
+        raise bad_request(
+            "'tool_choice' other than 'none' cannot be combined with 'response_format' or "
+            "guided_* fields",
+            param="tool_choice",
+        )
+    return ToolRequest(
+        tools=[] if choice == "none" else msgspec.to_builtins(req.tools),
+        parameters=parameters,
+        mode=choice,
+        name=name,
+        parallel=req.parallel_tool_calls is not False,
+    )
+
+
+def check_tool_messages(messages: list[Any]) -> int:
+    """Check assistant ``tool_calls`` and ``tool`` messages; their text's UTF-8 bytes.
+
+    Raises:
+        APIError: 400 naming the message part at fault.
+    """
+    size = 0
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if calls is None:
+            continue
+        where = f"messages[{i}].tool_calls"
+        if message.get("role") != "assistant" or not isinstance(calls, list):
+            raise bad_request(f"'{where}' must be a list on an assistant message", param=where)
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if (
+                not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments"), str)
+            ):
+                raise bad_request(
+                    f"'{where}[{j}]' must be {{id, type: 'function', function: {{name, "
+                    "arguments}}}} with string name and arguments",
+                    param=f"{where}[{j}]",
+                )
+            size += len(fn["name"].encode()) + len(fn["arguments"].encode())
+    return size
