@@ -156,6 +156,16 @@ class InstantEngine:
         """Every token is :data:`TOKEN_TEXT`."""
         return [TOKEN_TEXT.encode() for _ in token_ids]
 
+    async def tokenize(
+        self, text: str, *, add_special_tokens: bool = True, tenant: str = ""
+    ) -> list[int]:
+        """One token (id 1) per 4 characters, like :meth:`process`."""
+        return [1] * max(1, len(text) // 4)
+
+    async def detokenize(self, token_ids: list[int], *, tenant: str = "") -> str:
+        """Every token is :data:`TOKEN_TEXT`."""
+        return TOKEN_TEXT * len(token_ids)
+
     async def add_lora(self, adapter: Any) -> None:
         """Accepted and forgotten (the fake runs no adapters)."""
 

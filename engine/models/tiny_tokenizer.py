@@ -25,7 +25,7 @@ DEFAULT_VOCAB_SIZE = 1024
 _TOOLS = (
     "{% if tools %}{{ 'SYSTEM: You can call these functions:\n<tools>\n' }}"
     "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
-    "{{ '</tools>\nTo call one, answer <tool_call>{\"name\": <name>, \"arguments\": "
+    '{{ \'</tools>\nTo call one, answer <tool_call>{"name": <name>, "arguments": '
     "<object>}</tool_call>\n' }}{% endif %}"
 )
 _TOOL_CALLS = (

@@ -165,7 +165,8 @@ class IncrementalDetokenizer:
     """Detokenizes one completion as it is generated and finds its stop strings.
 
     Only stop *strings* are found here: they need the text; none is looked for before
-    ``min_tokens`` tokens (a match must end in the text of a later token). EOS, stop token ids, ``max_tokens``
+    ``min_tokens`` tokens (a match must end in the text of a later token). EOS, stop token
+    ids, ``max_tokens``
     and the model length are the engine core's finish rules (``Scheduler.update_from_output``);
     the caller passes ``stop_token=True`` with a token that finished the sequence as EOS or a
     stop token id, then calls :meth:`finish`. A stop string found here goes back to the core

@@ -201,8 +201,10 @@ class SamplingParams:
 
 
 def _logit_bias(value: object) -> dict[int, float]:
-    """``logit_bias`` as ``{int id: float}``, range-checked (keys may be decimal strings, as
-    JSON object keys are)."""
+    """``logit_bias`` as ``{int id: float}``, range-checked.
+
+    Keys may be decimal strings, as JSON object keys are.
+    """
     if not isinstance(value, dict):
         raise ValueError(f"logit_bias must map token ids to numbers, got {type(value).__name__}")
     if len(value) > MAX_LOGIT_BIAS:

@@ -26,8 +26,8 @@ is vectorized over the batch; the only per-row Python loop draws ``q`` from the 
 own probabilities, so its tokens are the same whatever the batch's size, order or other rows
 (up to the float arithmetic of ``softmax`` being row-independent, which it is on CPU). Unseeded
 rows draw one ``[R, V]`` block from the sampler's shared generator (or torch's global RNG).
-Greedy rows (temperature 0) take ``argmax`` of the processed logits (ties -> lowest index) and consume
-no randomness.
+Greedy rows (temperature 0) take ``argmax`` of the processed logits (ties -> lowest index)
+and consume no randomness.
 
 **Logprobs** are those of the raw model distribution, ``log_softmax(logits)`` before temperature
 and filtering (vLLM's default ``raw_logprobs``; what OpenAI reports): see
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.sampling.logprobs import TopLogprobs, gather_logprobs
-from loraplex.engine.sampling.penalties import TokenHistory, apply_logits_processors
 from loraplex.engine.sampling.params import SamplingParams
+from loraplex.engine.sampling.penalties import TokenHistory, apply_logits_processors
 
 _Q_MIN = torch.finfo(torch.float32).tiny  # exponential_ may return 0; p / 0 would be inf or nan
 
@@ -218,7 +218,9 @@ class Sampler:
             )
         logits = logits.float()
         scores = apply_logits_processors(
-            logits, params, histories if histories is not None else [None] * num_rows,
+            logits,
+            params,
+            histories if histories is not None else [None] * num_rows,
             self.eos_token_ids,
         )
         device = logits.device

@@ -12,7 +12,7 @@ from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 
 from loraplex.gateway.auth.redact import RedactingFilter
-from loraplex.gateway.domains import adapters, admin, chat, system, usage
+from loraplex.gateway.domains import adapters, admin, chat, system, tokenize, usage
 from loraplex.gateway.server.auth import KeyAuthMiddleware
 from loraplex.gateway.server.engine_watch import watch_engine
 from loraplex.gateway.server.errors import EXCEPTION_HANDLERS
@@ -41,6 +41,7 @@ def create_app(state: GatewayState) -> Litestar:
         route_handlers=[
             *system.ROUTES,
             *chat.ROUTES,
+            *tokenize.ROUTES,
             *adapters.ROUTES,
             *usage.ROUTES,
             *admin.ROUTES,

@@ -65,8 +65,9 @@ class EngineClient(Protocol):
     async def process(
         self, messages: Any, *, tenant: str = "", tools: list[dict] | None = None
     ) -> ProcessedPrompt:
-        """Chat messages (and tools, for the template) to prompt token ids and images, on a
-        worker shared fairly by tenants.
+        """Chat messages (and tools, for the template) to prompt token ids and images.
+
+        Runs on a worker shared fairly by tenants.
 
         Raises:
             ValueError: bad messages or images (``InvalidImageError`` is one).
@@ -87,6 +88,25 @@ class EngineClient(Protocol):
         """Each token's exact UTF-8 bytes (OpenAI logprobs' ``bytes`` and ``token``)."""
         ...
 
+    async def tokenize(
+        self, text: str, *, add_special_tokens: bool = True, tenant: str = ""
+    ) -> list[int]:
+        """``text``'s token ids (the model's tokenizer), on the tenants' shared workers.
+
+        Raises:
+            PoolBusyError: the tenant has too many jobs waiting.
+        """
+        ...
+
+    async def detokenize(self, token_ids: list[int], *, tenant: str = "") -> str:
+        """The text of ``token_ids`` (special tokens kept), on the tenants' shared workers.
+
+        Raises:
+            ValueError: an id outside the vocabulary.
+            PoolBusyError: the tenant has too many jobs waiting.
+        """
+        ...
+
     async def add_lora(self, adapter: Any) -> None:
         """Make a validated adapter available by its digest."""
         ...
@@ -102,6 +122,23 @@ class EngineClient(Protocol):
     def shutdown(self) -> None:
         """Abort everything and stop."""
         ...
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """``text``'s token ids with a transformers tokenizer."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def decode(tokenizer: Any, token_ids: list[int]) -> str:
+    """The text of ``token_ids`` (special tokens kept).
+
+    Raises:
+        ValueError: an id outside ``[0, len(tokenizer))``.
+    """
+    size = len(tokenizer)
+    if any(not 0 <= t < size for t in token_ids):
+        raise ValueError(f"token ids must be in [0, {size})")
+    return tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 class LocalEngineClient:
@@ -121,6 +158,7 @@ class LocalEngineClient:
         self.kv_pool = engine.kv_sizing  # how the pool was sized (serve prints it)
         self._inputs = engine.inputs
         self._token_bytes = TokenBytes(engine.tokenizer)
+        self._tokenizer = engine.tokenizer
         self.input_limits = InputLimits(
             max_token_bytes=max_token_bytes(engine.tokenizer),
             image_tokens=getattr(engine.model, "num_image_tokens", 0),
@@ -157,6 +195,16 @@ class LocalEngineClient:
     def token_bytes(self, token_ids: list[int]) -> list[bytes]:
         """See :class:`EngineClient`."""
         return self._token_bytes(token_ids)
+
+    async def tokenize(
+        self, text: str, *, add_special_tokens: bool = True, tenant: str = ""
+    ) -> list[int]:
+        """See :class:`EngineClient`."""
+        return await self._workers.run(tenant, encode, self._tokenizer, text, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int], *, tenant: str = "") -> str:
+        """See :class:`EngineClient`."""
+        return await self._workers.run(tenant, decode, self._tokenizer, token_ids)
 
     async def add_lora(self, adapter: Any) -> None:
         """See :class:`EngineClient`."""

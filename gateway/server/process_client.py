@@ -19,7 +19,7 @@ from loraplex.engine.processing import load_processor, max_token_bytes
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.sampling.logprobs import TokenBytes
 from loraplex.engine.tool_call_format import detect_tool_call_format
-from loraplex.gateway.server.engine_client import InputLimits
+from loraplex.gateway.server.engine_client import InputLimits, decode, encode
 from loraplex.gateway.server.fair_pool import FairWorkerPool, default_workers
 
 
@@ -63,6 +63,7 @@ class ProcessEngineClient:
         self.max_model_len = info.max_model_len
         self.adapter_limits = info.adapter_limits
         self._token_bytes = TokenBytes(tokenizer)
+        self._tokenizer = tokenizer
         self.input_limits = InputLimits(
             max_token_bytes=max_token_bytes(tokenizer),
             image_tokens=info.num_image_tokens,
@@ -105,6 +106,16 @@ class ProcessEngineClient:
     def token_bytes(self, token_ids: list[int]) -> list[bytes]:
         """See :class:`EngineClient`."""
         return self._token_bytes(token_ids)
+
+    async def tokenize(
+        self, text: str, *, add_special_tokens: bool = True, tenant: str = ""
+    ) -> list[int]:
+        """See :class:`EngineClient`."""
+        return await self._workers.run(tenant, encode, self._tokenizer, text, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int], *, tenant: str = "") -> str:
+        """See :class:`EngineClient`."""
+        return await self._workers.run(tenant, decode, self._tokenizer, token_ids)
 
     async def add_lora(self, adapter: Any) -> None:
         """See :class:`EngineClient`: the core reads the adapter from the store by digest."""

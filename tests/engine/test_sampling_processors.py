@@ -84,14 +84,28 @@ def test_a_batch_mixing_every_processor_gives_each_request_what_it_gives_alone(l
     kinds = [
         SamplingParams(max_tokens=10, temperature=0),
         SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.4),
-        SamplingParams(max_tokens=10, temperature=0.8, seed=3, presence_penalty=1.5,
-                       frequency_penalty=0.5),
+        SamplingParams(
+            max_tokens=10, temperature=0.8, seed=3, presence_penalty=1.5, frequency_penalty=0.5
+        ),
         SamplingParams(max_tokens=10, temperature=1.0, seed=4),
         SamplingParams(max_tokens=10, temperature=0, logit_bias={eos: 30.0}, min_tokens=3),
-        SamplingParams(max_tokens=10, temperature=0.7, seed=5, logit_bias={5: 3.0},
-                       stop_token_ids=[9], min_tokens=2, ignore_eos=True, n=2),
-        SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[9],
-                       include_stop_str_in_output=True, min_p=0.1),
+        SamplingParams(
+            max_tokens=10,
+            temperature=0.7,
+            seed=5,
+            logit_bias={5: 3.0},
+            stop_token_ids=[9],
+            min_tokens=2,
+            ignore_eos=True,
+            n=2,
+        ),
+        SamplingParams(
+            max_tokens=10,
+            temperature=0,
+            stop_token_ids=[9],
+            include_stop_str_in_output=True,
+            min_p=0.1,
+        ),
     ]
     alone = []
     for i, params in enumerate(kinds):

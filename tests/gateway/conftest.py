@@ -100,3 +100,11 @@ def live(engine_client, tmp_path):
     while engine_client.stats()["kv_blocks_in_use"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine_client.stats()["kv_blocks_in_use"] == 0, "KV blocks leaked"
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter(hf_llava, tmp_path_factory):
+    """A PEFT adapter for the tiny LLaVA, saved once (``chat_support.make_tiny_adapter``)."""
+    from tests.gateway.chat_support import make_tiny_adapter
+
+    return make_tiny_adapter(hf_llava, tmp_path_factory.mktemp("peft"))

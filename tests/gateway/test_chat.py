@@ -10,7 +10,6 @@ from tests.gateway.chat_support import (
     engine_direct,
     image_part,
     long_text,
-    make_tiny_adapter,
     photo,
     register_adapter,
     usage_events,
@@ -259,11 +258,6 @@ def test_each_executed_request_is_billed_whatever_its_x_request_id(live):
     rows = usage_events(live, tenant["api_key"])
     assert [row.request_id for row in rows] == [s["id"] for s in seen]  # the response ids
     assert [row.client_request_id for row in rows] == [rid, rid, rid, None]
-
-
-@pytest.fixture(scope="module")
-def tiny_adapter(hf_llava, tmp_path_factory):
-    return make_tiny_adapter(hf_llava, tmp_path_factory.mktemp("peft"))
 
 
 def test_chat_with_the_tenants_adapter_by_name(live, engine_client, tiny_adapter):

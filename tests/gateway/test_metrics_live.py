@@ -3,10 +3,9 @@
 import json
 from pathlib import Path
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway.chat_support import make_tiny_adapter, register_adapter
+from tests.gateway.chat_support import register_adapter
 from tests.gateway.conftest import adapter_store_dir
 from tests.gateway.live import LiveGateway
 
@@ -63,11 +62,6 @@ def chat(live, key, model=MODEL, stream=False, **extra) -> dict:
             assert r.status_code == 200
             lines = [line for line in r.iter_lines() if line.startswith("data: {")]
         return json.loads(lines[-1][len("data: ") :])["usage"]
-
-
-@pytest.fixture(scope="module")
-def tiny_adapter(hf_llava, tmp_path_factory):
-    return make_tiny_adapter(hf_llava, tmp_path_factory.mktemp("peft"))
 
 
 def test_histograms_count_requests_and_output_tokens(live, tiny_adapter):

@@ -6,7 +6,6 @@ an image's blocks are reused only for the same pixels (exact image keys, the def
 copy hits them, a JPEG copy or a picture of another PIN does not.
 """
 
-import pytest
 from PIL import ImageFont
 
 from bench.near_duplicates import render_text
@@ -16,7 +15,6 @@ from tests.gateway.chat_support import (
     full_blocks,
     image_part,
     long_text,
-    make_tiny_adapter,
     photo,
     prompt_ids,
     register_adapter,
@@ -24,11 +22,6 @@ from tests.gateway.chat_support import (
 )
 
 MODEL = "tiny-llava"
-
-
-@pytest.fixture(scope="module")
-def tiny_adapter(hf_llava, tmp_path_factory):
-    return make_tiny_adapter(hf_llava, tmp_path_factory.mktemp("peft"))
 
 
 def cached(client, messages, model=MODEL, **extra):

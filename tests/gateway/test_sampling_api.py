@@ -22,8 +22,12 @@ def _text(engine_client, token, times=1):
 
 def test_logit_bias_plus_100_makes_every_sampled_token_that_token(client, engine_client):
     r = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0,
-        logit_bias={str(TOKEN): 100}, logprobs=True,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=1.0,
+        logit_bias={str(TOKEN): 100},
+        logprobs=True,
     )
     assert r.usage.completion_tokens == 8
     assert {lp.token for lp in r.choices[0].logprobs.content} == {_text(engine_client, TOKEN)}
@@ -33,7 +37,11 @@ def test_logit_bias_plus_100_makes_every_sampled_token_that_token(client, engine
 def test_eos_stop_token_ids_ignore_eos_min_tokens(client, engine_client):
     def ask(**extra):
         r = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, extra_body=extra,
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=6,
+            temperature=0,
+            extra_body=extra,
             logit_bias={str(EOS_ID): 100},
         )
         return r.choices[0].finish_reason, r.usage.completion_tokens, r.choices[0].message.content
@@ -43,13 +51,20 @@ def test_eos_stop_token_ids_ignore_eos_min_tokens(client, engine_client):
     assert ask(min_tokens=3)[:2] == ("stop", 4)  # three tokens, then EOS
     # a stop token id ends the output like EOS; its text is kept only when asked for
     r = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
-        logit_bias={str(TOKEN): 100}, extra_body={"stop_token_ids": [TOKEN]},
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(TOKEN): 100},
+        extra_body={"stop_token_ids": [TOKEN]},
     )
     assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
     assert r.choices[0].message.content == ""
     r = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
         logit_bias={str(TOKEN): 100},
         extra_body={"stop_token_ids": [TOKEN], "include_stop_str_in_output": True},
     )
@@ -58,10 +73,19 @@ def test_eos_stop_token_ids_ignore_eos_min_tokens(client, engine_client):
 
 def test_frequency_penalty_grows_presence_penalty_does_not(client, engine_client):
     def text(**kw):
-        return client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
-            logit_bias={str(TOKEN): 10}, extra_body={"ignore_eos": True}, **kw,
-        ).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=10,
+                temperature=0,
+                logit_bias={str(TOKEN): 10},
+                extra_body={"ignore_eos": True},
+                **kw,
+            )
+            .choices[0]
+            .message.content
+        )
 
     plain = text()
     assert plain == _text(engine_client, TOKEN, 10)
@@ -73,7 +97,11 @@ def test_frequency_penalty_grows_presence_penalty_does_not(client, engine_client
 def test_continuous_usage_stats_counts_every_chunk(client):
     chunks = list(
         client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=7, temperature=0, stream=True,
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=7,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
             extra_body={"ignore_eos": True},
         )

@@ -47,20 +47,37 @@ def _check_calls(calls, names=None):
 
 def test_required_and_named_calls_validate(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=400,
-        temperature=1.0, seed=1, n=2,
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=400,
+        temperature=1.0,
+        seed=1,
+        n=2,
     )
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content is None
         _check_calls(choice.message.tool_calls)
     one = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=300,
-        parallel_tool_calls=False, seed=3, temperature=1.0,
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=300,
+        parallel_tool_calls=False,
+        seed=3,
+        temperature=1.0,
     )
     assert len(one.choices[0].message.tool_calls) == 1
     named = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300, seed=4, temperature=1.0,
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=300,
+        seed=4,
+        temperature=1.0,
         tool_choice={"type": "function", "function": {"name": "add"}},
     )
     calls = named.choices[0].message.tool_calls
@@ -75,8 +92,14 @@ def test_streamed_calls_accumulate_as_openai_streams_them(client, choice):
     calls: dict[int, dict] = {}
     finish = None
     for chunk in client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=400,
-        stream=True, seed=2, temperature=1.0,
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=choice,
+        max_tokens=400,
+        stream=True,
+        seed=2,
+        temperature=1.0,
     ):
         for c in chunk.choices:
             finish = c.finish_reason or finish
@@ -103,8 +126,14 @@ def test_tools_are_rendered_and_a_tool_turn_works(client):
     )
     assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
     first = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=300,
-        parallel_tool_calls=False, seed=5, temperature=1.0,
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=300,
+        parallel_tool_calls=False,
+        seed=5,
+        temperature=1.0,
     )
     call = first.choices[0].message.tool_calls[0]
     turn = [
@@ -112,9 +141,7 @@ def test_tools_are_rendered_and_a_tool_turn_works(client):
         first.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "12 degrees, rain"},
     ]
-    second = client.chat.completions.create(
-        model=MODEL, messages=turn, tools=TOOLS, max_tokens=5
-    )
+    second = client.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, max_tokens=5)
     assert second.usage.prompt_tokens > prompt_tokens(tools=TOOLS) + 10  # the call and result
     assert second.choices[0].message.role == "assistant"
 
@@ -123,20 +150,42 @@ def test_tools_are_rendered_and_a_tool_turn_works(client):
     "extra, param",
     [
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
-         "tool_choice.function.name"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice.function.name",
+        ),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
-        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
-         "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+            "tools[0].function.name",
+        ),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
-        ({"tools": TOOLS, "tool_choice": "required",
-          "response_format": {"type": "json_object"}}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "properties": {
-                "x": {"type": "string", "format": "no-such-format"}}}}}],
-          "tool_choice": "required"}, "tools"),
-        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {}}]}]},
-         "messages[0].tool_calls[0]"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"x": {"type": "string", "format": "no-such-format"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {}}]}]},
+            "messages[0].tool_calls[0]",
+        ),
     ],
 )
 def test_malformed_tool_use_is_400_naming_it(client, extra, param):

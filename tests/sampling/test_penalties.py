@@ -54,9 +54,7 @@ def test_negative_penalties_encourage_repeats():
 def test_logit_bias_matches_transformers_sequence_bias():
     logits = _logits(1)
     bias = {3: 5.0, 17: -100.0, 49: 0.5}
-    got = apply_logits_processors(
-        logits, [SamplingParams(logit_bias=bias)], [None]
-    )
+    got = apply_logits_processors(logits, [SamplingParams(logit_bias=bias)], [None])
     proc = SequenceBiasLogitsProcessor(sequence_bias=[[[k], v] for k, v in bias.items()])
     want = proc(torch.tensor([[1]]), logits.clone())
     torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,5 +1,8 @@
-"""The chat domain of the HTTP API (CONTRACT.md): ``POST /v1/chat/completions``."""
+"""The generation domain of the HTTP API (CONTRACT.md).
 
-from loraplex.gateway.domains.chat.controller import chat_completions
+``POST /v1/chat/completions`` and ``POST /v1/completions``.
+"""
 
-ROUTES = [chat_completions]
+from loraplex.gateway.domains.chat.controller import chat_completions, completions
+
+ROUTES = [chat_completions, completions]

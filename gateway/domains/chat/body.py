@@ -40,6 +40,7 @@ IGNORED_FIELDS = (
     "safety_identifier",
 )
 REFUSED_FIELDS = {
+    "suffix": "inserting text before a suffix is not supported by this server's models",
     "audio": "audio output is not supported: this server generates text",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
@@ -87,20 +88,15 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
     function: NamedFunction
 
 
-class ChatCompletionBody(msgspec.Struct, forbid_unknown_fields=True):
-    """A Chat Completions request body (OpenAI's fields, then vLLM's; see the module doc)."""
+class GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The fields Chat Completions and Completions share (OpenAI's, then vLLM's)."""
 
-    messages: list[dict[str, Any]]
     model: str
     # OpenAI, honoured
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | None = None
-    max_completion_tokens: int | None = None
     max_tokens: int | None = None
-    modalities: list[str] | None = None
     n: int | None = None
-    parallel_tool_calls: bool | None = None
     presence_penalty: float | None = None
     response_format: dict[str, Any] | None = None
     seed: int | None = None
@@ -108,9 +104,6 @@ class ChatCompletionBody(msgspec.Struct, forbid_unknown_fields=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     temperature: float | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    tools: list[ToolDefinition] | None = None
-    top_logprobs: int | None = None
     top_p: float | None = None
     # OpenAI, ignored: they cannot change the output
     metadata: dict[str, str] | None = None
@@ -119,14 +112,6 @@ class ChatCompletionBody(msgspec.Struct, forbid_unknown_fields=True):
     service_tier: str | None = None
     store: bool | None = None
     user: str | None = None
-    # OpenAI, refused
-    audio: dict[str, Any] | None = None
-    function_call: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
-    web_search_options: dict[str, Any] | None = None
     # vLLM's extensions, honoured
     top_k: int | None = None
     min_p: float | None = None
@@ -140,6 +125,44 @@ class ChatCompletionBody(msgspec.Struct, forbid_unknown_fields=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     cache_salt: str | None = None
+
+
+class ChatCompletionBody(GenerationFields, kw_only=True):
+    """A Chat Completions request body (see the module doc)."""
+
+    messages: list[dict[str, Any]]
+    # OpenAI, honoured
+    logprobs: bool | None = None
+    max_completion_tokens: int | None = None
+    modalities: list[str] | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[ToolDefinition] | None = None
+    top_logprobs: int | None = None
+    # OpenAI, refused
+    audio: dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+
+class CompletionBody(GenerationFields, kw_only=True):
+    """A (legacy) Completions request body: one prompt, as text or token ids.
+
+    OpenAI's ``suffix`` (insertion) is refused; ``best_of`` is accepted only equal to ``n``
+    (or 1), where it changes nothing; a list of several prompts is refused (one request, one
+    prompt).
+    """
+
+    prompt: str | list[Any]  # a string, token ids, or a list of one of either
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool | None = None  # vLLM's: BOS and the like (default true)
 
 
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")

@@ -40,11 +40,13 @@ from litestar import Request, Response, post
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 
+from loraplex.engine.inputs import ProcessedPrompt
 from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
-from loraplex.gateway.domains.chat.body import ChatCompletionBody
-from loraplex.gateway.domains.chat.responses import completion_body
+from loraplex.gateway.domains.chat.body import ChatCompletionBody, CompletionBody
+from loraplex.gateway.domains.chat.completions import parse_completion_request
+from loraplex.gateway.domains.chat.responses import completion_body, text_completion_body
 from loraplex.gateway.domains.chat.schemas import ChatRequest, parse_chat_request
-from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger, resolve_model
+from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger, admit_rate, resolve_model
 from loraplex.gateway.domains.chat.streaming import HEADERS, EventStream, StreamMeta, chunk_stream
 from loraplex.gateway.server.admission import OverloadedError
 from loraplex.gateway.server.auth import TenantPrincipal
@@ -53,10 +55,8 @@ from loraplex.gateway.server.errors import (
     APIError,
     bad_request,
     overloaded,
-    rate_limited,
 )
 from loraplex.gateway.server.fair_pool import PoolBusyError
-from loraplex.gateway.server.ratelimit import RateLimitExceeded
 
 if TYPE_CHECKING:
     from loraplex.gateway.server.state import GatewayState
@@ -65,15 +65,22 @@ REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,64}$")  # printable ASCII, no spaces
 
 
-def _documented_body(data: ChatCompletionBody) -> None:  # pragma: no cover - never called
-    """Names the body's type for ``/docs``: the handler reads and checks the raw body itself
-    (``parse_chat_request``), after the rate limiter and admission, so Litestar must not."""
+def _documented_chat(data: ChatCompletionBody) -> None:  # pragma: no cover - never called
+    """Names the body's type for ``/docs``.
+
+    The handler reads and checks the raw body itself (``parse_chat_request``), after the rate
+    limiter and admission, so Litestar must not.
+    """
+
+
+def _documented_completion(data: CompletionBody) -> None:  # pragma: no cover - never called
+    """As :func:`_documented_chat`, for ``/v1/completions``."""
 
 
 @post(
     "/v1/chat/completions",
     status_code=200,
-    dependencies={"documented_body": Provide(_documented_body, sync_to_thread=False)},
+    dependencies={"documented_body": Provide(_documented_chat, sync_to_thread=False)},
 )
 async def chat_completions(request: Request) -> Response:
     """Answer one chat request, as JSON or as server-sent events (``stream: true``).
@@ -83,6 +90,26 @@ async def chat_completions(request: Request) -> Response:
             429 rate limited, 503 draining, engine unavailable or usage unrecordable (the
             usage database unreachable past the backlog limit); always OpenAI's error body.
     """
+    return await _generate(request, "chatcmpl-", parse_chat_request)
+
+
+@post(
+    "/v1/completions",
+    status_code=200,
+    dependencies={"documented_body": Provide(_documented_completion, sync_to_thread=False)},
+)
+async def completions(request: Request) -> Response:
+    """Answer one (legacy) Completions request: a text or token-id prompt, no chat template.
+
+    Raises:
+        APIError: as :func:`chat_completions`; ``suffix``, several prompts, ``best_of`` other
+            than ``n`` and ``echo`` with ``logprobs`` are 400s naming the field.
+    """
+    return await _generate(request, "cmpl-", parse_completion_request)
+
+
+async def _generate(request: Request, id_prefix: str, parse: Any) -> Response:
+    """The flow both endpoints share (the order of checks in the module doc)."""
     state: GatewayState = request.app.state.gateway
     principal: TenantPrincipal = request.user
     if state.draining:
@@ -90,24 +117,15 @@ async def chat_completions(request: Request) -> Response:
     if not state.engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_unavailable")
     state.usage.admit()
-    limits = principal.limits.or_defaults(state.default_limits)
     body = await request.body()  # first: a slowly sent body holds no concurrency slot
-    try:
-        ticket = state.limiter.admit(principal.key_id, limits)
-    except RateLimitExceeded as exc:
-        state.metrics.rate_limited.labels(principal.tenant_id, exc.limit).inc()
-        raise rate_limited(
-            f"rate limit exceeded: {exc.limit} of this key; retry after "
-            f"{max(1.0, exc.retry_after):.0f} s",
-            exc.retry_after,
-        ) from None
+    ticket = admit_rate(state, principal)
     try:
         admission = state.admission.admit(principal.tenant_id)
     except OverloadedError as exc:
         ticket.release(0)
         state.metrics.rate_limited.labels(principal.tenant_id, "overloaded").inc()
         raise overloaded(str(exc), exc.retry_after) from None
-    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    response_id = f"{id_prefix}{uuid.uuid4().hex}"
     client_id = request.headers.get(REQUEST_ID_HEADER)
     valid_id = client_id is not None and _REQUEST_ID.match(client_id) is not None
     ledger = UsageLedger(state, principal, ticket, response_id, client_id if valid_id else None)
@@ -119,7 +137,7 @@ async def chat_completions(request: Request) -> Response:
                 "X-Request-Id must be 1 to 64 printable ASCII characters without spaces",
                 param="X-Request-Id",
             )
-        chat = parse_chat_request(
+        chat = parse(
             body,
             max_tokens_limit=state.config.max_tokens_limit,
             max_n=state.config.max_n,
@@ -156,34 +174,7 @@ async def _start(
     """Resolve the model, process the messages, check lengths, and start the engine run."""
     engine = state.engine
     ledger.adapter_digest = await resolve_model(state, principal.tenant_id, chat.model)
-    limits = engine.input_limits
-    chat.check_size(engine.max_model_len, limits.max_token_bytes, limits.image_tokens)
-    if chat.images > limits.max_images:
-        raise bad_request(
-            f"too many images: the messages hold {chat.images}, at most {limits.max_images} "
-            "per request",
-            param="messages",
-        )
-    tools = chat.tools
-    if tools is not None and tools.mode == "auto" and limits.tool_call_format is None:
-        raise bad_request(
-            "this model's chat template teaches no tool-call format this server can parse, so "
-            "'tool_choice': 'auto' cannot work; use 'required' or name a function",
-            param="tool_choice",
-        )
-    try:
-        prompt = await engine.process(
-            chat.messages, tenant=principal.tenant_id, tools=tools.tools if tools else None
-        )
-    except ValueError as exc:  # InvalidImageError included
-        raise bad_request(str(exc), param=_part_of(str(exc))) from None
-    except PoolBusyError:
-        raise APIError(
-            429,
-            "too many of your requests are waiting to be processed; retry shortly",
-            code="too_many_pending_requests",
-            headers={"Retry-After": "1"},
-        ) from None
+    prompt = await _prompt(state, principal, chat)
     sampling = chat.sampling_params(
         len(prompt.prompt_token_ids), engine.max_model_len, state.config.max_tokens_limit
     )
@@ -210,12 +201,79 @@ async def _start(
     return ChatRun(state, engine_request, ledger, chat.structured_param)
 
 
+async def _prompt(
+    state: GatewayState, principal: TenantPrincipal, chat: ChatRequest
+) -> ProcessedPrompt:
+    """The prompt's token ids (and images).
+
+    The chat template over the messages, or a Completions prompt tokenized as it is (token-id
+    prompts are taken as they are; the engine checks their range).
+    """
+    engine = state.engine
+    limits = engine.input_limits
+    chat.check_size(engine.max_model_len, limits.max_token_bytes, limits.image_tokens)
+    if chat.prompt is not None:
+        ids = chat.prompt
+        if isinstance(ids, str):
+            try:
+                ids = await engine.tokenize(
+                    ids, add_special_tokens=chat.add_special_tokens, tenant=principal.tenant_id
+                )
+            except PoolBusyError:
+                raise _busy() from None
+        if not ids:
+            raise bad_request("the prompt is empty once tokenized", param="prompt")
+        return ProcessedPrompt(prompt_token_ids=list(ids), images=[])
+    if chat.images > limits.max_images:
+        raise bad_request(
+            f"too many images: the messages hold {chat.images}, at most {limits.max_images} "
+            "per request",
+            param="messages",
+        )
+    tools = chat.tools
+    if tools is not None and tools.mode == "auto" and limits.tool_call_format is None:
+        raise bad_request(
+            "this model's chat template teaches no tool-call format this server can parse, so "
+            "'tool_choice': 'auto' cannot work; use 'required' or name a function",
+            param="tool_choice",
+        )
+    try:
+        prompt = await engine.process(
+            chat.messages, tenant=principal.tenant_id, tools=tools.tools if tools else None
+        )
+    except ValueError as exc:  # InvalidImageError included
+        raise bad_request(str(exc), param=_part_of(str(exc))) from None
+    except PoolBusyError:
+        raise _busy() from None
+    return prompt
+
+
+def _busy() -> APIError:
+    return APIError(
+        429,
+        "too many of your requests are waiting to be processed; retry shortly",
+        code="too_many_pending_requests",
+        headers={"Retry-After": "1"},
+    )
+
+
 async def _complete(
     state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
 ) -> Response:
     """Wait for the whole answer (or the client leaving) and return ``chat.completion``."""
     out = await _unless_client_left(run, run.final())
     await run.durable()  # 503 if the row could not be made durable
+    if chat.prompt is not None:
+        body = text_completion_body(
+            out,
+            response_id=response_id,
+            created=int(time.time()),
+            model=chat.model,
+            want_logprobs=chat.logprobs,
+            token_bytes=state.engine.token_bytes,
+            echo=await _echo(state, chat, out.prompt_token_ids),
+        )
+        return Response(body, media_type="application/json")
     body = completion_body(
         out,
         response_id=response_id,
@@ -243,8 +301,19 @@ async def _stream(
         want_logprobs=chat.logprobs,
         token_bytes=state.engine.token_bytes,
         tool_calls=_tool_parsers(state, chat),
+        text_completion=chat.prompt is not None,
+        echo=await _echo(state, chat, run.request.prompt_token_ids),
     )
     return EventStream(chunk_stream(run, first, meta), headers=HEADERS)
+
+
+async def _echo(state: GatewayState, chat: ChatRequest, prompt_ids: list[int]) -> str:
+    """Completions' ``echo``: the prompt's text ("" unless asked for)."""
+    if not chat.echo:
+        return ""
+    if isinstance(chat.prompt, str):
+        return chat.prompt
+    return await state.engine.detokenize(prompt_ids)
 
 
 def _tool_parsers(state: GatewayState, chat: ChatRequest) -> Callable[[], Any]:

@@ -62,6 +62,76 @@ def logprobs_body(
     return {"content": content}
 
 
+def legacy_logprobs_body(
+    token_ids: list[int],
+    logprobs: list[tuple[float, list[tuple[int, float]]]],
+    token_bytes: TokenBytes,
+    text_offset: int = 0,
+) -> dict[str, Any]:
+    """The Completions API's ``logprobs``.
+
+    ``{tokens, token_logprobs, top_logprobs, text_offset}``, each a list over the tokens;
+    ``top_logprobs`` maps token text to logprob.
+
+    Args:
+        token_ids: The tokens: [T].
+        logprobs: Per token, ``(its logprob, [(alternative id, logprob), ...])``: [T].
+        token_bytes: Token ids to their bytes.
+        text_offset: Characters of text before the first token (an echoed prompt's).
+    """
+    body = logprobs_body(token_ids, logprobs, token_bytes)["content"]
+    offsets, at = [], text_offset
+    for entry in body:
+        offsets.append(at)
+        at += len(entry["token"])
+    return {
+        "tokens": [e["token"] for e in body],
+        "token_logprobs": [e["logprob"] for e in body],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in body],
+        "text_offset": offsets,
+    }
+
+
+def text_completion_body(
+    out: RequestOutput,
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    want_logprobs: bool,
+    token_bytes: TokenBytes,
+    echo: str = "",
+) -> dict[str, Any]:
+    """The ``text_completion`` object (``POST /v1/completions``) for a finished request."""
+    choices = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        logprobs = None
+        if want_logprobs:
+            logprobs = legacy_logprobs_body(
+                c.token_ids, c.logprobs or [], token_bytes, text_offset=len(echo)
+            )
+        choices.append(
+            {
+                "index": c.index,
+                "text": echo + c.text,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+            }
+        )
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body(
+            len(out.prompt_token_ids),
+            sum(c.num_tokens for c in out.outputs),
+            out.num_cached_tokens,
+        ),
+    }
+
+
 def _entry(raw: bytes, logprob: float) -> dict[str, Any]:
     value = float(logprob)
     if math.isnan(value) or value < _MIN_LOGPROB:

@@ -48,7 +48,12 @@ from typing import Any
 import msgspec
 
 from loraplex.engine.sampling.params import MAX_LOGPROBS, SamplingParams
-from loraplex.gateway.domains.chat.body import ChatCompletionBody, StreamOptions, convert_body
+from loraplex.gateway.domains.chat.body import (
+    ChatCompletionBody,
+    GenerationFields,
+    StreamOptions,
+    convert_body,
+)
 from loraplex.gateway.domains.chat.response_format import parse_structured_output
 from loraplex.gateway.domains.chat.tools import ToolRequest, check_tool_messages, parse_tools
 from loraplex.gateway.server.errors import APIError, bad_request
@@ -82,6 +87,10 @@ class ChatRequest:
         cache_salt: The client's ``cache_salt`` (vLLM's), None if not given.
         tools: The tools offered and ``tool_choice`` (``gateway.domains.chat.tools``), None
             without tools.
+        prompt: ``POST /v1/completions``: the prompt, as text or token ids (None for chat).
+        echo: Completions' ``echo``: the prompt's text goes before the completion's.
+        add_special_tokens: Completions: tokenize a text prompt with BOS and the like.
+        prompt_param: The field a prompt-length error names (``messages`` or ``prompt``).
     """
 
     model: str
@@ -99,6 +108,10 @@ class ChatRequest:
     structured_param: str = ""
     cache_salt: str | None = None
     tools: ToolRequest | None = None
+    prompt: str | list[int] | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
+    prompt_param: str = "messages"
 
     def engine_cache_salt(self, tenant_id: str) -> str:
         """The engine request's cache salt: the tenant's id, then the client's ``cache_salt``.
@@ -132,7 +145,7 @@ class ChatRequest:
                 f"the messages hold {self.text_bytes} bytes of text and {self.images} image(s): "
                 f"at least {floor} tokens, and this model allows at most {max_model_len - 1} "
                 f"prompt tokens (max_model_len {max_model_len})",
-                param="messages",
+                param=self.prompt_param,
                 code=CONTEXT_LENGTH_EXCEEDED,
             )
 
@@ -150,7 +163,7 @@ class ChatRequest:
             raise bad_request(
                 f"the prompt is {prompt_tokens} tokens; this model allows at most "
                 f"{max_model_len - 1} prompt tokens (max_model_len {max_model_len})",
-                param="messages",
+                param=self.prompt_param,
                 code=CONTEXT_LENGTH_EXCEEDED,
             )
         max_tokens = self.max_tokens if self.max_tokens is not None else min(limit, room)
@@ -191,8 +204,6 @@ def parse_chat_request(
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     req: ChatCompletionBody = convert_body(data, ChatCompletionBody)
-    if not req.model:
-        raise bad_request("'model' is required and must be a non-empty string", param="model")
     messages = req.messages
     if not messages:
         raise bad_request("'messages' is required and must be a non-empty array", param="messages")
@@ -209,8 +220,61 @@ def parse_chat_request(
             "'modalities' may only hold 'text': this server generates text", param="modalities"
         )
 
-    max_tokens, max_tokens_param = None, "max_tokens"
-    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
+    logprobs = bool(req.logprobs)
+    top_logprobs = req.top_logprobs
+    if top_logprobs is not None and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(
+            f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", param="top_logprobs"
+        )
+    common = generation_fields(
+        req, data, ("max_completion_tokens", "max_tokens"), max_tokens_limit, max_n
+    )
+    tools = parse_tools(req, common["sampling"].get("structured_output") is not None)
+    if tools is not None:
+        text_bytes += len(msgspec.json.encode(tools.tools))  # the template renders them
+        try:
+            forced = tools.structured_output()
+        except ValueError as exc:
+            raise bad_request(str(exc), param="tools") from None
+        if forced is not None:
+            common["sampling"]["structured_output"] = forced
+            common["structured_param"] = "tools"
+    return ChatRequest(
+        messages=messages,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs or 0,
+        images=images,
+        text_bytes=text_bytes,
+        tools=tools,
+        **common,
+    )
+
+
+def generation_fields(
+    req: GenerationFields,
+    data: dict[str, Any],
+    max_tokens_names: tuple[str, ...],
+    max_tokens_limit: int,
+    max_n: int,
+) -> dict[str, Any]:
+    """The :class:`ChatRequest` fields both Chat Completions and Completions bodies set.
+
+    Args:
+        req: The typed body.
+        data: The decoded body (``response_format`` and ``guided_*`` are read from it).
+        max_tokens_names: The fields that may set ``max_tokens``, the preferred one first.
+        max_tokens_limit: Largest ``max_tokens`` a request may ask for.
+        max_n: Largest ``n``.
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    if not req.model:
+        raise bad_request("'model' is required and must be a non-empty string", param="model")
+    max_tokens, max_tokens_param = None, max_tokens_names[-1]
+    for name in max_tokens_names:  # the newer name wins
         value = getattr(req, name)
         if value is not None:
             max_tokens, max_tokens_param = value, name
@@ -231,13 +295,9 @@ def parse_chat_request(
     options = req.stream_options or StreamOptions()
     if req.stream_options is not None and not stream:
         raise bad_request("'stream_options' needs 'stream': true", param="stream_options")
-    logprobs = bool(req.logprobs)
-    top_logprobs = req.top_logprobs
-    if top_logprobs is not None and not logprobs:
-        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+    if req.cache_salt is not None and not 1 <= len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
         raise bad_request(
-            f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", param="top_logprobs"
+            f"'cache_salt' must be 1 to {MAX_CACHE_SALT_CHARS} characters", param="cache_salt"
         )
     sampling = {
         "n": n,
@@ -257,42 +317,22 @@ def parse_chat_request(
         "include_stop_str_in_output": bool(req.include_stop_str_in_output),
         "skip_special_tokens": _or(req.skip_special_tokens, True),
     }
-    structured, structured_param = parse_structured_output(data)
-    tools = parse_tools(req, structured is not None)
-    if tools is not None:
-        text_bytes += len(msgspec.json.encode(tools.tools))  # the template renders them
-        try:
-            forced = tools.structured_output()
-        except ValueError as exc:
-            raise bad_request(str(exc), param="tools") from None
-        if forced is not None:
-            structured, structured_param = forced, "tools"
-    if structured is not None:
-        sampling["structured_output"] = structured
-    request = ChatRequest(
-        model=req.model,
-        messages=messages,
-        max_tokens=max_tokens,
-        max_tokens_param=max_tokens_param,
-        stream=stream,
-        include_usage=stream and bool(options.include_usage),
-        continuous_usage=stream and bool(options.continuous_usage_stats),
-        logprobs=logprobs,
-        top_logprobs=top_logprobs or 0,
-        sampling=sampling,
-        images=images,
-        text_bytes=text_bytes,
-        structured_param=structured_param,
-        cache_salt=req.cache_salt,
-        tools=tools,
-    )
-    if req.cache_salt is not None and not 1 <= len(req.cache_salt) <= MAX_CACHE_SALT_CHARS:
-        raise bad_request(
-            f"'cache_salt' must be 1 to {MAX_CACHE_SALT_CHARS} characters", param="cache_salt"
-        )
     # range checks now, not after processing (min_tokens is checked against max_tokens later)
     _sampling(max_tokens=max(1, sampling["min_tokens"]), logprobs=None, **sampling)
-    return request
+    structured, structured_param = parse_structured_output(data)
+    if structured is not None:
+        sampling["structured_output"] = structured
+    return {
+        "model": req.model,
+        "max_tokens": max_tokens,
+        "max_tokens_param": max_tokens_param,
+        "stream": stream,
+        "include_usage": stream and bool(options.include_usage),
+        "continuous_usage": stream and bool(options.continuous_usage_stats),
+        "sampling": sampling,
+        "structured_param": structured_param,
+        "cache_salt": req.cache_salt,
+    }
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -321,7 +361,7 @@ def check_messages(messages: list[Any], *, max_parts: int = 1 << 20) -> tuple[in
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request(f"{where} must be an object with a string 'role'", param=where)
-        text_bytes += sum(_utf8_len(v) for v in message.values() if isinstance(v, str))
+        text_bytes += sum(utf8_len(v) for v in message.values() if isinstance(v, str))
         content = message.get("content")
         if content is None or isinstance(content, str):
             continue
@@ -343,7 +383,7 @@ def check_messages(messages: list[Any], *, max_parts: int = 1 << 20) -> tuple[in
             if kind == "text":
                 if not isinstance(part.get("text"), str):
                     raise bad_request(f"{at}.text must be a string", param=f"{at}.text")
-                text_bytes += _utf8_len(part["text"])
+                text_bytes += utf8_len(part["text"])
             elif kind == "image_url":
                 spec = part.get("image_url")
                 url = spec.get("url") if isinstance(spec, dict) else spec
@@ -368,7 +408,7 @@ def check_messages(messages: list[Any], *, max_parts: int = 1 << 20) -> tuple[in
     return images, text_bytes
 
 
-def _utf8_len(text: str) -> int:
+def utf8_len(text: str) -> int:
     """UTF-8 length of ``text`` without encoding it (ASCII is the common, fast case)."""
     if text.isascii():
         return len(text)

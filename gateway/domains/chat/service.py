@@ -38,8 +38,9 @@ from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.structured_output import StructuredOutputError
 from loraplex.gateway.db.types import utcnow
 from loraplex.gateway.domains.adapters.upload import NAME_RE
-from loraplex.gateway.server.errors import APIError, not_found
+from loraplex.gateway.server.errors import APIError, not_found, rate_limited
 from loraplex.gateway.server.latency import ModelSeries, TokenClock
+from loraplex.gateway.server.ratelimit import RateLimitExceeded
 from loraplex.gateway.services.adapters import find_adapter
 from loraplex.gateway.services.usage import UsageRecord
 
@@ -80,6 +81,25 @@ async def resolve_model(state: GatewayState, tenant_id: str, model: str) -> str 
             param="model",
         )
     return row.digest
+
+
+def admit_rate(state: GatewayState, principal: TenantPrincipal) -> Ticket:
+    """The key's rate-limit admission for one request.
+
+    Raises:
+        APIError: 429 with ``Retry-After`` past a limit (counted in
+            ``loraplex_rate_limited_requests``).
+    """
+    limits = principal.limits.or_defaults(state.default_limits)
+    try:
+        return state.limiter.admit(principal.key_id, limits)
+    except RateLimitExceeded as exc:
+        state.metrics.rate_limited.labels(principal.tenant_id, exc.limit).inc()
+        raise rate_limited(
+            f"rate limit exceeded: {exc.limit} of this key; retry after "
+            f"{max(1.0, exc.retry_after):.0f} s",
+            exc.retry_after,
+        ) from None
 
 
 class UsageLedger:
@@ -407,7 +427,7 @@ class ChatRun:
             self.ledger.close("aborted", self.cancel_reason)
 
 
-_ENGINE_CHECKED = ("logit_bias", "stop_token_ids")  # fields only the engine can check
+_ENGINE_CHECKED = ("logit_bias", "stop_token_ids", "prompt")  # fields only the engine can check
 
 
 def _final_status(out: RequestOutput) -> tuple[str, str | None]:

@@ -37,7 +37,12 @@ from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
 from loraplex.engine.request import RequestOutput
-from loraplex.gateway.domains.chat.responses import TokenBytes, logprobs_body, usage_body
+from loraplex.gateway.domains.chat.responses import (
+    TokenBytes,
+    legacy_logprobs_body,
+    logprobs_body,
+    usage_body,
+)
 from loraplex.gateway.domains.chat.service import ChatRun
 from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer
 from loraplex.gateway.server.errors import APIError, error_body
@@ -105,6 +110,9 @@ class StreamMeta:
         continuous_usage: Send the usage so far in every chunk (vLLM's
             ``continuous_usage_stats``).
         tool_calls: Makes a fresh tool-call parser for a choice (None: plain text).
+        text_completion: ``POST /v1/completions``: ``text_completion`` chunks whose choices
+            carry ``text`` (no role chunk), legacy logprobs.
+        echo: Completions' ``echo``: the prompt's text, sent first in each choice.
         want_logprobs: Send each delta's logprobs.
         token_bytes: Token ids to their bytes (for logprobs).
     """
@@ -118,6 +126,8 @@ class StreamMeta:
     token_bytes: TokenBytes
     continuous_usage: bool = False
     tool_calls: Callable[[], ToolCallStreamer | None] = lambda: None
+    text_completion: bool = False
+    echo: str = ""
 
 
 def sse(obj: Any) -> bytes:
@@ -126,10 +136,13 @@ def sse(obj: Any) -> bytes:
 
 
 def chunk_body(meta: StreamMeta, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    """One ``chat.completion.chunk`` object (``usage: null`` when the stream includes usage)."""
+    """One ``chat.completion.chunk`` (or ``text_completion``) object.
+
+    ``usage`` is null in it when the stream includes usage.
+    """
     body: dict[str, Any] = {
         "id": meta.response_id,
-        "object": "chat.completion.chunk",
+        "object": "text_completion" if meta.text_completion else "chat.completion.chunk",
         "created": meta.created,
         "model": meta.model,
         "choices": choices,
@@ -156,7 +169,7 @@ class ChunkEncoder:
         parts = template.split(mark)
         self._parts = parts if len(parts) == 2 else None  # the mark in the id or model: no
         if self._parts is not None:  # one content delta of choice 0: the per-token event
-            choice = msgspec.json.encode([_choice(0, {"content": self._MARK}, None, None)])
+            choice = msgspec.json.encode([_choice(meta, 0, {"content": self._MARK}, None, None)])
             before, after = choice.split(mark)
             self._content0 = (self._parts[0] + before, after + self._parts[1])
 
@@ -173,7 +186,7 @@ class ChunkEncoder:
         "finish_reason": None}])``: the event of almost every token of a stream.
         """
         if self._parts is None:
-            return self.encode([_choice(0, {"content": text}, None, None)])
+            return self.encode([_choice(self._meta, 0, {"content": text}, None, None)])
         return self._content0[0] + msgspec.json.encode(text) + self._content0[1]
 
 
@@ -208,8 +221,12 @@ async def chunk_stream(
 
     try:
         for i in range(meta.n):
+            if meta.text_completion:  # no role; the echoed prompt opens each choice
+                if meta.echo:
+                    pending.append(encode([_choice(meta, i, {"content": meta.echo}, None, None)]))
+                continue
             delta = {"role": "assistant", "content": ""}
-            pending.append(encode([_choice(i, delta, None, None)]))
+            pending.append(encode([_choice(meta, i, delta, None, None)]))
         out = first
         plain = meta.n == 1 and not meta.want_logprobs and not meta.continuous_usage
         plain = plain and not parsers.active
@@ -295,12 +312,13 @@ def _choices(
             continue
         logprobs = None
         if meta.want_logprobs and c.logprobs:
-            logprobs = logprobs_body(c.token_ids, c.logprobs, meta.token_bytes)
+            body_of = legacy_logprobs_body if meta.text_completion else logprobs_body
+            logprobs = body_of(c.token_ids, c.logprobs, meta.token_bytes)
         if c.finish_reason is not None:
             finished.add(c.index)
         delta, finish = parsers.delta(c.index, c.text, c.finish_reason)
         if delta or logprobs is not None or finish is not None:
-            choices.append(_choice(c.index, delta, logprobs, finish))
+            choices.append(_choice(meta, c.index, delta, logprobs, finish))
     return choices
 
 
@@ -309,6 +327,13 @@ def _index(choice: Any) -> int:
 
 
 def _choice(
-    index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish: str | None
+    meta: StreamMeta,
+    index: int,
+    delta: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    finish: str | None,
 ) -> dict[str, Any]:
+    if meta.text_completion:
+        text = delta.get("content", "")
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

@@ -8,14 +8,14 @@ Three modes, from the request's ``tool_choice`` (:class:`gateway.domains.chat.to
 - **required**: the output was decoded under a schema of a JSON array of
   ``{"name", "parameters"}`` objects (vLLM's form, independent of the model's template); it is
   buffered and parsed at the end, one call per element.
-- **auto**: the model chose. Its text is parsed in the model family's own tool-call format, found
-  from the chat template (``engine.tool_call_format.FORMATS``; Hermes / Qwen ``<tool_call>{json}</tool_call>``
-  is built in). Text outside calls streams as ``content``; text that could be the start of a
-  call marker is held back until it is known not to be one; a call's text is buffered until its
-  end marker, then sent as one tool-call delta. Whitespace next to a call is not content (it
-  is held back until text other than a call follows it). A call that does not parse, or names a function
-  the request did not offer, is left in ``content``: nothing the client did not ask for becomes
-  a call.
+- **auto**: the model chose. Its text is parsed in the model family's own tool-call format,
+  found from the chat template (``engine.tool_call_format.FORMATS``; Hermes / Qwen
+  ``<tool_call>{json}</tool_call>`` is built in). Text outside calls streams as ``content``;
+  text that could be the start of a call marker is held back until it is known not to be one;
+  a call's text is buffered until its end marker, then sent as one tool-call delta.
+  Whitespace next to a call is not content (it is held back until text other than a call
+  follows it). A call that does not parse, or names a function the request did not offer, is
+  left in ``content``: nothing the client did not ask for becomes a call.
 
 A choice that made at least one call and stopped normally finishes with ``"tool_calls"``
 (OpenAI's). A named or required call cut by ``max_tokens`` finishes with ``"length"``: the
@@ -107,8 +107,10 @@ class ToolCallStreamer:
                 calls = json.loads(text)
             except ValueError:
                 calls = None
-        ok = isinstance(calls, list) and calls and all(
-            isinstance(c, dict) and c.get("name") in self.functions for c in calls
+        ok = (
+            isinstance(calls, list)
+            and calls
+            and all(isinstance(c, dict) and c.get("name") in self.functions for c in calls)
         )
         if not ok:
             return [{"content": text}] if text else []

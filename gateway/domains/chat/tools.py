@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 
 from loraplex.engine.structured_output import StructuredOutputSpec
-from loraplex.gateway.domains.chat.body import ChatCompletionBody, NamedToolChoice
 from loraplex.engine.tool_call_format import FORMATS
+from loraplex.gateway.domains.chat.body import ChatCompletionBody, NamedToolChoice
 from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer
 from loraplex.gateway.server.errors import bad_request
 

@@ -1,0 +1,104 @@
+"""``POST /v1/completions`` bodies: OpenAI's (legacy) Completions, checked into a ChatRequest.
+
+The prompt is one string (tokenized as it is, with BOS unless ``add_special_tokens`` is false)
+or one list of token ids; a list holding exactly one of either is the same prompt. Several
+prompts in one request are refused (``prompt``): one request, one prompt, one usage row.
+``max_tokens`` defaults to 16 (OpenAI's and vLLM's default for this endpoint). ``logprobs`` is
+the number of alternatives per token (0 to 20), reported in the legacy shape (``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``). ``echo`` puts the prompt's text before
+each choice's; ``echo`` with ``logprobs`` would need the prompt's logprobs, which the engine
+does not compute: a 400. ``suffix`` is refused; ``best_of`` is accepted only equal to ``n``.
+Every other field is shared with Chat Completions (``gateway.domains.chat.body``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loraplex.engine.sampling.params import MAX_LOGPROBS
+from loraplex.gateway.domains.chat.body import CompletionBody, convert_body
+from loraplex.gateway.domains.chat.schemas import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ChatRequest,
+    generation_fields,
+    utf8_len,
+)
+from loraplex.gateway.server.errors import bad_request
+from loraplex.gateway.server.json_body import decode_json
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def parse_completion_request(
+    body: bytes, *, max_tokens_limit: int, max_n: int, max_parts: int = 1 << 20
+) -> ChatRequest:
+    """Parse and check a Completions body.
+
+    Args:
+        body: The raw JSON body.
+        max_tokens_limit: Largest ``max_tokens`` a request may ask for.
+        max_n: Largest ``n``.
+        max_parts: The model length: a token-id prompt must be shorter.
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    data = decode_json(body)
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    req: CompletionBody = convert_body(data, CompletionBody)
+    prompt = _prompt(req.prompt, max_parts)
+    n = 1 if req.n is None else req.n
+    if req.best_of is not None and req.best_of not in (1, n):
+        raise bad_request(
+            "'best_of' other than 'n' is not supported (every sampled completion is returned)",
+            param="best_of",
+        )
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+    if req.echo and req.logprobs is not None:
+        raise bad_request(
+            "'echo' with 'logprobs' needs the prompt's logprobs, which this server does not "
+            "compute",
+            param="echo",
+        )
+    common = generation_fields(req, data, ("max_tokens",), max_tokens_limit, max_n)
+    if common["max_tokens"] is None:
+        common["max_tokens"] = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+    return ChatRequest(
+        messages=[],
+        prompt=prompt,
+        echo=bool(req.echo),
+        add_special_tokens=req.add_special_tokens is not False,
+        logprobs=req.logprobs is not None,
+        top_logprobs=req.logprobs or 0,
+        text_bytes=utf8_len(prompt) if isinstance(prompt, str) else 0,
+        prompt_param="prompt",
+        **common,
+    )
+
+
+def _prompt(value: Any, max_len: int) -> str | list[int]:
+    """The one prompt ``value`` holds: text, or token ids shorter than the model length."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise bad_request("'prompt' must not be empty", param="prompt")
+        return value
+    if not value:
+        raise bad_request("'prompt' must not be empty", param="prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if len(value) >= max_len:
+            raise bad_request(
+                f"the prompt is {len(value)} tokens; this model allows at most {max_len - 1}",
+                param="prompt",
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
+        if any(t < 0 for t in value):
+            raise bad_request("'prompt' token ids must be non-negative", param="prompt")
+        return list(value)
+    raise bad_request(
+        "'prompt' must be a string or a list of token ids: one prompt per request",
+        param="prompt",
+    )

@@ -1,0 +1,5 @@
+"""vLLM's tokenizer endpoints and ``GET /version`` (CONTRACT.md)."""
+
+from loraplex.gateway.domains.tokenize.controller import detokenize, tokenize, version
+
+ROUTES = [tokenize, detokenize, version]
