@@ -59,6 +59,7 @@ class _RunnerSeq:
     sampling: SamplingParams
     images: list[ImageInput]
     cache_salt: str | None
+    prompt_tensor: torch.Tensor | None = None  # [P] int64, made once for repetition_penalty
 
 
 class ModelRunner:
@@ -214,10 +215,8 @@ class ModelRunner:
             result.failed[owners[r][0]] = "structured output"
         params = [self.seqs[seq_id].sampling for seq_id, _ in owners]
         histories = [
-            TokenHistory(seq.token_ids, seq.num_prompt_tokens)
-            if needs_history(seq.sampling)
-            else None
-            for seq in (self.seqs[seq_id] for seq_id, _ in owners)
+            self._history(self.seqs[seq_id]) if needs_history(params[r]) else None
+            for r, (seq_id, _) in enumerate(owners)
         ]
         seeds = {item.seq_id: item for item in items}
         generators = []
@@ -251,6 +250,16 @@ class ModelRunner:
                 result.logprobs.setdefault(seq_id, []).append((logprob, top))
         for seq_id, tokens in result.sampled.items():
             self.seqs[seq_id].token_ids.append(tokens[0])  # a fork child gets its own later
+
+    def _history(self, seq: _RunnerSeq) -> TokenHistory:
+        """A sequence's tokens for penalties.
+
+        Its prompt becomes a tensor once, so a long prompt is not converted at every step.
+        """
+        if seq.sampling.repetition_penalty != 1.0 and seq.prompt_tensor is None:
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            seq.prompt_tensor = torch.tensor(prompt, dtype=torch.long, device=self.device)
+        return TokenHistory(seq.token_ids, seq.num_prompt_tokens, seq.prompt_tensor)
 
     @torch.inference_mode()
     def forward(self, items: list[ScheduledSeq]) -> torch.Tensor | None:

@@ -42,7 +42,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 START = "## A session with the server"
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```[ \t]*$", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- not-run: (.+?) -->\s*\Z")
-RUN_BLOCKS = 10  # bash and python blocks the README's walk-through has to run
+RUN_BLOCKS = 12  # bash and python blocks the README's walk-through has to run
 SKIPPED_BLOCKS = 1  # `loraplex serve`
 SERVE_START_S = 180
 SCRIPT_TIMEOUT_S = 900
@@ -238,13 +238,18 @@ def check_what_the_session_did(workdir, url, blocks, outputs, keys_held) -> None
         # ... and the one the session ends with works; its usage has every chat of the session
         usage = c.get("/v1/usage", headers={"Authorization": f"Bearer {key}"}).json()
     by_model = {row["model"]: row for row in usage["by_model"]}
-    assert by_model["tiny-llava"]["requests"] == 2 and by_model["tiny-llava"]["images"] == 2
+    tools = block_output(blocks, outputs, 'tool_choice="required"').split()
+    assert tools[:2] == ["tool_calls", "get_weather"]  # the forced call, its arguments valid
+    tok, version = json_values(block_output(blocks, outputs, "localhost:8000/tokenize"))
+    assert tok["count"] == len(tok["tokens"]) > 0 and version["version"]
+    # two chats with an image, the tool call, the completion and the /tokenize call
+    assert by_model["tiny-llava"]["requests"] == 5 and by_model["tiny-llava"]["images"] == 2
     assert by_model["my-lora"]["requests"] == 1
 
     # the curl chat and the SDK stream answered; the SDK printed its usage chunk
     (chat,) = json_values(block_output(blocks, outputs, '"What is in this picture?"'))
     assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] >= 1
-    printed = block_output(blocks, outputs, "openai.OpenAI(")
+    printed = block_output(blocks, outputs, "data.coffee()")
     assert int(re.search(r"completion_tokens=(\d+)", printed).group(1)) >= 1
     # /docs: the schema was fetched with the key and lists the routes
     paths = block_output(blocks, outputs, "/docs/openapi.json").split()

@@ -34,10 +34,14 @@ class TokenHistory:
     Attributes:
         token_ids: The prompt's tokens, then the output's (the runner's list; not copied).
         num_prompt_tokens: How many of ``token_ids`` are the prompt.
+        prompt_tensor: ``[num_prompt_tokens]`` int64 on the logits' device: the prompt, kept
+            by the caller across steps so a long prompt is not converted at every step;
+            None to read it from ``token_ids``.
     """
 
     token_ids: Sequence[int]
     num_prompt_tokens: int
+    prompt_tensor: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -136,12 +140,22 @@ def _repetition_penalty(
     if not which:
         return
     rows, cols = [], []
+    row_parts, col_parts = [], []  # cached prompt tensors, indexed without Python lists
     for k, r in enumerate(which):
-        tokens = histories[r].token_ids  # prompt and output
+        h = histories[r]
+        tokens = h.token_ids  # prompt and output
+        if h.prompt_tensor is not None:
+            row_parts.append(torch.full_like(h.prompt_tensor, k))
+            col_parts.append(h.prompt_tensor)
+            tokens = tokens[h.num_prompt_tokens :]
         rows.extend([k] * len(tokens))
         cols.extend(tokens)
+    r_idx, c_idx = _index(rows, cols, x.device)
+    if row_parts:
+        r_idx = torch.cat([r_idx, *row_parts])
+        c_idx = torch.cat([c_idx, *col_parts])
     seen = torch.zeros((len(which), x.shape[1]), dtype=torch.bool, device=x.device)
-    seen.index_put_(_index(rows, cols, x.device), torch.tensor(True, device=x.device))
+    seen.index_put_((r_idx, c_idx), torch.tensor(True, device=x.device))
     idx = torch.tensor(which, dtype=torch.long, device=x.device)
     penalty = torch.tensor(
         [params[r].repetition_penalty for r in which], dtype=x.dtype, device=x.device

@@ -30,6 +30,16 @@ def proc(tiny_text_dir, tmp_path_factory):
     client.shutdown()
 
 
+def test_tokenize_and_detokenize_use_the_gateway_side_tokenizer(proc, tiny_text_dir):
+    local = LLM(EngineConfig(model=str(tiny_text_dir), num_kv_blocks=16))
+    text = "A story about a river"
+    ids = asyncio.run(proc.tokenize(text))
+    assert ids == local.engine.tokenizer(text).input_ids
+    assert asyncio.run(proc.detokenize(ids)).endswith(text)
+    with pytest.raises(ValueError):
+        asyncio.run(proc.detokenize([10**9]))
+
+
 def collect(client, request):
     async def run():
         return [out async for out in client.generate(request)]
@@ -50,6 +60,16 @@ def test_the_same_tokens_as_in_process(proc, tiny_text_dir):
             seed=2,
             max_tokens=40,
             structured_output=StructuredOutputSpec("regex", "(yes|no)-[0-9]{3}"),
+        ),
+        "processors": SamplingParams(  # logit_bias's int keys cross the wire
+            temperature=0.7,
+            seed=9,
+            max_tokens=10,
+            logit_bias={7: 3.0},
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            min_tokens=4,
+            stop_token_ids=[9],
         ),
     }
     for name, params in cases.items():

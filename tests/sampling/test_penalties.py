@@ -138,3 +138,14 @@ def test_a_row_that_needs_its_history_and_has_none_is_refused():
 def test_out_of_range_values_name_the_field(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}"):
         SamplingParams(**kwargs)
+
+
+def test_a_cached_prompt_tensor_gives_the_same_logits():
+    logits = _logits(2)
+    tokens = [5, 7, 7, 9, 30, 31]
+    params = [SamplingParams(repetition_penalty=1.5)] * 2
+    plain = TokenHistory(tokens, 4)
+    cached = TokenHistory(tokens, 4, torch.tensor(tokens[:4]))
+    got = apply_logits_processors(logits, params, [plain, cached])
+    want = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([tokens] * 2), logits.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -5,10 +5,12 @@ none of them (a typo, another server's extension) is refused with a 400 naming i
 
 - **honoured**: it changes the output exactly as OpenAI (or, for the extensions, vLLM) defines;
 - **ignored**: it cannot change the output (``user``, ``metadata``, ``store``, ``service_tier``,
-  ``prompt_cache_key``, ``safety_identifier``): accepted, type-checked and documented as
+  ``prompt_cache_key``, ``prompt_cache_options``, ``prompt_cache_retention`` (caching here is
+  automatic and per tenant), ``safety_identifier``): accepted, type-checked and documented as
   ignored (``docs/api.md``);
 - **refused**: it would change the output and this server cannot do it (``audio``,
-  ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``, the deprecated
+  ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``, ``moderation``,
+  the deprecated
   ``functions`` / ``function_call``, ``modalities`` other than ``["text"]``): a 400 naming it.
 
 vLLM's extensions honoured here: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
@@ -37,6 +39,8 @@ IGNORED_FIELDS = (
     "store",
     "service_tier",
     "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
     "safety_identifier",
 )
 REFUSED_FIELDS = {
@@ -48,6 +52,7 @@ REFUSED_FIELDS = {
     "verbosity": "the served model is not a reasoning model",
     "functions": "'functions' is deprecated and not supported: use 'tools'",
     "function_call": "'function_call' is deprecated and not supported: use 'tool_choice'",
+    "moderation": "moderation of inputs and outputs is not offered by this server",
 }
 
 
@@ -108,6 +113,8 @@ class GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # OpenAI, ignored: they cannot change the output
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     service_tier: str | None = None
     store: bool | None = None
@@ -143,6 +150,7 @@ class ChatCompletionBody(GenerationFields, kw_only=True):
     audio: dict[str, Any] | None = None
     function_call: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
+    moderation: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
