@@ -227,6 +227,25 @@ def test_unknown_fields_are_refused_and_ignorable_ones_accepted(live):
             ({"presence_penalty": 2.5}, "presence_penalty"),
             ({"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
             ({"cache_salt": ""}, "cache_salt"),
+            (
+                {
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {
+                                    "type": "image_url",
+                                    "image_url": {
+                                        "url": "data:image/png;base64,AAAA",
+                                        "detail": "low",
+                                    },
+                                }
+                            ],
+                        }
+                    ]
+                },
+                "messages[0].content[0].image_url.detail",
+            ),
         ):
             r = c.post("/v1/chat/completions", json={**body, **extra})
             assert r.status_code == 400, (extra, r.text)

@@ -161,6 +161,10 @@ def test_tools_are_rendered_and_a_tool_turn_works(client):
         ),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
         (
+            {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+            "tools[0].function.strict",
+        ),
+        (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
         ),

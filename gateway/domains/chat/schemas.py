@@ -387,6 +387,13 @@ def check_messages(messages: list[Any], *, max_parts: int = 1 << 20) -> tuple[in
             elif kind == "image_url":
                 spec = part.get("image_url")
                 url = spec.get("url") if isinstance(spec, dict) else spec
+                detail = spec.get("detail") if isinstance(spec, dict) else None
+                if detail not in (None, "auto"):  # OpenAI's resolution choice: ours is fixed
+                    raise bad_request(
+                        f"{at}.image_url.detail must be 'auto': this model sees every image at "
+                        "its vision encoder's one resolution",
+                        param=f"{at}.image_url.detail",
+                    )
                 if not isinstance(url, str):
                     raise bad_request(
                         f"{at}.image_url.url must be a string", param=f"{at}.image_url"

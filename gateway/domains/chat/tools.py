@@ -13,7 +13,9 @@
 Refused with a 400 naming the field: duplicate or malformed names (OpenAI's rule: 1 to 64
 letters, digits, ``_`` or ``-``), more than 128 tools, a named function not among the tools,
 ``tool_choice`` without ``tools``, and a tool choice together with a ``response_format`` or
-``guided_*`` constraint (one output cannot follow two grammars).
+``guided_*`` constraint (one output cannot follow two grammars), and ``strict: true`` with
+``"auto"`` (only a forced call is decoded under its schema; this server does not pretend
+otherwise).
 """
 
 from __future__ import annotations
@@ -131,6 +133,14 @@ def parse_tools(req: ChatCompletionBody, structured: bool) -> ToolRequest | None
                 param="tool_choice.function.name",
             )
         choice = "named"
+    if choice == "auto":
+        for i, tool in enumerate(req.tools):
+            if tool.function.strict:
+                raise bad_request(
+                    "'strict' arguments are enforced only with 'tool_choice': 'required' or a "
+                    "named function; 'auto' parses what the model writes",
+                    param=f"tools[{i}].function.strict",
+                )
     if structured and choice != "none":
         raise bad_request(
             "'tool_choice' other than 'none' cannot be combined with 'response_format' or "
