@@ -253,3 +253,16 @@ EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     HTTPException: _http_exception,
     Exception: _unexpected,
 }
+
+
+def pool_busy() -> APIError:
+    """429 ``too_many_pending_requests``.
+
+    The tenant has too many jobs waiting for the input workers (``fair_pool.PoolBusyError``).
+    """
+    return APIError(
+        429,
+        "too many of your requests are waiting to be processed; retry shortly",
+        code="too_many_pending_requests",
+        headers={"Retry-After": "1"},
+    )

@@ -37,13 +37,22 @@ def decode_json(body: bytes) -> Any:
     raise bad_request(message, code="invalid_json")
 
 
-async def json_object(request: Request) -> dict[str, Any]:
-    """The request's body, which must be a JSON object.
+def decode_object(body: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object.
 
     Raises:
         APIError: 400 for malformed JSON (:func:`decode_json`) or a value that is not an object.
     """
-    data = decode_json(await request.body())
+    data = decode_json(body)
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     return data
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request's body, which must be a JSON object (:func:`decode_object`).
+
+    Raises:
+        APIError: 400 for malformed JSON or a value that is not an object.
+    """
+    return decode_object(await request.body())

@@ -37,6 +37,21 @@ def client(live):
     return live.openai(live.create_tenant("acme")["api_key"])
 
 
+def _required(client, seed, **kw):
+    """One forced call (``parallel_tool_calls: false``), seeded: the same whatever the batch."""
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=300,
+        parallel_tool_calls=False,
+        seed=seed,
+        temperature=1.0,
+        **kw,
+    )
+
+
 def _check_calls(calls, names=None):
     assert calls
     for call in calls:
@@ -60,16 +75,7 @@ def test_required_and_named_calls_validate(client):
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content is None
         _check_calls(choice.message.tool_calls)
-    one = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=300,
-        parallel_tool_calls=False,
-        seed=3,
-        temperature=1.0,
-    )
+    one = _required(client, seed=3)
     assert len(one.choices[0].message.tool_calls) == 1
     named = client.chat.completions.create(
         model=MODEL,
@@ -125,16 +131,7 @@ def test_tools_are_rendered_and_a_tool_turn_works(client):
         model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=12
     )
     assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    first = client.chat.completions.create(
-        model=MODEL,
-        messages=MESSAGES,
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=300,
-        parallel_tool_calls=False,
-        seed=5,
-        temperature=1.0,
-    )
+    first = _required(client, seed=5)
     call = first.choices[0].message.tool_calls[0]
     turn = [
         *MESSAGES,

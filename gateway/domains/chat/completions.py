@@ -24,7 +24,7 @@ from loraplex.gateway.domains.chat.schemas import (
     utf8_len,
 )
 from loraplex.gateway.server.errors import bad_request
-from loraplex.gateway.server.json_body import decode_json
+from loraplex.gateway.server.json_body import decode_object
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -43,9 +43,7 @@ def parse_completion_request(
     Raises:
         APIError: 400 naming the field at fault.
     """
-    data = decode_json(body)
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object")
+    data = decode_object(body)
     req: CompletionBody = convert_body(data, CompletionBody)
     prompt = _prompt(req.prompt, max_parts)
     n = 1 if req.n is None else req.n

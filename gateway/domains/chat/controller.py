@@ -55,6 +55,7 @@ from loraplex.gateway.server.errors import (
     APIError,
     bad_request,
     overloaded,
+    pool_busy,
 )
 from loraplex.gateway.server.fair_pool import PoolBusyError
 
@@ -220,7 +221,7 @@ async def _prompt(
                     ids, add_special_tokens=chat.add_special_tokens, tenant=principal.tenant_id
                 )
             except PoolBusyError:
-                raise _busy() from None
+                raise pool_busy() from None
         if not ids:
             raise bad_request("the prompt is empty once tokenized", param="prompt")
         return ProcessedPrompt(prompt_token_ids=list(ids), images=[])
@@ -244,17 +245,8 @@ async def _prompt(
     except ValueError as exc:  # InvalidImageError included
         raise bad_request(str(exc), param=_part_of(str(exc))) from None
     except PoolBusyError:
-        raise _busy() from None
+        raise pool_busy() from None
     return prompt
-
-
-def _busy() -> APIError:
-    return APIError(
-        429,
-        "too many of your requests are waiting to be processed; retry shortly",
-        code="too_many_pending_requests",
-        headers={"Retry-After": "1"},
-    )
 
 
 async def _complete(

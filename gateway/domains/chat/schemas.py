@@ -57,7 +57,7 @@ from loraplex.gateway.domains.chat.body import (
 from loraplex.gateway.domains.chat.response_format import parse_structured_output
 from loraplex.gateway.domains.chat.tools import ToolRequest, check_tool_messages, parse_tools
 from loraplex.gateway.server.errors import APIError, bad_request
-from loraplex.gateway.server.json_body import decode_json
+from loraplex.gateway.server.json_body import decode_object
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 MAX_CACHE_SALT_CHARS = 256
@@ -200,9 +200,7 @@ def parse_chat_request(
     Raises:
         APIError: 400 naming the field at fault.
     """
-    data = decode_json(body)
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object")
+    data = decode_object(body)
     req: ChatCompletionBody = convert_body(data, ChatCompletionBody)
     messages = req.messages
     if not messages:

@@ -29,9 +29,9 @@ from loraplex.gateway.domains.chat.body import convert_body
 from loraplex.gateway.domains.chat.schemas import CONTEXT_LENGTH_EXCEEDED, check_messages, utf8_len
 from loraplex.gateway.domains.chat.service import UsageLedger, admit_rate, resolve_model
 from loraplex.gateway.server.auth import TenantPrincipal
-from loraplex.gateway.server.errors import APIError, bad_request
+from loraplex.gateway.server.errors import APIError, bad_request, pool_busy
 from loraplex.gateway.server.fair_pool import PoolBusyError
-from loraplex.gateway.server.json_body import decode_json
+from loraplex.gateway.server.json_body import decode_object
 
 if TYPE_CHECKING:
     from loraplex.gateway.server.state import GatewayState
@@ -118,9 +118,7 @@ async def _metered(request: Request, handle: Any) -> Response:
     ticket = admit_rate(state, principal)
     ledger = UsageLedger(state, principal, ticket, f"tok-{uuid.uuid4().hex}")
     try:
-        data = decode_json(body)
-        if not isinstance(data, dict):
-            raise bad_request("the body must be a JSON object")
+        data = decode_object(body)
         answer = await handle(state, principal, data, ledger)
     except BaseException as exc:
         error_type = exc.code or "invalid_request_error" if isinstance(exc, APIError) else None
@@ -158,12 +156,7 @@ async def _tokenize(
                 req.prompt, add_special_tokens=req.add_special_tokens, tenant=tenant
             )
     except PoolBusyError:
-        raise APIError(
-            429,
-            "too many of your requests are waiting; retry shortly",
-            code="too_many_pending_requests",
-            headers={"Retry-After": "1"},
-        ) from None
+        raise pool_busy() from None
     strs = None
     if req.return_token_strs:
         strs = [b.decode("utf-8", errors="replace") for b in engine.token_bytes(list(ids))]
@@ -192,12 +185,7 @@ async def _detokenize(
     except ValueError as exc:
         raise bad_request(str(exc), param="tokens") from None
     except PoolBusyError:
-        raise APIError(
-            429,
-            "too many of your requests are waiting; retry shortly",
-            code="too_many_pending_requests",
-            headers={"Retry-After": "1"},
-        ) from None
+        raise pool_busy() from None
     return {"prompt": text}
 
 
