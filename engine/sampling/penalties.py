@@ -10,11 +10,14 @@ of :mod:`engine.sampling.sampler`, in vLLM's order::
                                                               in the prompt or the output
     x = x - frequency * count - presence * (count > 0)        (OpenAI; count over the output)
 
-Everything is batched: per-row values become ``[R]`` columns and the token histories one
-``index_put_`` into an ``[R, V]`` count (or mask) tensor; the only Python loops are over the
-rows and their token lists, never over the vocabulary. Rows that ask for none of it are not
-touched (bit-identical to a batch without processors), and the logprobs a request gets stay
-those of the raw logits (vLLM's default), computed by the sampler from its input.
+Everything is batched and sparse: the rows' tokens become distinct ``(row, token)`` pairs with
+their counts (``torch.unique`` over one key tensor), and the logits at those pairs are gathered,
+changed and put back in one ``index_put_`` per processor; per-row values are columns indexed by
+pair. The work grows with the number of tokens, not rows x vocabulary, and the only Python loops
+are over the rows and their token lists, never over the vocabulary. Rows that ask for none of it
+are not touched (bit-identical to a batch without processors), and the logprobs a request gets
+stay those of the raw logits (vLLM's default), computed by the sampler from its input.
+``python -m bench.penalties`` measures the worst case (every row penalised) against none.
 """
 
 from __future__ import annotations
@@ -133,36 +136,57 @@ def _min_tokens(
         x.index_put_(_index(rows, cols, x.device), torch.tensor(float("-inf"), device=x.device))
 
 
+def _seen(
+    which: list[int], histories: list[TokenHistory | None], prompt: bool, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct ``(row, token)`` pairs of the rows' tokens, and how often each occurs.
+
+    Rows are given as their position in ``which`` (``which[k]`` is row ``k``'s index into
+    ``histories``); with ``prompt`` the prompt counts too, else only the output. Sparse: the
+    work is in the number of tokens, not rows x vocabulary.
+
+    Returns:
+        ``(rows, tokens, counts)``: three ``[U]`` int64 tensors, sorted by (row, token).
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    row_parts, col_parts = [], []  # cached prompt tensors, indexed without Python lists
+    for k, r in enumerate(which):
+        h = histories[r]
+        if prompt and h.prompt_tensor is not None:
+            row_parts.append(torch.full_like(h.prompt_tensor, k))
+            col_parts.append(h.prompt_tensor)
+            tokens = h.token_ids[h.num_prompt_tokens :]
+        elif prompt:
+            tokens = h.token_ids
+        else:
+            tokens = h.token_ids[h.num_prompt_tokens :]
+        rows.extend([k] * len(tokens))
+        cols.extend(tokens)
+    r_idx, c_idx = _index(rows, cols, device)
+    if row_parts:
+        r_idx = torch.cat([r_idx, *row_parts])
+        c_idx = torch.cat([c_idx, *col_parts])
+    width = 1 << 32  # token ids and row indices are far below 2**31
+    keys, counts = torch.unique(r_idx * width + c_idx, sorted=True, return_counts=True)
+    return keys // width, keys % width, counts
+
+
 def _repetition_penalty(
     x: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory | None]
 ) -> None:
     which = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0]
     if not which:
         return
-    rows, cols = [], []
-    row_parts, col_parts = [], []  # cached prompt tensors, indexed without Python lists
-    for k, r in enumerate(which):
-        h = histories[r]
-        tokens = h.token_ids  # prompt and output
-        if h.prompt_tensor is not None:
-            row_parts.append(torch.full_like(h.prompt_tensor, k))
-            col_parts.append(h.prompt_tensor)
-            tokens = tokens[h.num_prompt_tokens :]
-        rows.extend([k] * len(tokens))
-        cols.extend(tokens)
-    r_idx, c_idx = _index(rows, cols, x.device)
-    if row_parts:
-        r_idx = torch.cat([r_idx, *row_parts])
-        c_idx = torch.cat([c_idx, *col_parts])
-    seen = torch.zeros((len(which), x.shape[1]), dtype=torch.bool, device=x.device)
-    seen.index_put_((r_idx, c_idx), torch.tensor(True, device=x.device))
-    idx = torch.tensor(which, dtype=torch.long, device=x.device)
+    rows, cols, _ = _seen(which, histories, prompt=True, device=x.device)
+    if rows.numel() == 0:
+        return
     penalty = torch.tensor(
         [params[r].repetition_penalty for r in which], dtype=x.dtype, device=x.device
-    ).unsqueeze(1)
-    sub = x.index_select(0, idx)
-    penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-    x.index_copy_(0, idx, torch.where(seen, penalized, sub))
+    )[rows]
+    at = (torch.tensor(which, dtype=torch.long, device=x.device)[rows], cols)
+    logit = x[at]
+    x.index_put_(at, torch.where(logit > 0, logit / penalty, logit * penalty))
 
 
 def _frequency_presence(
@@ -173,19 +197,10 @@ def _frequency_presence(
     ]
     if not which:
         return
-    rows, cols = [], []
-    for k, r in enumerate(which):
-        h = histories[r]
-        output = h.token_ids[h.num_prompt_tokens :]
-        rows.extend([k] * len(output))
-        cols.extend(output)
-    counts = torch.zeros((len(which), x.shape[1]), dtype=x.dtype, device=x.device)
-    if rows:
-        counts.index_put_(
-            _index(rows, cols, x.device), torch.ones(len(rows), device=x.device), accumulate=True
-        )
-    idx = torch.tensor(which, dtype=torch.long, device=x.device)
-    freq = torch.tensor([params[r].frequency_penalty for r in which], device=x.device)
-    pres = torch.tensor([params[r].presence_penalty for r in which], device=x.device)
-    delta = freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).to(x.dtype)
-    x.index_copy_(0, idx, x.index_select(0, idx) - delta)
+    rows, cols, counts = _seen(which, histories, prompt=False, device=x.device)
+    if rows.numel() == 0:
+        return
+    freq = torch.tensor([params[r].frequency_penalty for r in which], device=x.device)[rows]
+    pres = torch.tensor([params[r].presence_penalty for r in which], device=x.device)[rows]
+    at = (torch.tensor(which, dtype=torch.long, device=x.device)[rows], cols)
+    x.index_put_(at, x[at] - (freq * counts.to(x.dtype) + pres))
