@@ -155,8 +155,15 @@ class KVCacheManager:
         prefix: PrefixMatch | None = None,
         block_hashes: Sequence[bytes] = (),
         stat_sources: Iterable[tuple] = (),
+        num_lookahead_tokens: int = 0,
     ) -> SlotAllocation | None:
         """Make room for ``num_new_tokens`` more tokens of a request, all or nothing.
+
+        With ``num_lookahead_tokens`` (speculative decoding: the proposal tokens a step
+        verifies), that many more slots follow the new tokens in the same all-or-nothing
+        allocation. They are never hashed or cached here (only blocks full of verified tokens
+        are); once the step has verified them, :meth:`trim` gives back the blocks that hold
+        only rejected ones (vLLM v1's lookahead slots).
 
         Args:
             request_id: The request (or forked sequence).
@@ -167,6 +174,7 @@ class KVCacheManager:
             block_hashes: The request's block hashes so far; every block that is full after
                 this step and has a hash is registered in the prefix cache.
             stat_sources: Labels to split the hit-rate statistics by (with ``prefix``).
+            num_lookahead_tokens: Extra slots after the new tokens, for proposal tokens.
 
         Returns:
             The blocks appended and the copies to make, or None when the pool cannot fit the
@@ -177,7 +185,7 @@ class KVCacheManager:
                 ``num_computed_tokens`` beyond the held blocks, or a stale prefix (a matched
                 block evicted since the lookup).
         """
-        if num_new_tokens < 0 or num_computed_tokens < 0:
+        if num_new_tokens < 0 or num_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("token counts must be >= 0")
         bs = self.block_size
         state = self._requests.get(request_id)
@@ -194,11 +202,11 @@ class KVCacheManager:
             hit_blocks = prefix.blocks
             if prefix.pool_epoch != self.pool.epoch:
                 self._check_still_cached(hit_blocks, block_hashes)
-        total = num_computed_tokens + len(hit_blocks) * bs + num_new_tokens
-        num_fresh = max(0, -(-total // bs) - len(held) - len(hit_blocks))
+        total = num_computed_tokens + len(hit_blocks) * bs + num_new_tokens  # verified tokens
+        num_fresh = max(0, -(-(total + num_lookahead_tokens) // bs) - len(held) - len(hit_blocks))
         # Copy on write: the first token goes into a held partial block another sequence shares.
         cow_index = -1
-        if num_new_tokens and num_computed_tokens % bs:
+        if (num_new_tokens or num_lookahead_tokens) and num_computed_tokens % bs:
             idx = num_computed_tokens // bs
             if idx < len(held) and held[idx].ref_cnt > 1:
                 cow_index = idx
@@ -259,6 +267,37 @@ class KVCacheManager:
                 block.block_hash = h
                 cached[h] = block
         state.num_cached_blocks = num_full
+
+    def trim(self, request_id: str, num_tokens: int) -> list[int]:
+        """Keep only the blocks that ``num_tokens`` tokens need; give back the rest.
+
+        After a speculative step: the blocks past the last accepted token held only rejected
+        proposal tokens (lookahead slots); they return to the pool, tail first. They were never
+        cached, so they go to the front of the free queue (the first to be reused).
+
+        Args:
+            request_id: The request (or forked sequence).
+            num_tokens: Tokens whose KV the request keeps (its computed tokens).
+
+        Returns:
+            The physical ids given back, in logical order (empty when nothing was past them).
+
+        Raises:
+            ValueError: ``num_tokens`` is negative.
+        """
+        if num_tokens < 0:
+            raise ValueError("num_tokens must be >= 0")
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        keep = -(-num_tokens // self.block_size)
+        tail = state.blocks[keep:]
+        if not tail:
+            return []
+        del state.blocks[keep:]
+        self.pool.free_blocks(tail[::-1])
+        state.num_cached_blocks = min(state.num_cached_blocks, keep)
+        return [b.block_id for b in tail]
 
     # -------------------------------------------------------------------- fork and free
     def fork(self, parent_id: str, child_id: str) -> None:

@@ -405,6 +405,73 @@ class KVCacheMachine(RuleBasedStateMachine):
         self._grow(seq, min(k, seq.pending))
 
     @precondition(lambda self: self.live)
+    @rule(
+        i=PICK,
+        k=st.integers(1, 6),
+        accepted=st.integers(0, 6),
+        new=st.lists(TAIL_TOKENS, min_size=8, max_size=8),
+    )
+    def speculate(self, i, k, accepted, new) -> None:
+        """A decode step that verifies k proposal tokens in lookahead slots, then the rollback:
+        ``accepted`` of them (at most k) and the target's next token join the sequence; the
+        blocks holding only rejected ones go back; nothing rejected is ever hashed."""
+        seq = self._pick(self.live, i)
+        if seq.pending == 0:
+            self._push_tokens(seq, new[:1])  # the token the last step sampled
+        if seq.pending != 1:
+            return  # a prefill still running: no speculation
+        bs = self.bs
+        accepted = min(accepted, k)
+        holders = self._holders()
+        idx = seq.computed // bs
+        cow = seq.computed % bs != 0 and holders.get(seq.table.block_ids[idx], 0) > 1
+        num_fresh = max(0, _cdiv(seq.computed + 1 + k, bs) - len(seq.table))
+        fits = num_fresh + cow <= self.pool.num_free
+        before = self._snapshot()
+        alloc = self.mgr.allocate_slots(
+            seq.rid,
+            1,
+            num_computed_tokens=seq.computed,
+            block_hashes=seq.hasher.block_hashes,
+            num_lookahead_tokens=k,
+        )
+        if not fits:
+            event("speculation refused")
+            assert alloc is None and self._snapshot() == before
+            return
+        assert alloc is not None and len(alloc.new_block_ids) == num_fresh
+        assert len(alloc.copies) == cow
+        seq.table.apply(alloc)
+        for copy in alloc.copies:
+            self.content[copy.dst] = list(self.content[copy.src])
+        start = seq.computed
+        # The step writes the last token and the k proposals; the accepted ones become tokens.
+        self._write(seq, start, start + 1)
+        self._push_tokens(seq, new[1 : 1 + accepted])
+        self._write(seq, start + 1, start + 1 + accepted)
+        slots = seq.table.slot_mapping(start + 1 + accepted, start + 1 + k)
+        for slot in slots:  # rejected proposals: KV that no sequence may ever read
+            block, offset = divmod(slot, bs)
+            self.content[block][offset] = ("rejected", self.next_id, slot)
+        for block_id in seq.table.block_ids[_cdiv(start + 1, bs) :]:  # none hashed yet
+            assert self.pool.blocks[block_id].block_hash is None
+        seq.computed = start + 1 + accepted
+        self._push_tokens(seq, new[1 + accepted : 2 + accepted])  # the target's bonus token
+        keep = _cdiv(seq.computed, bs)
+        tail = seq.table.block_ids[keep:]
+        queue_before = self._queue_ids()
+        holders = self._holders()
+        assert self.mgr.trim(seq.rid, seq.computed) == tail
+        if tail:
+            event("rejected lookahead blocks given back")
+        seq.table = BlockTable(bs, seq.table.block_ids[:keep])
+        released = [b for b in reversed(tail) if holders[b] == 1]
+        assert self._queue_ids() == released + queue_before  # uncached: front of the queue
+        assert self.mgr.trim(seq.rid, seq.computed) == []  # nothing more to give back
+        if accepted == k:
+            event("every proposal accepted")
+
+    @precondition(lambda self: self.live)
     @rule(i=PICK)
     def fork(self, i) -> None:
         parent = self._pick(self.live, i)
@@ -526,6 +593,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.mgr.allocate_slots(seq.rid, 1, num_computed_tokens=held + 1)
         with pytest.raises(ValueError):
             self.mgr.allocate_slots(seq.rid, -1, num_computed_tokens=seq.computed)
+        with pytest.raises(ValueError):
+            self.mgr.allocate_slots(
+                seq.rid, 1, num_computed_tokens=seq.computed, num_lookahead_tokens=-1
+            )
+        with pytest.raises(ValueError):
+            self.mgr.trim(seq.rid, -1)
         with pytest.raises(KeyError):
             self.mgr.fork("no-such-request", "no-such-child")
         if self.pool.cached:
