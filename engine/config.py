@@ -74,6 +74,13 @@ class EngineConfig:
             ``ratio * S**2`` (``hashing.image_decode.DEFAULT_MAX_ASPECT_RATIO``).
         max_request_image_pixels: Most pixels of all of one request's images together.
             The image bounds are checked on the images' headers before anything is decoded.
+        speculative_method: ``"ngram"`` (prompt lookup, ``engine.spec_decode.ngram``) or None
+            for no speculative decoding.
+        num_speculative_tokens: Most proposals a sequence verifies in one step (the adaptive
+            controller may use fewer: ``engine.spec_decode.adaptive``); None: 4 when a method
+            is set.
+        prompt_lookup_min: ``ngram``: shortest suffix matched.
+        prompt_lookup_max: ``ngram``: longest suffix matched (tried first).
     """
 
     model: str
@@ -105,6 +112,10 @@ class EngineConfig:
     max_image_pixels: int = DEFAULT_MAX_PIXELS
     max_image_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO
     max_request_image_pixels: int = DEFAULT_MAX_REQUEST_IMAGE_PIXELS
+    speculative_method: Literal["ngram"] | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         checks = [
@@ -166,10 +177,30 @@ class EngineConfig:
                 self.max_request_image_pixels >= self.max_image_pixels,
                 "max_request_image_pixels must be at least max_image_pixels",
             ),
+            (
+                self.speculative_method in (None, "ngram"),
+                f"speculative_method must be ngram, got {self.speculative_method!r}",
+            ),
+            (
+                self.num_speculative_tokens is None
+                or (self.speculative_method is not None and 0 < self.num_speculative_tokens <= 16),
+                "num_speculative_tokens needs a speculative_method and must be in [1, 16]",
+            ),
+            (
+                1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def spec_k(self) -> int:
+        """Most proposals per step (0: no speculative decoding)."""
+        if self.speculative_method is None:
+            return 0
+        return 4 if self.num_speculative_tokens is None else self.num_speculative_tokens
 
     def replace(self, **changes) -> EngineConfig:
         """A copy with ``changes`` applied (validated again)."""

@@ -34,6 +34,7 @@ from loraplex.engine.sampling.sampler import Sampler
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.scheduler_output import EngineCoreOutput
 from loraplex.engine.sequence import Sequence
+from loraplex.engine.spec_decode import NgramProposer
 from loraplex.engine.step_budget import PrefillBudget
 from loraplex.engine.structured_output import StructuredOutputs
 from loraplex.engine.swap import CpuBlockPool
@@ -124,6 +125,7 @@ class EngineCore:
             cpu_pool=CpuBlockPool(num_cpu_blocks) if num_cpu_blocks else None,
             lora_manager=self.lora_manager,
             structured=self.structured,
+            num_speculative_tokens=config.spec_k,
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(
@@ -137,6 +139,12 @@ class EngineCore:
             num_cpu_blocks=num_cpu_blocks,
             vision_cache=VisionCache(config.vision_cache_entries),
             lora_context=lora_context,
+            proposer=(
+                NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                if config.speculative_method == "ngram"
+                else None
+            ),
+            num_speculative_tokens=config.spec_k,
         )
         self.request_limits = RequestLimits(
             max_model_len=self.max_model_len,
@@ -280,4 +288,5 @@ class EngineCore:
             "prefix_cache_queried_tokens": self.kv.stats.total.queried_tokens,
             "prefix_cache_hit_tokens": self.kv.stats.total.hit_tokens,
             "lora_slots_in_use": self.lora_manager.slots_in_use,
+            **self.scheduler.spec_stats.as_dict(),
         }

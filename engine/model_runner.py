@@ -11,6 +11,12 @@ flattened tokens of every scheduled sequence (prefill chunks and decodes mixed),
 features spliced in at image-placeholder rows, then logits for the sequences that sample, then
 the sampler. A sequence whose part of the forward pass or of the sampling raises fails alone
 (``engine.step_isolation``).
+
+Speculative decoding (``engine.spec_decode``): a sequence scheduled with proposals computes
+its last token and the proposals in one query of ``1 + k`` positions, the target's token is
+sampled at each, the agreeing prefix is kept (``engine.spec_decode.verify``) and the runner's
+table gives back the blocks past it, as the KV cache manager's ``trim`` does on the
+scheduler's side. After sampling, the proposer offers the next step's proposals.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from loraplex.engine.scheduler_output import (
     ScheduledSeq,
     SchedulerOutput,
 )
+from loraplex.engine.spec_decode import NgramProposer, accepted_prefix
+from loraplex.engine.spec_decode.verify import rewind_generator
 from loraplex.engine.step_isolation import execute_isolating, sample_rows_isolating
 from loraplex.engine.structured_output import apply_token_bitmasks
 from loraplex.engine.vision_cache import VisionCache
@@ -78,6 +86,8 @@ class ModelRunner:
         vision_cache: Cache of image encodings, None to always encode.
         lora_context: The step context of the model's LoRA layers (``engine.lora``), None
             when the model serves no adapters.
+        proposer: Speculative decoding's proposer, None for none.
+        num_speculative_tokens: Most proposals asked of the proposer per sequence and step.
     """
 
     def __init__(
@@ -93,8 +103,12 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         vision_cache: VisionCache | None = None,
         lora_context: LoRAStepContext | None = None,
+        proposer: NgramProposer | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.model = model
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
         self.backend = backend
         self.device = device
@@ -132,8 +146,12 @@ class ModelRunner:
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
             self.generators.pop(seq_id, None)
+            if self.proposer is not None:
+                self.proposer.drop(seq_id)
         for seq_id in sched.dropped_seq_ids:  # preempted: a resumed one comes back whole
             self.seqs.pop(seq_id, None)
+            if self.proposer is not None:
+                self.proposer.drop(seq_id)
         for new in sched.new_seqs:
             self.seqs[new.seq_id] = _RunnerSeq(
                 token_ids=list(new.token_ids),
@@ -197,15 +215,22 @@ class ModelRunner:
         return result
 
     def _sample(self, items: list[ScheduledSeq], logits_of, result: ModelRunnerOutput) -> None:
-        """Sample every sampling sequence's token(s); a row that fails fails its sequence."""
+        """Sample every sampling sequence's token(s); a row that fails fails its sequence.
+
+        A fork samples one row per child; a speculating sequence one row per verified
+        position, each seeing the proposals before it as output (penalties, ``min_tokens``).
+        """
         rows: list[torch.Tensor] = []
         owners: list[tuple[str, str]] = []  # (sequence, generator id) per row
+        positions: list[int] = []  # the row's position among a speculating sequence's
         masks = {item.seq_id: item.token_bitmask for item in items}  # structured output
         for item in items:
-            row = logits_of(item)
-            for gen_id in item.fork_ids or (item.seq_id,):
-                rows.append(row)
+            block = logits_of(item)
+            gen_ids = [item.seq_id] * block.shape[0] if item.spec_token_ids else None
+            for i, gen_id in enumerate(gen_ids or item.fork_ids or (item.seq_id,)):
+                rows.append(block[i if gen_ids else 0])
                 owners.append((item.seq_id, gen_id))
+                positions.append(i if gen_ids else 0)
         logits = torch.stack(rows)
         constrained = [r for r, (seq_id, _) in enumerate(owners) if masks.get(seq_id) is not None]
         for r in apply_token_bitmasks(
@@ -213,21 +238,30 @@ class ModelRunner:
         ):
             logger.error("%s: its grammar allows no token", owners[r][0])
             result.failed[owners[r][0]] = "structured output"
+        by_id = {item.seq_id: item for item in items}
         params = [self.seqs[seq_id].sampling for seq_id, _ in owners]
         histories = [
-            self._history(self.seqs[seq_id]) if needs_history(params[r]) else None
+            self._history(self.seqs[seq_id], by_id[seq_id].spec_token_ids[: positions[r]])
+            if needs_history(params[r])
+            else None
             for r, (seq_id, _) in enumerate(owners)
         ]
-        seeds = {item.seq_id: item for item in items}
         generators = []
         for seq_id, gen_id in owners:
             gen = self.generators.get(gen_id)
             if gen is None and gen_id != seq_id:  # a fork child: seeded from the request's seed
                 seed = self.seqs[seq_id].sampling.seed
                 if seed is not None:
-                    index = seeds[seq_id].fork_ids.index(gen_id)
+                    index = by_id[seq_id].fork_ids.index(gen_id)
                     gen = self.generators[gen_id] = make_generator(seed + index, self.device)
             generators.append(gen)
+        rewinds = {  # speculating seeded sequences: their generator's state before the step
+            item.seq_id: gen.get_state()
+            for item in items
+            if item.spec_token_ids
+            and not self.seqs[item.seq_id].sampling.greedy
+            and (gen := self.generators.get(item.seq_id)) is not None
+        }
 
         def sample(which: list[int]):
             return self.sampler(
@@ -241,32 +275,51 @@ class ModelRunner:
         for r, exc in failed_rows.items():
             logger.error("%s failed in sampling", owners[r][0], exc_info=exc)
             result.failed[owners[r][0]] = "sampling"
+        logprobs: dict[str, list] = {}
         for (seq_id, _), res in zip(owners, results, strict=True):
             if seq_id in result.failed:
                 continue
             token, logprob, _, top = res
             result.sampled.setdefault(seq_id, []).append(token)
-            if self.seqs[seq_id].sampling.logprobs is not None:
-                result.logprobs.setdefault(seq_id, []).append((logprob, top))
+            logprobs.setdefault(seq_id, []).append((logprob, top))
         for seq_id, tokens in result.sampled.items():
-            self.seqs[seq_id].token_ids.append(tokens[0])  # a fork child gets its own later
+            item, st = by_id[seq_id], self.seqs[seq_id]
+            if item.spec_token_ids:
+                kept = accepted_prefix(item.spec_token_ids, tokens) + 1
+                del tokens[kept:]
+                del logprobs[seq_id][kept:]
+                if seq_id in rewinds:
+                    rewind_generator(self.generators[seq_id], rewinds[seq_id], kept,
+                                     logits.shape[1])  # fmt: skip
+                st.token_ids.extend(tokens)
+                del st.table.block_ids[-(-(item.start + kept) // self.block_size) :]
+            else:
+                st.token_ids.append(tokens[0])  # a fork child gets its own later
+            if st.sampling.logprobs is not None:
+                result.logprobs[seq_id] = logprobs[seq_id]
+            if self.proposer is not None and not item.fork_ids:
+                result.spec_token_ids[seq_id] = self.proposer.propose(
+                    seq_id, st.token_ids, self.num_speculative_tokens
+                )
 
-    def _history(self, seq: _RunnerSeq) -> TokenHistory:
-        """A sequence's tokens for penalties.
+    def _history(self, seq: _RunnerSeq, proposals: list[int] | None = None) -> TokenHistory:
+        """A sequence's tokens for penalties, followed by ``proposals`` (speculative rows).
 
         Its prompt becomes a tensor once, so a long prompt is not converted at every step.
         """
         if seq.sampling.repetition_penalty != 1.0 and seq.prompt_tensor is None:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             seq.prompt_tensor = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        return TokenHistory(seq.token_ids, seq.num_prompt_tokens, seq.prompt_tensor)
+        tokens = seq.token_ids + proposals if proposals else seq.token_ids
+        return TokenHistory(tokens, seq.num_prompt_tokens, seq.prompt_tensor)
 
     @torch.inference_mode()
     def forward(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
-        """One forward pass over ``items``; ``[num sampling items, vocab]`` float32 logits.
+        """One forward pass over ``items``; ``[num sample rows, vocab]`` float32 logits.
 
         Returns:
-            One row per item with ``sample`` set, in order; None when none samples.
+            ``item.num_sample_rows`` rows per item (its last position, or the ``1 + k`` of a
+            speculating one), in order; None when none samples.
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -278,14 +331,14 @@ class ModelRunner:
         for item in items:
             st = self.seqs[item.seq_id]
             start, end = item.start, item.start + item.num_new_tokens
-            input_ids.extend(st.token_ids[start:end])
+            input_ids.extend(st.token_ids[start : end - len(item.spec_token_ids)])
+            input_ids.extend(item.spec_token_ids)  # proposals, in lookahead slots
             positions.extend(range(start, end))
             slots.extend(st.table.slot_mapping(start, end))
             seq_lens.append(end)
             query_start.append(query_start[-1] + item.num_new_tokens)
             tables.append(st.table.block_ids)
-            if item.sample:
-                sample_rows.append(query_start[-1] - 1)
+            sample_rows.extend(range(query_start[-1] - item.num_sample_rows, query_start[-1]))
         max_blocks = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(

@@ -61,6 +61,7 @@ from loraplex.engine.scheduler_output import (
 from loraplex.engine.scheduler_preempt import Preemption
 from loraplex.engine.scheduler_update import OutputUpdate, core_output
 from loraplex.engine.sequence import Sequence, SequenceStatus
+from loraplex.engine.spec_decode import AdaptiveK, SpecDecodeStats
 from loraplex.engine.step_budget import PrefillBudget
 from loraplex.engine.structured_output import StructuredOutputs, grammar_bitmask
 from loraplex.engine.swap import CpuBlockPool
@@ -89,6 +90,12 @@ class Scheduler(Preemption, OutputUpdate):
             None when the engine serves no adapters.
         preemption: ``"recompute"`` or ``"swap"``.
         cpu_pool: The CPU block pool for ``"swap"`` (falls back to recompute when full).
+        num_speculative_tokens: Most proposals a decoding sequence verifies per step (0: no
+            speculative decoding). A decode with proposals computes ``1 + k`` positions, ``k``
+            of them in lookahead slots; ``k`` is the sequence's adaptive count
+            (``engine.spec_decode.AdaptiveK``), cut to what the step's token budget,
+            ``max_tokens`` and the model length leave, and to 0 when the pool cannot hold the
+            lookahead slots (speculation never preempts anything).
 
     Raises:
         ValueError: an unknown preemption policy.
@@ -107,6 +114,7 @@ class Scheduler(Preemption, OutputUpdate):
         cpu_pool: CpuBlockPool | None = None,
         lora_manager: Any = None,
         structured: StructuredOutputs | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption policy {preemption!r}")
@@ -121,6 +129,8 @@ class Scheduler(Preemption, OutputUpdate):
         self.cpu_pool = cpu_pool
         self.lora_manager = lora_manager
         self.structured = structured
+        self.spec_k = num_speculative_tokens
+        self.spec_stats = SpecDecodeStats()
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence
@@ -251,10 +261,17 @@ class Scheduler(Preemption, OutputUpdate):
             if num_new <= 0:  # no allowance left this step (or nothing to compute)
                 i += 1
                 continue
-            alloc = self._allocate_or_preempt(seq, num_new, out)
+            k, alloc = self._allocate_lookahead(seq, budget) if remaining == 1 else (0, None)
+            if alloc is None:
+                alloc = self._allocate_or_preempt(seq, num_new, out)
             if alloc is None:  # the sequence itself was preempted, or capped (finished)
                 break
             self._record(out, seq, start, num_new, alloc)
+            if k:
+                item = out.scheduled[-1]
+                item.spec_token_ids = seq.spec_token_ids[:k]
+                item.num_new_tokens += k
+                num_new += k
             if remaining > 1:
                 allowance[tenant] -= cost(start, num_new)
                 prefilling.add(tenant)
@@ -331,6 +348,39 @@ class Scheduler(Preemption, OutputUpdate):
             allowance[tenant] -= cost(item.start, item.num_new_tokens)
             prefilling.add(tenant)
             budget -= item.num_new_tokens
+
+    def _allocate_lookahead(self, seq: Sequence, budget: int) -> tuple[int, SlotAllocation | None]:
+        """A decode's slot and ``k`` lookahead slots for its proposals, if it speculates.
+
+        Returns:
+            ``(k, allocation)``; ``(0, None)`` when it does not speculate this step, or the
+            pool cannot hold the lookahead slots without preempting (then the plain decode
+            allocates as usual).
+        """
+        if not self.spec_k or not seq.spec_token_ids or seq.grammar is not None:
+            return 0, None
+        params = seq.request.sampling
+        limit = min(
+            len(seq.spec_token_ids),
+            budget - 1,
+            params.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        if limit <= 0:
+            return 0, None
+        if seq.spec is None:
+            seq.spec = AdaptiveK(self.spec_k)
+        k = min(seq.spec.next_k(), limit)
+        if k <= 0:
+            return 0, None
+        alloc = self.kv.allocate_slots(
+            seq.seq_id,
+            1,
+            num_computed_tokens=seq.num_computed_tokens,
+            block_hashes=seq.hasher.block_hashes,
+            num_lookahead_tokens=k,
+        )
+        return (k, alloc) if alloc is not None else (0, None)
 
     def _cap_if_alone(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Finish the waiting head with ``"length"`` if it cannot fit even in an idle pool.

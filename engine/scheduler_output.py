@@ -87,6 +87,10 @@ class ScheduledSeq:
             itself first), and the scheduler forks the others from it; empty otherwise.
         token_bitmask: Structured output: the ids its grammar allows for the sampled token,
             one bit each (``engine.structured_output.grammar_bitmask``); None when free.
+        spec_token_ids: Speculative decoding: ``k`` proposed tokens that follow its last
+            token. ``num_new_tokens`` is then ``1 + k`` (its last token and the proposals, the
+            proposals in lookahead slots) and the target's token is sampled at every one of
+            those positions (``engine.spec_decode.verify``).
     """
 
     seq_id: str
@@ -99,6 +103,12 @@ class ScheduledSeq:
     image_spans: list[ImageSpan] = field(default_factory=list)
     fork_ids: tuple[str, ...] = ()
     token_bitmask: bytes | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows the step computes for it: ``1 + k`` when it samples, else 0."""
+        return 1 + len(self.spec_token_ids) if self.sample else 0
 
 
 @dataclass
@@ -157,17 +167,22 @@ class ModelRunnerOutput:
     """What one step produced.
 
     Attributes:
-        sampled: Per sampling sequence, its token, or one token per ``fork_ids`` entry.
+        sampled: Per sampling sequence, its token, or one token per ``fork_ids`` entry, or for
+            a speculating sequence the ``a + 1`` tokens it keeps (``a`` accepted proposals,
+            then the target's own token).
         logprobs: Per sequence that asked for logprobs, aligned with ``sampled``.
         failed: Sequences whose part of the step raised, with where (their requests fail;
             every other sequence of the step ran as if they had not been there).
         forward_seconds: Time of the forward pass and logits.
+        spec_token_ids: Proposals for the next step, per sequence that sampled (speculative
+            decoding); the scheduler decides how many of them to verify.
     """
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     forward_seconds: float = 0.0
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

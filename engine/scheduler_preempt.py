@@ -95,6 +95,7 @@ class Preemption:
                 self.num_swapped_out += 1
                 swapped = True
         self.kv.free(seq.seq_id)
+        seq.spec_token_ids = []
         seq.swapped = swapped
         if not swapped:
             seq.num_computed_tokens = 0

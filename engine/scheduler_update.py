@@ -48,14 +48,21 @@ class OutputUpdate:
             if bad_blocks and bad_blocks.intersection(self.kv.get_block_ids(seq.seq_id)):
                 self.requeue(seq)
                 continue
-            seq.num_computed_tokens = item.start + item.num_new_tokens
             tokens = result.sampled.get(item.seq_id) if item.sample else None
+            logprobs = result.logprobs.get(item.seq_id)
+            if item.spec_token_ids and tokens:
+                outputs.append(self._verified(seq, item, tokens, logprobs))
+                continue
+            seq.num_computed_tokens = item.start + item.num_new_tokens
             if not tokens:
                 continue
-            logprobs = result.logprobs.get(item.seq_id)
             targets = self._fork(seq, item.fork_ids) if item.fork_ids else [seq]
             for k, target in enumerate(targets):
                 outputs.append(self._append(target, tokens[k], logprobs[k] if logprobs else None))
+        for seq_id, proposals in result.spec_token_ids.items():
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                seq.spec_token_ids = proposals
         for out in outputs:
             out.request_finished = out.request_id not in self.requests
         return outputs
@@ -83,6 +90,44 @@ class OutputUpdate:
                     out.error = f"the request failed in {where}"
                     outputs.append(out)
         return bad_blocks
+
+    def _verified(
+        self,
+        seq: Sequence,
+        item: ScheduledSeq,
+        tokens: list[int],
+        logprobs: list[Logprob] | None,
+    ) -> EngineCoreOutput:
+        """Apply a speculating sequence's step: ``a`` accepted proposals and the target's token.
+
+        Its KV is kept up to the last accepted proposal; blocks holding only rejected ones
+        go back to the pool (``KVCacheManager.trim``). The tokens are appended one by one, so
+        a stop token or length limit among them finishes the sequence there and drops the
+        rest.
+
+        Returns:
+            One output with the tokens kept, finished as the last of them finished it.
+        """
+        num_proposed, num_accepted = len(item.spec_token_ids), len(tokens) - 1
+        self.spec_stats.record(num_proposed, num_accepted)
+        if seq.spec is not None:
+            seq.spec.update(num_proposed, num_accepted)
+        seq.num_computed_tokens = item.start + len(tokens)
+        self.kv.trim(seq.seq_id, seq.num_computed_tokens)
+        merged: EngineCoreOutput | None = None
+        for k, token in enumerate(tokens):
+            out = self._append(seq, token, logprobs[k] if logprobs else None)
+            if merged is None:
+                merged = out
+            else:
+                merged.new_token_ids.extend(out.new_token_ids)
+                if merged.new_logprobs is not None and out.new_logprobs is not None:
+                    merged.new_logprobs.extend(out.new_logprobs)
+                merged.finish_reason, merged.stop_reason = out.finish_reason, out.stop_reason
+                merged.ends_on_stop_token, merged.error = out.ends_on_stop_token, out.error
+            if seq.is_finished:
+                break
+        return merged
 
     def _fork(self, parent: Sequence, fork_ids: tuple[str, ...]) -> list[Sequence]:
         """Fork an ``n > 1`` request's sequence into ``n`` sharing its prompt blocks."""

@@ -12,7 +12,7 @@ and decides finishes); the model runner keeps its own per-sequence state from wh
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.request import EngineRequest
@@ -50,6 +50,10 @@ class Sequence:
             the waiting queue (a re-admission after preemption does not move it).
         grammar: Its structured-output matcher (llguidance ``LLMatcher``, advanced by every
             token it appends), or None for free text.
+        spec_token_ids: Speculative decoding: the proposer's tokens to follow its last one
+            (from the last step's ``ModelRunnerOutput``); empty when none.
+        spec: Its adaptive proposal count (``engine.spec_decode.AdaptiveK``), None while it
+            has not speculated.
     """
 
     seq_id: str
@@ -66,6 +70,8 @@ class Sequence:
     known_to_runner: bool = False
     first_scheduled_time: float | None = None
     grammar: Any = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: Any = None
 
     @property
     def num_tokens(self) -> int:

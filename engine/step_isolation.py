@@ -31,7 +31,8 @@ class IsolatedForward:
     Attributes:
         kept: Scheduled sequences whose forward pass succeeded, in batch order.
         culprits: Sequences that failed alone, with their exception.
-        rows: ``seq_id -> [vocab]`` logits row of each kept sequence that samples.
+        rows: ``seq_id -> [num_sample_rows, vocab]`` logits of each kept sequence that
+            samples (one row, or ``1 + k`` for a speculating sequence).
     """
 
     kept: list[Any] = field(default_factory=list)
@@ -39,7 +40,7 @@ class IsolatedForward:
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def logits_of(self, item: Any) -> torch.Tensor:
-        """The logits row of a kept sampling sequence."""
+        """The ``[num_sample_rows, vocab]`` logits of a kept sampling sequence."""
         return self.rows[item.seq_id]
 
 
@@ -49,8 +50,8 @@ def execute_isolating(
     """``forward(items)``, retried one sequence at a time if it raises.
 
     Args:
-        forward: Runs a forward pass over scheduled sequences; one logits row per sequence
-            that samples, in order (None when none samples).
+        forward: Runs a forward pass over scheduled sequences; ``item.num_sample_rows``
+            logits rows per sequence, in order (None when none samples).
         items: The step's scheduled sequences (``ScheduledSeq``), in batch order.
 
     Returns:
@@ -68,9 +69,7 @@ def execute_isolating(
         )
     else:
         result.kept = list(items)
-        sampling = [item for item in items if item.sample]
-        for item, row in zip(sampling, logits if logits is not None else [], strict=True):
-            result.rows[item.seq_id] = row
+        _split_rows(result, items, logits)
         return result
     for item in items:
         try:
@@ -79,9 +78,21 @@ def execute_isolating(
             result.culprits.append((item, exc))
             continue
         result.kept.append(item)
-        if logits is not None:
-            result.rows[item.seq_id] = logits[0]
+        _split_rows(result, [item], logits)
     return result
+
+
+def _split_rows(result: IsolatedForward, items: list[Any], logits: torch.Tensor | None) -> None:
+    """Give each sampling item its ``num_sample_rows`` consecutive rows of ``logits``."""
+    row = 0
+    for item in items:
+        n = item.num_sample_rows
+        if n:
+            result.rows[item.seq_id] = logits[row : row + n]
+            row += n
+    got = 0 if logits is None else logits.shape[0]
+    if row != got:
+        raise RuntimeError(f"the forward pass returned {got} logits rows, expected {row}")
 
 
 def sample_rows_isolating(sample: Any, num_rows: int) -> tuple[list[Any], dict[int, BaseException]]:
