@@ -17,7 +17,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
 
-from .conftest import long_text, photo, user
+from .conftest import long_text, photo, spec_used, user
 
 
 def to_hf_messages(messages):
@@ -121,17 +121,18 @@ def test_oracle_batch_has_the_required_spread(llava_oracle, text_oracle):
 
 
 @pytest.mark.parametrize("variant", ["plain", "chunked", "reversed"])
-def test_llava_parity(tiny_llava_dir, llava_oracle, variant):
+def test_llava_parity(tiny_llava_dir, llava_oracle, variant, spec):
     kw = {"max_num_batched_tokens": 48} if variant == "chunked" else {}
-    llm = LLM(config(tiny_llava_dir, **kw))
+    llm = LLM(config(tiny_llava_dir, **kw, **spec))
     batch = llava_batch()
     order = list(reversed(range(len(batch)))) if variant == "reversed" else None
     check(run_batch(llm, batch, order), llava_oracle)
     assert llm.engine.kv.pool.num_used == 0
+    spec_used(llm, spec)
 
 
-def test_llava_parity_with_prefix_cache_hits(tiny_llava_dir, llava_oracle):
-    llm = LLM(config(tiny_llava_dir))
+def test_llava_parity_with_prefix_cache_hits(tiny_llava_dir, llava_oracle, spec):
+    llm = LLM(config(tiny_llava_dir, **spec))
     first = run_batch(llm, llava_batch(), tag="a")
     check(first, llava_oracle)
     encoded = llm.engine.runner.num_images_encoded
@@ -141,30 +142,39 @@ def test_llava_parity_with_prefix_cache_hits(tiny_llava_dir, llava_oracle):
     assert sum(o.num_cached_tokens for o in second) > sum(o.num_cached_tokens for o in first)
     # Every image was seen: the second run encodes none (vision cache by image key).
     assert llm.engine.runner.num_images_encoded == encoded
+    spec_used(llm, spec)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
-def test_llava_parity_under_preemption(tiny_llava_dir, llava_oracle, policy):
+def test_llava_parity_under_preemption(tiny_llava_dir, llava_oracle, policy, spec):
     # 42 blocks hold the longest request (605 + 11 tokens) but not the batch; small chunks
     # keep several prefills in flight, so decodes run out of blocks and preempt.
     llm = LLM(
-        config(tiny_llava_dir, num_kv_blocks=42, max_num_batched_tokens=96, preemption=policy)
+        config(
+            tiny_llava_dir,
+            num_kv_blocks=42,
+            max_num_batched_tokens=96,
+            preemption=policy,
+            **spec,
+        )
     )
     check(run_batch(llm, llava_batch()), llava_oracle)
+    spec_used(llm, spec)
     assert llm.engine.scheduler.num_preemptions >= 3
     assert (llm.engine.scheduler.num_swapped_out > 0) == (policy == "swap")
     assert llm.engine.kv.pool.num_used == 0
 
 
 @pytest.mark.parametrize("variant", ["plain", "chunked-preempt"])
-def test_text_parity(tiny_text_dir, text_oracle, variant):
+def test_text_parity(tiny_text_dir, text_oracle, variant, spec):
     kw = {}
     if variant == "chunked-preempt":
         kw = {"max_num_batched_tokens": 40, "num_kv_blocks": 42}
-    llm = LLM(config(tiny_text_dir, **kw))
+    llm = LLM(config(tiny_text_dir, **kw, **spec))
     check(run_batch(llm, text_batch()), text_oracle)
     if variant == "chunked-preempt":
         assert llm.engine.scheduler.num_preemptions > 0
     second = run_batch(llm, text_batch(), tag="again")
     check(second, text_oracle)
     assert any(o.num_cached_tokens > 0 for o in second)
+    spec_used(llm, spec)

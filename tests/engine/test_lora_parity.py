@@ -12,7 +12,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
 
-from .conftest import long_text, photo, user
+from .conftest import long_text, photo, spec_used, user
 from .test_engine_parity import hf_greedy
 
 LM = r".*language_model.*\."
@@ -103,14 +103,19 @@ def test_adapters_change_the_output(peft_oracle):
 
 
 @pytest.mark.parametrize("slots", [(4, 8), (2, 8), (2, 2)], ids=["4-slots", "2-slots", "2-cpu"])
-def test_mixed_adapter_batch_matches_peft(tiny_llava_dir, adapter_dirs, peft_oracle, slots):
+def test_mixed_adapter_batch_matches_peft(tiny_llava_dir, adapter_dirs, peft_oracle, slots, spec):
     max_loras, max_cpu = slots
     llm = LLM(
         EngineConfig(
-            model=tiny_llava_dir, max_loras=max_loras, max_cpu_loras=max_cpu, max_lora_rank=16
+            model=tiny_llava_dir,
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu,
+            max_lora_rank=16,
+            **spec,
         )
     )
     check(run(llm, adapter_dirs, "a"), peft_oracle)
+    spec_used(llm, spec)
     manager = llm.engine.lora_manager
     assert manager.slots_in_use == 0 and llm.engine.kv.pool.num_used == 0
     if max_loras == 2:

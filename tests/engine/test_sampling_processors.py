@@ -12,9 +12,16 @@ from loraplex.engine.sampling.params import SamplingParams
 from .conftest import long_text
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_text_dir):
-    return LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=128))
+@pytest.fixture(scope="module", params=["no-spec", "ngram"])
+def llm(tiny_text_dir, request):
+    """The engine, plain and with n-gram speculative decoding (each position's penalties
+    see the proposals before it as output)."""
+    spec = {"speculative_method": "ngram", "prompt_lookup_min": 1}
+    return LLM(
+        EngineConfig(
+            model=tiny_text_dir, num_kv_blocks=128, **(spec if request.param == "ngram" else {})
+        )
+    )
 
 
 PROMPTS = [
