@@ -74,8 +74,11 @@ class EngineConfig:
             ``ratio * S**2`` (``hashing.image_decode.DEFAULT_MAX_ASPECT_RATIO``).
         max_request_image_pixels: Most pixels of all of one request's images together.
             The image bounds are checked on the images' headers before anything is decoded.
-        speculative_method: ``"ngram"`` (prompt lookup, ``engine.spec_decode.ngram``) or None
-            for no speculative decoding.
+        speculative_method: ``"ngram"`` (prompt lookup, ``engine.spec_decode.ngram``),
+            ``"draft"`` (a draft model, ``engine.spec_decode.draft``) or None for no
+            speculative decoding.
+        speculative_model: ``draft``: the draft model's directory (a smaller text-only
+            checkpoint with the target's tokenizer).
         num_speculative_tokens: Most proposals a sequence verifies in one step (the adaptive
             controller may use fewer: ``engine.spec_decode.adaptive``); None: 4 when a method
             is set.
@@ -112,7 +115,8 @@ class EngineConfig:
     max_image_pixels: int = DEFAULT_MAX_PIXELS
     max_image_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO
     max_request_image_pixels: int = DEFAULT_MAX_REQUEST_IMAGE_PIXELS
-    speculative_method: Literal["ngram"] | None = None
+    speculative_method: Literal["ngram", "draft"] | None = None
+    speculative_model: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -178,8 +182,12 @@ class EngineConfig:
                 "max_request_image_pixels must be at least max_image_pixels",
             ),
             (
-                self.speculative_method in (None, "ngram"),
-                f"speculative_method must be ngram, got {self.speculative_method!r}",
+                self.speculative_method in (None, "ngram", "draft"),
+                f"speculative_method must be ngram or draft, got {self.speculative_method!r}",
+            ),
+            (
+                (self.speculative_method == "draft") == (self.speculative_model is not None),
+                "speculative_method draft needs a speculative_model, and only it takes one",
             ),
             (
                 self.num_speculative_tokens is None

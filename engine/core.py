@@ -25,7 +25,12 @@ from loraplex.adapters.registry import AdapterLimits, AdapterRegistry
 from loraplex.engine.attention import get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.loading import attention_cost, load_engine_model, size_kv_pool
+from loraplex.engine.loading import (
+    attention_cost,
+    load_draft_model,
+    load_engine_model,
+    size_kv_pool,
+)
 from loraplex.engine.lora import LoRAStepContext, install_lora, target_shapes
 from loraplex.engine.lora_backend import select_lora_backend
 from loraplex.engine.model_runner import ModelRunner
@@ -35,6 +40,7 @@ from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.scheduler_output import EngineCoreOutput
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.spec_decode import NgramProposer
+from loraplex.engine.spec_decode.draft import DraftProposer, check_draft
 from loraplex.engine.step_budget import PrefillBudget
 from loraplex.engine.structured_output import StructuredOutputs
 from loraplex.engine.swap import CpuBlockPool
@@ -94,7 +100,10 @@ class EngineCore:
         install_lora(self.model, self.lora_manager.buffers, lora_context)
         backend = get_attention_backend(config.attention_backend)
         # After the weights and LoRA slots, before the pool: what the machine has left.
+        draft_model = load_draft_model(loaded)  # its KV is part of every block's bytes
         config, self.kv_sizing, num_cpu_blocks = size_kv_pool(loaded, backend)
+        if draft_model is not None:
+            check_draft(draft_model, self.model, config.max_model_len)
         self.config = config
         self.max_model_len = config.max_model_len
         num_blocks = config.num_kv_blocks
@@ -126,6 +135,7 @@ class EngineCore:
             lora_manager=self.lora_manager,
             structured=self.structured,
             num_speculative_tokens=config.spec_k,
+            draft_model=draft_model is not None,
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(
@@ -145,6 +155,16 @@ class EngineCore:
                 else None
             ),
             num_speculative_tokens=config.spec_k,
+            draft=None
+            if draft_model is None
+            else DraftProposer(
+                draft_model,
+                num_kv_blocks=num_blocks,
+                block_size=config.block_size,
+                backend=backend,
+                device=self.device,
+                dtype=self.dtype,
+            ),
         )
         self.request_limits = RequestLimits(
             max_model_len=self.max_model_len,

@@ -79,6 +79,35 @@ def load_engine_model(config: EngineConfig) -> LoadedEngine:
     )
 
 
+def load_draft_model(loaded: LoadedEngine) -> torch.nn.Module | None:
+    """Load ``--speculative-model`` next to the target; its KV joins the pool's block size.
+
+    The draft's paged KV has one block per target block (``engine.spec_decode.draft``), so
+    ``loaded.block_bytes`` grows by the draft's bytes per block before the pool is sized.
+
+    Returns:
+        The draft model, or None when the config names none.
+
+    Raises:
+        ValueError: an unreadable draft directory, or a draft that cannot propose for the
+            target (``engine.spec_decode.draft.check_draft``).
+    """
+    config = loaded.config
+    if config.speculative_model is None:
+        return None
+    from loraplex.engine.spec_decode.draft import check_draft
+
+    try:
+        draft, _ = load_model(config.speculative_model, loaded.dtype, loaded.device)
+    except FileNotFoundError as exc:
+        raise ValueError(f"speculative model: {exc}") from exc
+    check_draft(draft, loaded.model, 1)
+    loaded.block_bytes += kv_block_bytes(
+        draft.num_layers, config.block_size, draft.num_kv_heads, draft.head_dim, loaded.dtype
+    )
+    return draft
+
+
 def size_kv_pool(loaded: LoadedEngine, backend: Any) -> tuple[EngineConfig, KVPoolSizing, int]:
     """Size the KV pool (``engine.kv_sizing``) once the weights and LoRA slots are in memory.
 

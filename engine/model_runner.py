@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.attention import AttentionBackend, AttentionMetadata
+from loraplex.engine.attention import AttentionBackend
+from loraplex.engine.attention.metadata import step_inputs
 from loraplex.engine.kv_cache.block_table import BlockTable
 from loraplex.engine.kv_profile import pool_zeros
 from loraplex.engine.lora import LoRAStepContext
@@ -41,6 +42,7 @@ from loraplex.engine.scheduler_output import (
     SchedulerOutput,
 )
 from loraplex.engine.spec_decode import NgramProposer, accepted_prefix
+from loraplex.engine.spec_decode.draft import DraftProposer
 from loraplex.engine.spec_decode.verify import rewind_generator
 from loraplex.engine.step_isolation import execute_isolating, sample_rows_isolating
 from loraplex.engine.structured_output import apply_token_bitmasks
@@ -86,7 +88,9 @@ class ModelRunner:
         vision_cache: Cache of image encodings, None to always encode.
         lora_context: The step context of the model's LoRA layers (``engine.lora``), None
             when the model serves no adapters.
-        proposer: Speculative decoding's proposer, None for none.
+        proposer: Speculative decoding's n-gram proposer, None for none.
+        draft: Speculative decoding's draft model (``engine.spec_decode.draft``), None for
+            none.
         num_speculative_tokens: Most proposals asked of the proposer per sequence and step.
     """
 
@@ -105,9 +109,11 @@ class ModelRunner:
         lora_context: LoRAStepContext | None = None,
         proposer: NgramProposer | None = None,
         num_speculative_tokens: int = 0,
+        draft: DraftProposer | None = None,
     ) -> None:
         self.model = model
         self.proposer = proposer
+        self.draft = draft
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size = block_size
         self.backend = backend
@@ -146,12 +152,10 @@ class ModelRunner:
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
             self.generators.pop(seq_id, None)
-            if self.proposer is not None:
-                self.proposer.drop(seq_id)
+            self._drop_spec(seq_id)
         for seq_id in sched.dropped_seq_ids:  # preempted: a resumed one comes back whole
             self.seqs.pop(seq_id, None)
-            if self.proposer is not None:
-                self.proposer.drop(seq_id)
+            self._drop_spec(seq_id)
         for new in sched.new_seqs:
             self.seqs[new.seq_id] = _RunnerSeq(
                 token_ids=list(new.token_ids),
@@ -168,6 +172,11 @@ class ModelRunner:
             for logical, block in item.copies:
                 table.block_ids[logical] = block
             table.append(item.new_block_ids)
+
+    def _drop_spec(self, seq_id: str) -> None:
+        for proposer in (self.proposer, self.draft):
+            if proposer is not None:
+                proposer.drop(seq_id)
 
     # ------------------------------------------------------------------------ KV copies
     def _copy_blocks(self, pairs, src_caches, dst_caches) -> None:
@@ -186,6 +195,8 @@ class ModelRunner:
         self._copy_blocks(sched.swap_out, self.kv_caches, self.cpu_caches)
         self._copy_blocks(sched.swap_in, self.cpu_caches, self.kv_caches)
         self._copy_blocks(sched.block_copies, self.kv_caches, self.kv_caches)
+        if self.draft is not None:  # same block ids; a swapped sequence redoes its draft KV
+            self._copy_blocks(sched.block_copies, self.draft.kv_caches, self.draft.kv_caches)
 
     # --------------------------------------------------------------------------- step
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -203,7 +214,10 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not sched.scheduled:
             return result
-        step = execute_isolating(self.forward, sched.scheduled)
+        items = sched.scheduled
+        if self.draft is not None:  # the draft model's proposals, before the target's forward
+            items = self.draft.fill(items, self.seqs)
+        step = execute_isolating(self.forward, items)
         for item, exc in step.culprits:
             logger.error("%s failed in the forward pass", item.seq_id, exc_info=exc)
             result.failed[item.seq_id] = "the forward pass"
@@ -284,7 +298,7 @@ class ModelRunner:
             logprobs.setdefault(seq_id, []).append((logprob, top))
         for seq_id, tokens in result.sampled.items():
             item, st = by_id[seq_id], self.seqs[seq_id]
-            if item.spec_token_ids:
+            if item.num_spec_tokens:  # drafted proposals may be missing (the draft failed)
                 kept = accepted_prefix(item.spec_token_ids, tokens) + 1
                 del tokens[kept:]
                 del logprobs[seq_id][kept:]
@@ -293,6 +307,8 @@ class ModelRunner:
                                      logits.shape[1])  # fmt: skip
                 st.token_ids.extend(tokens)
                 del st.table.block_ids[-(-(item.start + kept) // self.block_size) :]
+                if self.draft is not None:
+                    self.draft.verified(seq_id, item.start, len(item.spec_token_ids), kept)
             else:
                 st.token_ids.append(tokens[0])  # a fork child gets its own later
             if st.sampling.logprobs is not None:
@@ -321,53 +337,32 @@ class ModelRunner:
             ``item.num_sample_rows`` rows per item (its last position, or the ``1 + k`` of a
             speculating one), in order; None when none samples.
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start = [0]
-        tables: list[list[int]] = []
+        chunks = []
         sample_rows: list[int] = []
+        row = 0
         for item in items:
             st = self.seqs[item.seq_id]
             start, end = item.start, item.start + item.num_new_tokens
-            input_ids.extend(st.token_ids[start : end - len(item.spec_token_ids)])
-            input_ids.extend(item.spec_token_ids)  # proposals, in lookahead slots
-            positions.extend(range(start, end))
-            slots.extend(st.table.slot_mapping(start, end))
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + item.num_new_tokens)
-            tables.append(st.table.block_ids)
-            sample_rows.extend(range(query_start[-1] - item.num_sample_rows, query_start[-1]))
-        max_blocks = max(len(t) for t in tables)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(
-                [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev
-            ),
-            max_query_len=max(i.num_new_tokens for i in items),
-            max_seq_len=max(seq_lens),
-            num_decode_tokens=sum(1 for i in items if i.num_new_tokens == 1),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        embeds = self._embed_with_images(ids, items, query_start)
+            # The computed tokens, then the proposals (in lookahead slots) of a speculating one.
+            tokens = st.token_ids[start : end - len(item.spec_token_ids)] + item.spec_token_ids
+            chunks.append((tokens, start, st.table))
+            row += item.num_new_tokens
+            sample_rows.extend(range(row - item.num_sample_rows, row))
+        inputs = step_inputs(chunks, self.device)
+        embeds = self._embed_with_images(inputs.input_ids, items, inputs.query_start)
         self._set_lora(items)
         t0 = time.perf_counter()
         hidden = self.model(
-            None if embeds is not None else ids,
-            pos,
+            None if embeds is not None else inputs.input_ids,
+            inputs.positions,
             self.kv_caches,
-            meta,
+            inputs.metadata,
             self.backend,
             inputs_embeds=embeds,
         )
         logits = None
         if sample_rows:
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
         self._sync()
         self.last_forward_seconds = time.perf_counter() - t0

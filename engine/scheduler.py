@@ -96,6 +96,9 @@ class Scheduler(Preemption, OutputUpdate):
             (``engine.spec_decode.AdaptiveK``), cut to what the step's token budget,
             ``max_tokens`` and the model length leave, and to 0 when the pool cannot hold the
             lookahead slots (speculation never preempts anything).
+        draft_model: The runner drafts proposals itself (a draft model): every decode may
+            speculate, with ``num_draft_tokens``; otherwise (n-gram) a decode speculates on
+            the proposals the last step returned.
 
     Raises:
         ValueError: an unknown preemption policy.
@@ -115,6 +118,7 @@ class Scheduler(Preemption, OutputUpdate):
         lora_manager: Any = None,
         structured: StructuredOutputs | None = None,
         num_speculative_tokens: int = 0,
+        draft_model: bool = False,
     ) -> None:
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption policy {preemption!r}")
@@ -130,6 +134,7 @@ class Scheduler(Preemption, OutputUpdate):
         self.lora_manager = lora_manager
         self.structured = structured
         self.spec_k = num_speculative_tokens
+        self.draft_model = draft_model
         self.spec_stats = SpecDecodeStats()
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
@@ -269,7 +274,10 @@ class Scheduler(Preemption, OutputUpdate):
             self._record(out, seq, start, num_new, alloc)
             if k:
                 item = out.scheduled[-1]
-                item.spec_token_ids = seq.spec_token_ids[:k]
+                if self.draft_model:
+                    item.num_draft_tokens = k
+                else:
+                    item.spec_token_ids = seq.spec_token_ids[:k]
                 item.num_new_tokens += k
                 num_new += k
             if remaining > 1:
@@ -357,11 +365,12 @@ class Scheduler(Preemption, OutputUpdate):
             pool cannot hold the lookahead slots without preempting (then the plain decode
             allocates as usual).
         """
-        if not self.spec_k or not seq.spec_token_ids or seq.grammar is not None:
+        available = self.spec_k if self.draft_model else len(seq.spec_token_ids)
+        if not available or seq.grammar is not None:
             return 0, None
         params = seq.request.sampling
         limit = min(
-            len(seq.spec_token_ids),
+            available,
             budget - 1,
             params.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - seq.num_tokens - 1,

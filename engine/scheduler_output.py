@@ -91,6 +91,9 @@ class ScheduledSeq:
             token. ``num_new_tokens`` is then ``1 + k`` (its last token and the proposals, the
             proposals in lookahead slots) and the target's token is sampled at every one of
             those positions (``engine.spec_decode.verify``).
+        num_draft_tokens: Speculative decoding with a draft model: the runner drafts this
+            many proposals itself at the start of the step (``engine.spec_decode.draft``);
+            ``num_new_tokens`` is ``1 + num_draft_tokens`` and ``spec_token_ids`` is empty.
     """
 
     seq_id: str
@@ -104,6 +107,12 @@ class ScheduledSeq:
     fork_ids: tuple[str, ...] = ()
     token_bitmask: bytes | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposals verified in the step (known ahead, or drafted by the runner)."""
+        return len(self.spec_token_ids) or self.num_draft_tokens
 
     @property
     def num_sample_rows(self) -> int:

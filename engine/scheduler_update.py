@@ -50,7 +50,7 @@ class OutputUpdate:
                 continue
             tokens = result.sampled.get(item.seq_id) if item.sample else None
             logprobs = result.logprobs.get(item.seq_id)
-            if item.spec_token_ids and tokens:
+            if item.num_spec_tokens and tokens:
                 outputs.append(self._verified(seq, item, tokens, logprobs))
                 continue
             seq.num_computed_tokens = item.start + item.num_new_tokens
@@ -108,7 +108,7 @@ class OutputUpdate:
         Returns:
             One output with the tokens kept, finished as the last of them finished it.
         """
-        num_proposed, num_accepted = len(item.spec_token_ids), len(tokens) - 1
+        num_proposed, num_accepted = item.num_spec_tokens, len(tokens) - 1
         self.spec_stats.record(num_proposed, num_accepted)
         if seq.spec is not None:
             seq.spec.update(num_proposed, num_accepted)

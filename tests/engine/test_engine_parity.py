@@ -123,7 +123,7 @@ def test_oracle_batch_has_the_required_spread(llava_oracle, text_oracle):
 @pytest.mark.parametrize("variant", ["plain", "chunked", "reversed"])
 def test_llava_parity(tiny_llava_dir, llava_oracle, variant, spec):
     kw = {"max_num_batched_tokens": 48} if variant == "chunked" else {}
-    llm = LLM(config(tiny_llava_dir, **kw, **spec))
+    llm = LLM(config(tiny_llava_dir, **kw, **spec(tiny_llava_dir)))
     batch = llava_batch()
     order = list(reversed(range(len(batch)))) if variant == "reversed" else None
     check(run_batch(llm, batch, order), llava_oracle)
@@ -132,7 +132,7 @@ def test_llava_parity(tiny_llava_dir, llava_oracle, variant, spec):
 
 
 def test_llava_parity_with_prefix_cache_hits(tiny_llava_dir, llava_oracle, spec):
-    llm = LLM(config(tiny_llava_dir, **spec))
+    llm = LLM(config(tiny_llava_dir, **spec(tiny_llava_dir)))
     first = run_batch(llm, llava_batch(), tag="a")
     check(first, llava_oracle)
     encoded = llm.engine.runner.num_images_encoded
@@ -155,7 +155,7 @@ def test_llava_parity_under_preemption(tiny_llava_dir, llava_oracle, policy, spe
             num_kv_blocks=42,
             max_num_batched_tokens=96,
             preemption=policy,
-            **spec,
+            **spec(tiny_llava_dir),
         )
     )
     check(run_batch(llm, llava_batch()), llava_oracle)
@@ -170,7 +170,7 @@ def test_text_parity(tiny_text_dir, text_oracle, variant, spec):
     kw = {}
     if variant == "chunked-preempt":
         kw = {"max_num_batched_tokens": 40, "num_kv_blocks": 42}
-    llm = LLM(config(tiny_text_dir, **kw, **spec))
+    llm = LLM(config(tiny_text_dir, **kw, **spec(tiny_text_dir)))
     check(run_batch(llm, text_batch()), text_oracle)
     if variant == "chunked-preempt":
         assert llm.engine.scheduler.num_preemptions > 0

@@ -111,7 +111,7 @@ def test_mixed_adapter_batch_matches_peft(tiny_llava_dir, adapter_dirs, peft_ora
             max_loras=max_loras,
             max_cpu_loras=max_cpu,
             max_lora_rank=16,
-            **spec,
+            **spec(tiny_llava_dir),
         )
     )
     check(run(llm, adapter_dirs, "a"), peft_oracle)

@@ -9,19 +9,15 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
 
-from .conftest import long_text
+from .conftest import long_text, spec_flags
 
 
-@pytest.fixture(scope="module", params=["no-spec", "ngram"])
-def llm(tiny_text_dir, request):
-    """The engine, plain and with n-gram speculative decoding (each position's penalties
+@pytest.fixture(scope="module", params=["no-spec", "ngram", "draft"])
+def llm(tiny_text_dir, request, tmp_path_factory):
+    """The engine, plain and with speculative decoding (each verified position's penalties
     see the proposals before it as output)."""
-    spec = {"speculative_method": "ngram", "prompt_lookup_min": 1}
-    return LLM(
-        EngineConfig(
-            model=tiny_text_dir, num_kv_blocks=128, **(spec if request.param == "ngram" else {})
-        )
-    )
+    spec = spec_flags(request.param, tiny_text_dir, tmp_path_factory)
+    return LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=128, **spec))
 
 
 PROMPTS = [

@@ -18,7 +18,7 @@ from loraplex.engine.spec_decode import AdaptiveK, NgramProposer, accepted_prefi
 from loraplex.engine.spec_decode.adaptive import MAX_BACKOFF
 from loraplex.engine.structured_output import StructuredOutputSpec
 
-from .conftest import long_text
+from .conftest import long_text, spec_flags
 
 NGRAM = {"speculative_method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 
@@ -189,9 +189,17 @@ def mixed_params():
     ]
 
 
-def test_seeded_and_greedy_outputs_are_the_same_with_speculation(tiny_text_dir):
+@pytest.fixture(params=["ngram", "draft"])
+def flags(request, tiny_text_dir, tmp_path_factory):
+    """Speculation flags: n-gram (up to 4 proposals) or the 2-layer draft (up to 3)."""
+    if request.param == "ngram":
+        return NGRAM
+    return spec_flags("draft", tiny_text_dir, tmp_path_factory)
+
+
+def test_seeded_and_greedy_outputs_are_the_same_with_speculation(tiny_text_dir, flags):
     plain = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=256))
-    spec = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=256, **NGRAM))
+    spec = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=256, **flags))
     expected = outputs(plain, build(plain, PROMPTS, mixed_params()))
     got = outputs(spec, build(spec, PROMPTS, mixed_params()))
     assert got == expected
@@ -204,10 +212,10 @@ def test_seeded_and_greedy_outputs_are_the_same_with_speculation(tiny_text_dir):
     assert spec.engine.kv.pool.num_used == 0
 
 
-def test_logprobs_are_those_of_plain_decoding(tiny_text_dir):
+def test_logprobs_are_those_of_plain_decoding(tiny_text_dir, flags):
     params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=3)]
     runs = []
-    for kw in ({}, NGRAM):
+    for kw in ({}, flags):
         llm = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=64, **kw))
         runs.append(llm.generate(build(llm, ["hello hello hello"], params))[0].outputs[0])
     assert runs[0].token_ids == runs[1].token_ids
@@ -216,7 +224,7 @@ def test_logprobs_are_those_of_plain_decoding(tiny_text_dir):
         assert [t for t, _ in top0] == [t for t, _ in top1]
 
 
-def test_stop_strings_stop_tokens_and_max_tokens_cut_inside_accepted_runs(tiny_text_dir):
+def test_stop_strings_stop_tokens_and_max_tokens_cut_inside_accepted_runs(tiny_text_dir, flags):
     plain = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=64))
     first = plain.generate(build(plain, ["hello hello hello"], [mixed_params()[0]]))[0]
     ids = first.outputs[0].token_ids
@@ -228,7 +236,7 @@ def test_stop_strings_stop_tokens_and_max_tokens_cut_inside_accepted_runs(tiny_t
     ]
     prompts = ["hello hello hello"] * 3
     results = []
-    for kw in ({}, NGRAM):
+    for kw in ({}, flags):
         llm = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=64, **kw))
         outs = llm.generate(build(llm, prompts, params))
         results.append([(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
@@ -239,8 +247,8 @@ def test_stop_strings_stop_tokens_and_max_tokens_cut_inside_accepted_runs(tiny_t
     assert results[1][1][2] == "stop" and results[1][0][2] == "stop"
 
 
-def test_every_step_keeps_exactly_the_blocks_of_its_computed_tokens(tiny_text_dir):
-    llm = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=128, block_size=4, **NGRAM))
+def test_every_step_keeps_exactly_the_blocks_of_its_computed_tokens(tiny_text_dir, flags):
+    llm = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=128, block_size=4, **flags))
     engine = llm.engine
     for req in build(llm, PROMPTS, mixed_params()):
         engine.add_request(req)
@@ -285,7 +293,69 @@ def test_config_checks_the_speculative_flags(tiny_text_dir):
         EngineConfig(model="m", speculative_method="ngram", num_speculative_tokens=17)
     with pytest.raises(ValueError, match="speculative_method"):
         EngineConfig(model="m", speculative_method="eagle")
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineConfig(model="m", speculative_method="draft")
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineConfig(model="m", speculative_method="ngram", speculative_model="d")
     with pytest.raises(ValueError, match="prompt_lookup"):
         EngineConfig(
             model="m", speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2
         )
+
+
+def test_a_failing_draft_costs_the_step_its_speculation_only(tiny_text_dir, tmp_path_factory):
+    flags = spec_flags("draft", tiny_text_dir, tmp_path_factory)
+    plain = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=256))
+    spec = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=256, **flags))
+    draft = spec.engine.runner.draft
+    calls = {"n": 0}
+    forward = draft.model.forward
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("draft fault")
+        return forward(*args, **kwargs)
+
+    draft.model.forward = flaky
+    expected = outputs(plain, build(plain, PROMPTS, mixed_params()))
+    assert outputs(spec, build(spec, PROMPTS, mixed_params())) == expected
+    assert calls["n"] >= 6 and spec.engine.kv.pool.num_used == 0
+
+
+def test_the_draft_runs_only_in_steps_that_speculate(tiny_text_dir, tmp_path_factory):
+    flags = spec_flags("draft", tiny_text_dir, tmp_path_factory)
+    llm = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=128, **flags))
+    draft = llm.engine.runner.draft
+    calls = []
+    forward = draft.model.forward
+    draft.model.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_output=StructuredOutputSpec.json_schema(schema)
+    )
+    llm.generate(build(llm, ["json please"], [params]))  # structured rows never speculate
+    assert calls == []
+    llm.generate(build(llm, ["hello hello hello"], [mixed_params()[0]]))
+    assert calls
+
+
+def test_drafts_that_cannot_propose_for_the_target_are_refused(
+    tiny_text_dir, tiny_llava_dir, tmp_path
+):
+    from loraplex.engine.spec_decode.layer_skip import write_layer_skip_draft
+
+    with pytest.raises(ValueError, match="text-only"):
+        LLM(EngineConfig(model=tiny_text_dir, speculative_method="draft",
+                         speculative_model=tiny_llava_dir))  # fmt: skip
+    other = write_layer_skip_draft(tiny_text_dir, tmp_path / "other", 1)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    with pytest.raises(ValueError, match="positions"):
+        LLM(EngineConfig(model=tiny_text_dir, speculative_method="draft",
+                         speculative_model=str(other)))  # fmt: skip
+    with pytest.raises(ValueError, match="speculative model"):
+        LLM(EngineConfig(model=tiny_text_dir, speculative_method="draft",
+                         speculative_model=str(tmp_path / "missing")))  # fmt: skip
+    with pytest.raises(ValueError, match="num_layers"):
+        write_layer_skip_draft(tiny_text_dir, tmp_path / "x", 0)

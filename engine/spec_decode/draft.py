@@ -1,0 +1,176 @@
+"""Draft-model proposals: a smaller checkpoint with the target's vocabulary, run in the step.
+
+Speculative sampling with a draft model (Leviathan et al. 2023; Chen et al. 2023) inside the
+continuous batch, the way vLLM's draft-model method runs it: the scheduler gives a speculating
+sequence ``k`` lookahead slots, and at the start of the step the draft proposes its ``k``
+tokens greedily, ``k`` draft forwards in all, before the target's one forward verifies them
+(``engine.spec_decode.verify``).
+
+The draft's KV lives in a paged pool of its own with the target's block ids: the same block
+tables and slot mappings index both, so copy on write and the sequence's own blocks need no
+bookkeeping of their own. Each sequence remembers how far its draft KV is valid
+(``draft_len``, 0 for a sequence the runner has just been sent, since a prefix-cache hit or a
+swap-in brings target KV only), and the draft runs only for the sequences that speculate in
+the step: its first forward computes each one's positions from ``draft_len`` through its last
+real token (the whole prompt the first time, then the one or two tokens the last step left),
+which yields the first proposals; each further forward feeds one proposal per speculating
+sequence. Positions written with a proposal the target later rejects fall past ``draft_len``
+and are written again before they are read. A step where nobody speculates (the adaptive
+count is 0 everywhere) does not run the draft at all.
+
+The draft only proposes: a draft that is wrong, stale or slow costs acceptance, never
+correctness. It runs without the request's LoRA adapter and sees image placeholder tokens as
+plain tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from loraplex.engine.attention.metadata import step_inputs
+from loraplex.engine.kv_profile import pool_zeros
+
+logger = logging.getLogger(__name__)
+
+
+def check_draft(draft: Any, target: Any, max_model_len: int) -> None:
+    """Refuse a draft that cannot propose for the target.
+
+    Raises:
+        ValueError: a multimodal draft, another vocabulary size (a different tokenizer), or
+            fewer positions than the target's ``max_model_len``.
+    """
+    if hasattr(draft, "encode_images"):
+        raise ValueError("the draft model must be a text-only (Llama-family) checkpoint")
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.vocab_size}) is not the target's "
+            f"({target.vocab_size}): it must share the target's tokenizer"
+        )
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"the draft model has {draft.max_position_embeddings} positions, fewer than "
+            f"max_model_len {max_model_len}"
+        )
+
+
+class DraftProposer:
+    """Runs the draft model over the step and proposes each speculating sequence's tokens.
+
+    Args:
+        model: The draft model (``engine.models`` Llama family, text only).
+        num_kv_blocks: Blocks of the target's pool (the draft's pool has as many).
+        block_size: Tokens per block.
+        backend: The attention backend.
+        device: Where the draft runs.
+        dtype: Its KV dtype.
+
+    Attributes:
+        kv_caches: ``num_layers`` (K, V) pairs of ``[num_blocks, block_size, kv_heads,
+            head_dim]``, indexed by the target's block ids.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_kv_blocks: int,
+        block_size: int,
+        backend: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        shape = (num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [
+            (pool_zeros(shape, dtype, device), pool_zeros(shape, dtype, device))
+            for _ in range(model.num_layers)
+        ]
+        self.draft_len: dict[str, int] = {}  # seq_id -> positions with valid draft KV
+
+    def drop(self, seq_id: str) -> None:
+        """Forget a finished or preempted sequence."""
+        self.draft_len.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def fill(self, items: list[Any], seqs: dict[str, Any]) -> list[Any]:
+        """Draft the proposals of the step's speculating sequences.
+
+        Args:
+            items: The step's ``ScheduledSeq``s; those with ``num_draft_tokens = k > 0`` have
+                ``1 + k`` positions scheduled and get ``k`` proposals.
+            seqs: The runner's per-sequence state (``token_ids``, ``table``).
+
+        Returns:
+            ``items`` with ``spec_token_ids`` filled in where drafted (copies; the others as
+            they were). If the draft forward raises, the speculating items come back as plain
+            decodes (``num_new_tokens = 1``, no proposals) and the step goes on without it.
+        """
+        try:
+            proposals = self._propose(items, seqs)
+        except Exception:
+            logger.exception("the draft model failed; this step does not speculate")
+            return [
+                dataclasses.replace(item, num_new_tokens=1) if item.num_draft_tokens else item
+                for item in items
+            ]
+        return [
+            dataclasses.replace(item, spec_token_ids=proposals[item.seq_id])
+            if item.seq_id in proposals
+            else item
+            for item in items
+        ]
+
+    def _propose(self, items: list[Any], seqs: dict[str, Any]) -> dict[str, list[int]]:
+        chunks, rows = [], []
+        drafting = [item for item in items if item.num_draft_tokens]
+        row = 0
+        for item in drafting:
+            st = seqs[item.seq_id]
+            begin = min(self.draft_len.get(item.seq_id, 0), item.start)
+            chunks.append((st.token_ids[begin : item.start + 1], begin, st.table))
+            row += item.start + 1 - begin
+            rows.append(row - 1)
+            self.draft_len[item.seq_id] = item.start + 1
+        proposals: dict[str, list[int]] = {item.seq_id: [] for item in drafting}
+        next_ids = self._forward(chunks, rows)
+        for step in range(1, max((i.num_draft_tokens for i in drafting), default=0) + 1):
+            for item, token in zip(drafting, next_ids, strict=True):
+                proposals[item.seq_id].append(token)
+            drafting = [i for i in drafting if i.num_draft_tokens > step]
+            if not drafting:
+                break
+            chunks = [
+                ([proposals[i.seq_id][-1]], i.start + step, seqs[i.seq_id].table) for i in drafting
+            ]
+            next_ids = self._forward(chunks, list(range(len(drafting))))
+        return proposals
+
+    def _forward(self, chunks: list[tuple], rows: list[int]) -> list[int]:
+        """One draft forward over ``chunks``; the argmax token at each of ``rows``."""
+        if not chunks:
+            return []
+        inputs = step_inputs(chunks, self.device)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, self.backend
+        )
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index)).argmax(-1).tolist()
+
+    def verified(self, seq_id: str, start: int, num_drafted: int, num_kept: int) -> None:
+        """After verification: the draft KV is valid through the last kept proposal it wrote.
+
+        Args:
+            seq_id: The sequence.
+            start: The step's first position (its last real token).
+            num_drafted: Proposals drafted (``k``); the draft wrote positions
+                ``start .. start + k - 1``.
+            num_kept: Tokens the step kept (``a + 1``).
+        """
+        self.draft_len[seq_id] = min(start + num_drafted, start + num_kept)
