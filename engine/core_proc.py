@@ -138,8 +138,8 @@ def _handle(core: Any, msg: Any) -> Any:
     return None
 
 
-def _stats(core: Any) -> dict[str, int | float]:
-    return {k: v for k, v in core.stats().items() if isinstance(v, int | float)}
+def _stats(core: Any) -> dict[str, int | float | list[int]]:
+    return {k: v for k, v in core.stats().items() if isinstance(v, int | float | list)}
 
 
 def _store_loader(store_root: str | None, get_core: Any) -> Any:

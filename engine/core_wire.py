@@ -93,10 +93,13 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Outputs(msgspec.Struct, tag=True):
-    """A step's outputs, with the core's statistics after it."""
+    """A step's outputs, with the core's statistics after it.
+
+    The statistics are numbers, and lists of counts (``spec_decode_num_accepted_tokens_per_pos``).
+    """
 
     outputs: list[EngineCoreOutput]
-    stats: dict[str, int | float]
+    stats: dict[str, int | float | list[int]]
 
 
 class Rejected(msgspec.Struct, tag=True):

@@ -161,6 +161,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="when the KV pool is full: recompute (free a victim's blocks) or swap (copy its KV "
         "to host memory and back)",
     )
+    g.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft"],
+        default=None,
+        help="speculative decoding: ngram (prompt lookup in the sequence's own tokens) or "
+        "draft (a smaller model, --speculative-model); outputs are the same token for token "
+        "(default: off; docs/speculative.md)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="most proposals a sequence verifies per step, 1-16; each sequence adapts its own "
+        "count to its acceptance (default: 4 with --speculative-method)",
+    )
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        metavar="DIR",
+        help="draft: the draft model's directory, a text-only checkpoint with the served "
+        "model's tokenizer (default: none)",
+    )
 
 
 def config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -193,4 +216,7 @@ def config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         max_lora_rank=args.max_lora_rank,
         attention_backend=args.attention_backend,
         preemption=args.preemption,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=args.speculative_model,
     )

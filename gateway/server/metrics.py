@@ -61,6 +61,25 @@ class _EngineCollector(Collector):
             "Hit tokens over queried tokens since start",
             value=hit / queried if queried else 0.0,
         )
+        yield from _spec_decode_counters(s)
+
+
+def _spec_decode_counters(s: dict[str, Any]) -> Iterator[Any]:
+    """Speculative decoding's acceptance counters, under vLLM's ``spec_decode_*`` names."""
+    for key, doc in (
+        ("spec_decode_num_drafts", "Verifications of a sequence's proposals"),
+        ("spec_decode_num_draft_tokens", "Proposed tokens verified"),
+        ("spec_decode_num_accepted_tokens", "Proposed tokens accepted"),
+    ):
+        yield CounterMetricFamily(f"loraplex_{key}", doc, value=float(s.get(key, 0)))
+    per_pos = CounterMetricFamily(
+        "loraplex_spec_decode_num_accepted_tokens_per_pos",
+        "Proposed tokens accepted, by position in the proposal (0 = first)",
+        labels=["position"],
+    )
+    for position, count in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos") or []):
+        per_pos.add_metric([str(position)], float(count))
+    yield per_pos
 
 
 class GatewayMetrics:

@@ -14,8 +14,10 @@ from .conftest import long_text, spec_flags
 
 @pytest.fixture(scope="module", params=["no-spec", "ngram", "draft"])
 def llm(tiny_text_dir, request, tmp_path_factory):
-    """The engine, plain and with speculative decoding (each verified position's penalties
-    see the proposals before it as output)."""
+    """The engine, plain and with speculative decoding.
+
+    Each verified position's penalties see the proposals before it as output.
+    """
     spec = spec_flags(request.param, tiny_text_dir, tmp_path_factory)
     return LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=128, **spec))
 
