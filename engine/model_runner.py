@@ -237,19 +237,19 @@ class ModelRunner:
         rows: list[torch.Tensor] = []
         owners: list[tuple[str, str]] = []  # (sequence, generator id) per row
         positions: list[int] = []  # the row's position among a speculating sequence's
-        masks = {item.seq_id: item.token_bitmask for item in items}  # structured output
+        masks: list[bytes | None] = []  # structured output: the row's token bitmask
         for item in items:
             block = logits_of(item)
             gen_ids = [item.seq_id] * block.shape[0] if item.spec_token_ids else None
+            row_masks = [item.token_bitmask, *item.spec_bitmasks]
             for i, gen_id in enumerate(gen_ids or item.fork_ids or (item.seq_id,)):
                 rows.append(block[i if gen_ids else 0])
                 owners.append((item.seq_id, gen_id))
                 positions.append(i if gen_ids else 0)
+                masks.append(row_masks[positions[-1]] if item.token_bitmask is not None else None)
         logits = torch.stack(rows)
-        constrained = [r for r, (seq_id, _) in enumerate(owners) if masks.get(seq_id) is not None]
-        for r in apply_token_bitmasks(
-            logits, constrained, [masks[owners[r][0]] for r in constrained]
-        ):
+        constrained = [r for r, mask in enumerate(masks) if mask is not None]
+        for r in apply_token_bitmasks(logits, constrained, [masks[r] for r in constrained]):
             logger.error("%s: its grammar allows no token", owners[r][0])
             result.failed[owners[r][0]] = "structured output"
         by_id = {item.seq_id: item for item in items}

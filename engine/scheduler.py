@@ -63,7 +63,11 @@ from loraplex.engine.scheduler_update import OutputUpdate, core_output
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.spec_decode import AdaptiveK, SpecDecodeStats
 from loraplex.engine.step_budget import PrefillBudget
-from loraplex.engine.structured_output import StructuredOutputs, grammar_bitmask
+from loraplex.engine.structured_output import (
+    StructuredOutputs,
+    grammar_bitmask,
+    speculative_bitmasks,
+)
 from loraplex.engine.swap import CpuBlockPool
 
 
@@ -266,7 +270,9 @@ class Scheduler(Preemption, OutputUpdate):
             if num_new <= 0:  # no allowance left this step (or nothing to compute)
                 i += 1
                 continue
-            k, alloc = self._allocate_lookahead(seq, budget) if remaining == 1 else (0, None)
+            k, alloc, masks = (
+                self._allocate_lookahead(seq, budget) if remaining == 1 else (0, None, [])
+            )
             if alloc is None:
                 alloc = self._allocate_or_preempt(seq, num_new, out)
             if alloc is None:  # the sequence itself was preempted, or capped (finished)
@@ -278,6 +284,7 @@ class Scheduler(Preemption, OutputUpdate):
                     item.num_draft_tokens = k
                 else:
                     item.spec_token_ids = seq.spec_token_ids[:k]
+                    item.spec_bitmasks = masks
                 item.num_new_tokens += k
                 num_new += k
             if remaining > 1:
@@ -357,17 +364,24 @@ class Scheduler(Preemption, OutputUpdate):
             prefilling.add(tenant)
             budget -= item.num_new_tokens
 
-    def _allocate_lookahead(self, seq: Sequence, budget: int) -> tuple[int, SlotAllocation | None]:
+    def _allocate_lookahead(
+        self, seq: Sequence, budget: int
+    ) -> tuple[int, SlotAllocation | None, list[bytes]]:
         """A decode's slot and ``k`` lookahead slots for its proposals, if it speculates.
 
+        A structured-output sequence verifies only the proposals its grammar allows (n-gram
+        proposals are known here; a draft model's are not, so with one it does not speculate),
+        with a bitmask for each position.
+
         Returns:
-            ``(k, allocation)``; ``(0, None)`` when it does not speculate this step, or the
-            pool cannot hold the lookahead slots without preempting (then the plain decode
-            allocates as usual).
+            ``(k, allocation, bitmasks)``; ``(0, None, [])`` when it does not speculate this
+            step, or the pool cannot hold the lookahead slots without preempting (then the
+            plain decode allocates as usual).
         """
+        none: tuple[int, None, list[bytes]] = (0, None, [])
         available = self.spec_k if self.draft_model else len(seq.spec_token_ids)
-        if not available or seq.grammar is not None:
-            return 0, None
+        if not available or (seq.grammar is not None and self.draft_model):
+            return none
         params = seq.request.sampling
         limit = min(
             available,
@@ -376,12 +390,16 @@ class Scheduler(Preemption, OutputUpdate):
             self.max_model_len - seq.num_tokens - 1,
         )
         if limit <= 0:
-            return 0, None
+            return none
         if seq.spec is None:
             seq.spec = AdaptiveK(self.spec_k)
         k = min(seq.spec.next_k(), limit)
+        masks: list[bytes] = []
+        if k > 0 and seq.grammar is not None:
+            masks = speculative_bitmasks(seq.grammar, seq.spec_token_ids[:k])
+            k = len(masks)
         if k <= 0:
-            return 0, None
+            return none
         alloc = self.kv.allocate_slots(
             seq.seq_id,
             1,
@@ -389,7 +407,7 @@ class Scheduler(Preemption, OutputUpdate):
             block_hashes=seq.hasher.block_hashes,
             num_lookahead_tokens=k,
         )
-        return (k, alloc) if alloc is not None else (0, None)
+        return (k, alloc, masks) if alloc is not None else none
 
     def _cap_if_alone(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Finish the waiting head with ``"length"`` if it cannot fit even in an idle pool.

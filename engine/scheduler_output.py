@@ -91,6 +91,9 @@ class ScheduledSeq:
             token. ``num_new_tokens`` is then ``1 + k`` (its last token and the proposals, the
             proposals in lookahead slots) and the target's token is sampled at every one of
             those positions (``engine.spec_decode.verify``).
+        spec_bitmasks: Structured output with proposals: the mask of the position after each
+            proposal (``engine.structured_output.speculative_bitmasks``), one per proposal;
+            ``token_bitmask`` is the first position's.
         num_draft_tokens: Speculative decoding with a draft model: the runner drafts this
             many proposals itself at the start of the step (``engine.spec_decode.draft``);
             ``num_new_tokens`` is ``1 + num_draft_tokens`` and ``spec_token_ids`` is empty.
@@ -107,6 +110,7 @@ class ScheduledSeq:
     fork_ids: tuple[str, ...] = ()
     token_bitmask: bytes | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_bitmasks: list[bytes] = field(default_factory=list)
     num_draft_tokens: int = 0
 
     @property

@@ -219,6 +219,40 @@ def grammar_bitmask(matcher) -> bytes:
     return b"" if matcher.is_error() else bytes(mask)
 
 
+def speculative_bitmasks(matcher, proposals: Sequence[int]) -> list[bytes]:
+    """The bitmasks of a speculating row's positions after each proposal it can verify.
+
+    The proposals are consumed one by one and each position's mask taken, then the matcher is
+    rolled back to where it was. They stop before the first proposal the grammar refuses, and
+    before one that would complete it (the target's own token there ends the output, and no
+    position after it may be sampled against a finished grammar).
+
+    Args:
+        matcher: The sequence's ``LLMatcher`` (left as it was).
+        proposals: The proposals, in order.
+
+    Returns:
+        ``m`` masks (``m <= len(proposals)``): mask ``i`` is for the position after proposal
+        ``i``, so only the first ``m`` proposals are verified. The mask before the first
+        proposal is the row's own (:func:`grammar_bitmask`).
+    """
+    masks: list[bytes] = []
+    for token in proposals[: matcher.validate_tokens(list(proposals))]:
+        if not matcher.consume_token(token):
+            break
+        if matcher.is_stopped() or matcher.is_error():
+            matcher.rollback(1)
+            break
+        mask = grammar_bitmask(matcher)
+        if not mask:
+            matcher.rollback(1)
+            break
+        masks.append(mask)
+    if masks:
+        matcher.rollback(len(masks))
+    return masks
+
+
 def apply_token_bitmasks(
     logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence[bytes]
 ) -> list[int]:

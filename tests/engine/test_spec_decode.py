@@ -268,20 +268,39 @@ def test_every_step_keeps_exactly_the_blocks_of_its_computed_tokens(tiny_text_di
     assert engine.kv.pool.num_used == 0 and steps > 0
 
 
-def test_structured_output_rows_do_not_speculate_and_stay_valid(tiny_text_dir):
-    llm = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=128, **NGRAM))
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+def test_structured_output_rows_speculate_within_their_grammar(tiny_text_dir):
+    """n-gram proposals the grammar allows are verified under each position's bitmask; the
+    outputs are those of plain decoding and valid against their schemas."""
+    import jsonschema
+
+    array = {
+        "type": "array",
+        "items": {"enum": ["alpha", "beta", "gamma"]},
+        "minItems": 3,
+        "maxItems": 40,
+    }
+    obj = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    json_array = StructuredOutputSpec.json_schema(array)
+    json_obj = StructuredOutputSpec.json_schema(obj)
     params = [
-        SamplingParams(
-            temperature=0.0,
-            max_tokens=60,
-            structured_output=StructuredOutputSpec.json_schema(schema),
-        ),
+        SamplingParams(temperature=0.0, max_tokens=200, structured_output=json_array),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=200, structured_output=json_array),
+        SamplingParams(temperature=0.0, max_tokens=60, structured_output=json_obj),
         SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True),
     ]
-    outs = llm.generate(build(llm, ["json please", "hello hello hello"], params))
-    assert "a" in json.loads(outs[0].outputs[0].text)
-    assert llm.engine.stats()["spec_decode_num_drafts"] > 0  # the free row did speculate
+    prompts = ["list please", "more of them", "json please", "hello hello hello"]
+    runs = []
+    for kw in ({}, NGRAM):
+        llm = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=128, **kw))
+        runs.append(llm.generate(build(llm, prompts, params)))
+        assert llm.engine.kv.pool.num_used == 0
+    plain, spec = ([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in r] for r in runs)
+    assert spec == plain
+    for out, schema in zip(runs[1][:3], (array, array, obj), strict=True):
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 10
 
 
 def test_config_checks_the_speculative_flags(tiny_text_dir):
