@@ -62,6 +62,7 @@ from loraplex.engine.scheduler_preempt import Preemption
 from loraplex.engine.scheduler_update import OutputUpdate, core_output
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.spec_decode import AdaptiveK, SpecDecodeStats
+from loraplex.engine.spec_decode.adaptive import DRAFT_MAX_FAILED_PROBES
 from loraplex.engine.step_budget import PrefillBudget
 from loraplex.engine.structured_output import (
     StructuredOutputs,
@@ -392,7 +393,8 @@ class Scheduler(Preemption, OutputUpdate):
         if limit <= 0:
             return none
         if seq.spec is None:
-            seq.spec = AdaptiveK(self.spec_k)
+            give_up = DRAFT_MAX_FAILED_PROBES if self.draft_model else None
+            seq.spec = AdaptiveK(self.spec_k, max_failed_probes=give_up)
         k = min(seq.spec.next_k(), limit)
         masks: list[bytes] = []
         if k > 0 and seq.grammar is not None:

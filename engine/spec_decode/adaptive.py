@@ -8,8 +8,15 @@ verification). The ``k``-th proposal is accepted with probability about ``alpha*
 controller verifies the largest ``k <= max_k`` with ``alpha**k >= MIN_GAIN``. When that is 0,
 speculation stops for a back-off of 1, 2, 4 ... 64 of the sequence's proposal steps, then a
 single proposal probes whether acceptance came back. A sequence whose output never repeats
-therefore verifies about one proposal in 64 steps, so speculation costs it next to nothing
-(``bench.speculative``'s non-repeating workload); vLLM has no such control (a fixed ``k``).
+therefore verifies about one proposal in 64 steps, so n-gram speculation costs it next to
+nothing (``bench.speculative``'s non-repeating workload); vLLM has no such control (a fixed
+``k``).
+
+A draft model is different: before it can propose for a sequence it must have seen every
+token of it (``engine.spec_decode.draft``), so each probe costs a draft pass over everything
+since the last one, and probing at any rate costs about the draft's share of the target's
+work per token. With ``max_failed_probes`` (the draft method uses ``DRAFT_MAX_FAILED_PROBES``)
+a sequence whose probes all fail that many times in a row stops speculating for good.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ DECAY = 0.8
 MAX_BACKOFF = 64
 """Most proposal steps a sequence skips between probes."""
 
+DRAFT_MAX_FAILED_PROBES = 3
+"""Draft model: failed probes in a row after which a sequence stops speculating."""
+
 
 @dataclass
 class AdaptiveK:
@@ -32,19 +42,25 @@ class AdaptiveK:
 
     Args:
         max_k: The server's ``--num-speculative-tokens``.
+        max_failed_probes: Failed probes in a row after which :meth:`next_k` is 0 for good;
+            None: probe forever.
 
     Attributes:
         accepted: Decayed count of accepted proposals.
         rejected: Decayed count of rejections (at most one per verification).
         wait: Proposal steps left to skip.
         backoff: The next back-off, in proposal steps.
+        failed_probes: Probes in a row that were rejected.
     """
 
     max_k: int
+    max_failed_probes: int | None = None
     accepted: float = 1.0  # a prior of alpha = 0.5: start at k = 2, grow from there
     rejected: float = 1.0
     wait: int = 0
     backoff: int = 1
+    failed_probes: int = 0
+    _probing: bool = False
 
     @property
     def alpha(self) -> float:
@@ -53,6 +69,8 @@ class AdaptiveK:
 
     def next_k(self) -> int:
         """How many proposals to verify at this step (call once per step with proposals)."""
+        if self.max_failed_probes is not None and self.failed_probes >= self.max_failed_probes:
+            return 0
         if self.wait > 0:
             self.wait -= 1
             return 0
@@ -63,14 +81,18 @@ class AdaptiveK:
         if k == 0:  # not worth it: probe one proposal, then back off if it fails
             self.wait = self.backoff
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+            self._probing = True
             return min(1, self.max_k)
         self.backoff = 1
+        self._probing = False
         return k
 
     def update(self, num_proposed: int, num_accepted: int) -> None:
         """Record one verification: ``num_accepted`` of ``num_proposed`` proposals kept."""
         self.accepted = DECAY * self.accepted + num_accepted
         self.rejected = DECAY * self.rejected + (num_accepted < num_proposed)
+        if self._probing:
+            self.failed_probes = self.failed_probes + 1 if num_accepted == 0 else 0
 
 
 @dataclass

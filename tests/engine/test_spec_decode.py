@@ -378,3 +378,20 @@ def test_drafts_that_cannot_propose_for_the_target_are_refused(
                          speculative_model=str(tmp_path / "missing")))  # fmt: skip
     with pytest.raises(ValueError, match="num_layers"):
         write_layer_skip_draft(tiny_text_dir, tmp_path / "x", 0)
+
+
+def test_adaptive_k_gives_up_after_failed_probes_when_asked():
+    ctl = AdaptiveK(max_k=4, max_failed_probes=3)
+    ks = []
+    for _ in range(300):
+        k = ctl.next_k()
+        ks.append(k)
+        if k:
+            ctl.update(k, 0)
+    assert ctl.failed_probes == 3 and sum(ks) <= 8 and not any(ks[20:])
+    ctl = AdaptiveK(max_k=4, max_failed_probes=3)  # an accepted probe resets the count
+    for _ in range(200):
+        k = ctl.next_k()
+        if k:
+            ctl.update(k, k if ctl.failed_probes == 2 else 0)
+    assert ctl.failed_probes < 3
