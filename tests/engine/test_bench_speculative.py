@@ -1,22 +1,11 @@
 """``bench.speculative --quick`` runs: every method's outputs equal plain decoding's (the bench
 asserts it) and the acceptance figures are consistent."""
 
-import json
-import os
-import subprocess
-import sys
+from tests.bench_run import run_bench
 
 
 def test_bench_speculative_quick(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.speculative", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "LORAPLEX_DATA_DIR": str(tmp_path)},
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_bench("speculative", "--quick", data_dir=tmp_path)
     rows = result["results"]
     assert set(rows) == {
         f"{w}/{m}" for w in ("repeating", "non-repeating") for m in ("plain", "ngram", "draft")

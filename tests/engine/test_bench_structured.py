@@ -1,12 +1,8 @@
 """``bench.structured --quick`` runs: both batches produce the same tokens, every constrained
 output is a valid prefix of its schema (the bench asserts it), compile times are reported."""
 
-import json
-import os
-import subprocess
-import sys
-
 from bench.structured import valid_prefix
+from tests.bench_run import run_bench
 
 
 def test_valid_prefix_is_strict():
@@ -15,15 +11,7 @@ def test_valid_prefix_is_strict():
 
 
 def test_bench_structured_quick(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.structured", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "LORAPLEX_DATA_DIR": str(tmp_path)},
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_bench("structured", "--quick", data_dir=tmp_path)
     assert result["half_constrained"]["constrained_rows"] == 4
     assert result["half_constrained"]["tokens"] == result["unconstrained"]["tokens"] == 8 * 16
     assert result["compile"]["cold_ms"] > result["compile"]["cached_ms"] > 0

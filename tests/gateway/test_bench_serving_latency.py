@@ -1,12 +1,8 @@
 """``bench.serving_latency --quick`` runs end to end: a real ``loraplex serve`` (engine core in its
 own process) and a direct engine client, the same streams through both, figures for both."""
 
-import json
-import os
-import subprocess
-import sys
-
 from bench.serving_latency import bucket_quantile, percentile, summary
+from tests.bench_run import run_bench
 
 
 def test_percentile_and_summary():
@@ -25,15 +21,7 @@ def test_bucket_quantile():
 
 
 def test_bench_serving_latency_quick(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.serving_latency", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "LORAPLEX_DATA_DIR": str(tmp_path)},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_bench("serving_latency", "--quick", data_dir=tmp_path)
     for way in ("gateway", "direct"):
         best = result["best"][way]
         assert best["streams"] == 8 and best["gaps"] > 0 and best["ttft_p50_ms"] > 0
