@@ -164,6 +164,7 @@ class EngineCore:
                 backend=backend,
                 device=self.device,
                 dtype=self.dtype,
+                max_catch_up_tokens=config.max_num_batched_tokens,
             ),
         )
         self.request_limits = RequestLimits(

@@ -298,7 +298,9 @@ class ModelRunner:
             logprobs.setdefault(seq_id, []).append((logprob, top))
         for seq_id, tokens in result.sampled.items():
             item, st = by_id[seq_id], self.seqs[seq_id]
-            if item.num_spec_tokens:  # drafted proposals may be missing (the draft failed)
+            if item.num_spec_tokens:  # drafted proposals may be missing (undrafted)
+                if not item.spec_token_ids:
+                    result.undrafted.add(seq_id)
                 kept = accepted_prefix(item.spec_token_ids, tokens) + 1
                 del tokens[kept:]
                 del logprobs[seq_id][kept:]

@@ -189,6 +189,8 @@ class ModelRunnerOutput:
         forward_seconds: Time of the forward pass and logits.
         spec_token_ids: Proposals for the next step, per sequence that sampled (speculative
             decoding); the scheduler decides how many of them to verify.
+        undrafted: Sequences scheduled to verify drafted proposals that the draft model did
+            not draft (they ran as plain decodes; no acceptance is counted for them).
     """
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
@@ -196,6 +198,7 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     forward_seconds: float = 0.0
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    undrafted: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)

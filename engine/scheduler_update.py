@@ -51,7 +51,8 @@ class OutputUpdate:
             tokens = result.sampled.get(item.seq_id) if item.sample else None
             logprobs = result.logprobs.get(item.seq_id)
             if item.num_spec_tokens and tokens:
-                outputs.append(self._verified(seq, item, tokens, logprobs))
+                counted = item.seq_id not in result.undrafted
+                outputs.append(self._verified(seq, item, tokens, logprobs, counted))
                 continue
             seq.num_computed_tokens = item.start + item.num_new_tokens
             if not tokens:
@@ -97,6 +98,7 @@ class OutputUpdate:
         item: ScheduledSeq,
         tokens: list[int],
         logprobs: list[Logprob] | None,
+        counted: bool = True,
     ) -> EngineCoreOutput:
         """Apply a speculating sequence's step: ``a`` accepted proposals and the target's token.
 
@@ -105,13 +107,22 @@ class OutputUpdate:
         a stop token or length limit among them finishes the sequence there and drops the
         rest.
 
+        Args:
+            seq: The sequence.
+            item: Its share of the step (its proposals, or how many were to be drafted).
+            tokens: The ``a + 1`` tokens the runner kept.
+            logprobs: Their logprobs, when asked for.
+            counted: False when the draft model did not draft it after all: its step was a
+                plain decode and says nothing about acceptance.
+
         Returns:
             One output with the tokens kept, finished as the last of them finished it.
         """
         num_proposed, num_accepted = item.num_spec_tokens, len(tokens) - 1
-        self.spec_stats.record(num_proposed, num_accepted)
-        if seq.spec is not None:
-            seq.spec.update(num_proposed, num_accepted)
+        if counted:
+            self.spec_stats.record(num_proposed, num_accepted)
+            if seq.spec is not None:
+                seq.spec.update(num_proposed, num_accepted)
         seq.num_computed_tokens = item.start + len(tokens)
         self.kv.trim(seq.seq_id, seq.num_computed_tokens)
         merged: EngineCoreOutput | None = None

@@ -14,9 +14,13 @@ swap-in brings target KV only), and the draft runs only for the sequences that s
 the step: its first forward computes each one's positions from ``draft_len`` through its last
 real token (the whole prompt the first time, then the one or two tokens the last step left),
 which yields the first proposals; each further forward feeds one proposal per speculating
-sequence. Positions written with a proposal the target later rejects fall past ``draft_len``
-and are written again before they are read. A step where nobody speculates (the adaptive
-count is 0 everywhere) does not run the draft at all.
+sequence. The catch-up of one step is bounded (``max_catch_up_tokens``, the step's token
+budget), so long prompts starting to speculate together cannot make one step's draft pass
+unbounded: a sequence whose catch-up does not fit gets what is left of the bound, runs the
+step as a plain decode, and reports itself ``undrafted`` (no acceptance is counted for it).
+Positions written with a proposal the target later rejects fall past ``draft_len`` and are
+written again before they are read. A step where nobody speculates (the adaptive count is 0
+everywhere) does not run the draft at all.
 
 The draft only proposes: a draft that is wrong, stale or slow costs acceptance, never
 correctness. It runs without the request's LoRA adapter and sees image placeholder tokens as
@@ -68,6 +72,7 @@ class DraftProposer:
         backend: The attention backend.
         device: Where the draft runs.
         dtype: Its KV dtype.
+        max_catch_up_tokens: Most tokens the first draft forward of a step computes.
 
     Attributes:
         kv_caches: ``num_layers`` (K, V) pairs of ``[num_blocks, block_size, kv_heads,
@@ -83,8 +88,10 @@ class DraftProposer:
         backend: Any,
         device: torch.device,
         dtype: torch.dtype,
+        max_catch_up_tokens: int = 2048,
     ) -> None:
         self.model = model
+        self.max_catch_up_tokens = max_catch_up_tokens
         self.backend = backend
         self.device = device
         shape = (num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
@@ -109,35 +116,41 @@ class DraftProposer:
 
         Returns:
             ``items`` with ``spec_token_ids`` filled in where drafted (copies; the others as
-            they were). If the draft forward raises, the speculating items come back as plain
-            decodes (``num_new_tokens = 1``, no proposals) and the step goes on without it.
+            they were). A speculating item left undrafted (its catch-up did not fit the
+            step's bound, or the draft forward raised) comes back as a plain decode
+            (``num_new_tokens = 1``, no proposals; ``num_draft_tokens`` kept, so its lookahead
+            slots are still given back).
         """
         try:
             proposals = self._propose(items, seqs)
         except Exception:
             logger.exception("the draft model failed; this step does not speculate")
-            return [
-                dataclasses.replace(item, num_new_tokens=1) if item.num_draft_tokens else item
-                for item in items
-            ]
+            proposals = {}
         return [
-            dataclasses.replace(item, spec_token_ids=proposals[item.seq_id])
+            item
+            if not item.num_draft_tokens
+            else dataclasses.replace(item, spec_token_ids=proposals[item.seq_id])
             if item.seq_id in proposals
-            else item
+            else dataclasses.replace(item, num_new_tokens=1)
             for item in items
         ]
 
     def _propose(self, items: list[Any], seqs: dict[str, Any]) -> dict[str, list[int]]:
-        chunks, rows = [], []
-        drafting = [item for item in items if item.num_draft_tokens]
-        row = 0
-        for item in drafting:
+        chunks, rows, drafting = [], [], []
+        row, room = 0, self.max_catch_up_tokens
+        for item in items:
+            if not item.num_draft_tokens or room <= 0:
+                continue
             st = seqs[item.seq_id]
             begin = min(self.draft_len.get(item.seq_id, 0), item.start)
-            chunks.append((st.token_ids[begin : item.start + 1], begin, st.table))
-            row += item.start + 1 - begin
-            rows.append(row - 1)
-            self.draft_len[item.seq_id] = item.start + 1
+            end = min(item.start + 1, begin + room)
+            chunks.append((st.token_ids[begin:end], begin, st.table))
+            row += end - begin
+            room -= end - begin
+            self.draft_len[item.seq_id] = end
+            if end == item.start + 1:  # caught up: its last token's logits propose
+                rows.append(row - 1)
+                drafting.append(item)
         proposals: dict[str, list[int]] = {item.seq_id: [] for item in drafting}
         next_ids = self._forward(chunks, rows)
         for step in range(1, max((i.num_draft_tokens for i in drafting), default=0) + 1):

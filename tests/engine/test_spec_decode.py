@@ -395,3 +395,22 @@ def test_adaptive_k_gives_up_after_failed_probes_when_asked():
         if k:
             ctl.update(k, k if ctl.failed_probes == 2 else 0)
     assert ctl.failed_probes < 3
+
+
+def test_the_draft_catch_up_of_a_step_is_bounded(tiny_text_dir, tmp_path_factory):
+    """Long prompts starting to speculate in one step: no draft forward computes more than the
+    step's token budget; the sequences left behind run plain decodes meanwhile."""
+    flags = spec_flags("draft", tiny_text_dir, tmp_path_factory)
+    config = {"model": tiny_text_dir, "num_kv_blocks": 256, "max_num_batched_tokens": 48}
+    plain = LLM(EngineConfig(**config))
+    spec = LLM(EngineConfig(**config, **flags))
+    draft = spec.engine.runner.draft
+    sizes = []
+    forward = draft.model.forward
+    draft.model.forward = lambda ids, *a, **kw: sizes.append(len(ids)) or forward(ids, *a, **kw)
+    prompts = [long_text(90, seed=30 + i) for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 3
+    expected = outputs(plain, build(plain, prompts, params))
+    assert outputs(spec, build(spec, prompts, params)) == expected
+    assert max(sizes) <= 48 < sum(sizes)
+    assert spec.engine.stats()["spec_decode_num_drafts"] > 0
