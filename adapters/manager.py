@@ -142,6 +142,9 @@ class LoRAManager:
         self._refs = [0] * max_loras
         self._free_slots = list(range(max_loras - 1, -1, -1))
         self.num_loads = 0  # adapters copied into a device slot
+        # Called with (digest, True) when an adapter enters a device slot and (digest, False)
+        # when it leaves one (a router mirrors residency: engine.kv_events); None: nobody.
+        self.on_residency: Callable[[str, bool], None] | None = None
 
     # --------------------------------------------------------------------------- tiers
     def add(self, adapter: Any) -> None:
@@ -177,6 +180,11 @@ class LoRAManager:
         return sum(1 for r in self._refs if r > 0)
 
     @property
+    def device_digests(self) -> list[str]:
+        """Digests resident in a device slot, least recently used first."""
+        return list(self._slot_of)
+
+    @property
     def cpu_digests(self) -> list[str]:
         """Digests in the CPU tier, least recently used first."""
         return list(self._cpu)
@@ -205,6 +213,7 @@ class LoRAManager:
                 self._free_slots.append(slot)
                 raise
             self._slot_of[digest] = slot
+            self._resident(digest, True)
         self._slot_of.move_to_end(digest)
         self._refs[slot] += 1
         return slot
@@ -222,6 +231,7 @@ class LoRAManager:
             if self._refs[slot] > 0:
                 return False
             del self._slot_of[digest]
+            self._resident(digest, False)
             self._clear(slot)
             self._free_slots.append(slot)
         self._cpu.pop(digest, None)
@@ -233,8 +243,13 @@ class LoRAManager:
         for digest, slot in self._slot_of.items():  # least recently used first
             if self._refs[slot] == 0:
                 del self._slot_of[digest]
+                self._resident(digest, False)
                 return slot
         return None
+
+    def _resident(self, digest: str, resident: bool) -> None:
+        if self.on_residency is not None:
+            self.on_residency(digest, resident)
 
     def _clear(self, slot: int) -> None:
         for buf in self.buffers.values():

@@ -84,6 +84,9 @@ class EngineConfig:
             is set.
         prompt_lookup_min: ``ngram``: shortest suffix matched.
         prompt_lookup_max: ``ngram``: longest suffix matched (tried first).
+        enable_kv_events: Record KV events (``engine.kv_events``: block hashes stored and
+            removed, adapters loaded and unloaded) for a router; set by the replica set,
+            off for one engine (nobody would drain them).
     """
 
     model: str
@@ -120,6 +123,7 @@ class EngineConfig:
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         checks = [

@@ -25,6 +25,7 @@ from loraplex.adapters.registry import AdapterLimits, AdapterRegistry
 from loraplex.engine.attention import get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.kv_events import KVEvent, KVEventLog
 from loraplex.engine.loading import (
     attention_cost,
     load_draft_model,
@@ -46,7 +47,6 @@ from loraplex.engine.structured_output import StructuredOutputs
 from loraplex.engine.swap import CpuBlockPool
 from loraplex.engine.validation import RequestLimits, validate_request
 from loraplex.engine.vision_cache import VisionCache
-from loraplex.hashing.request_hasher import RequestBlockHasher
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,15 @@ class EngineCore:
         self.max_model_len = config.max_model_len
         num_blocks = config.num_kv_blocks
         self.structured = StructuredOutputs(config.model, self.model.vocab_size, self.eos_token_ids)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_events = KVEventLog() if config.enable_kv_events else None
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, events=self.kv_events
+        )
+        if self.kv_events is not None:
+            log = self.kv_events
+            self.lora_manager.on_residency = lambda digest, resident: (
+                log.adapter_loaded if resident else log.adapter_unloaded
+            )(digest)
         batched = config.max_num_batched_tokens
         self.scheduler = Scheduler(
             self.kv,
@@ -196,14 +204,7 @@ class EngineCore:
             self.adapters.known(digest) or self.lora_manager.holds(digest)
         ):
             raise ValueError(f"unknown adapter {digest}")
-        hasher = RequestBlockHasher(
-            self.kv.block_size,
-            algorithm=self.config.prefix_hash,
-            lora_digest=digest,
-            cache_salt=request.cache_salt,
-            placeholders=[im.placeholder for im in request.images],
-        )
-        hasher.extend(request.prompt_token_ids)
+        hasher = request.block_hasher(self.kv.block_size, self.config.prefix_hash)
         seq = Sequence(
             seq_id=request.request_id,
             request=request,
@@ -295,6 +296,10 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         self.step_times.append((time.perf_counter() - t0, result.forward_seconds))
         return outputs
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """The KV events since the last call, oldest first (none unless ``enable_kv_events``)."""
+        return self.kv_events.drain() if self.kv_events is not None else []
 
     # -------------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import torch
 
 from loraplex.engine.sampling.params import SamplingParams  # at run time: msgspec decodes it
 from loraplex.hashing.extra_keys import MMPlaceholder
+from loraplex.hashing.request_hasher import RequestBlockHasher
 
 
 class RequestOutputKind(enum.Enum):
@@ -68,6 +69,27 @@ class EngineRequest:
     tenant: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+
+    def block_hasher(self, block_size: int, algorithm: str = "sha256") -> RequestBlockHasher:
+        """The request's block hashes, as the engine computes them (its prompt hashed).
+
+        Whoever computes them with the engine's ``block_size`` and ``prefix_hash`` gets the
+        hashes the engine's prefix cache uses: the engine itself at admission, and a router
+        choosing the replica that holds the request's leading blocks (``gateway.routing``).
+
+        Returns:
+            A ``hashing.RequestBlockHasher`` over the prompt (``.block_hashes``: one per
+            full block, with the adapter, the images and the cache salt in them).
+        """
+        hasher = RequestBlockHasher(
+            block_size,
+            algorithm=algorithm,
+            lora_digest=self.lora_digest,
+            cache_salt=self.cache_salt,
+            placeholders=[im.placeholder for im in self.images],
+        )
+        hasher.extend(self.prompt_token_ids)
+        return hasher
 
 
 @dataclass

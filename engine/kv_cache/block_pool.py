@@ -24,6 +24,10 @@ class BlockPool:
         num_blocks: Blocks in the pool (> 0).
         enable_caching: Keep the hashes of full blocks so later requests can hit them.
 
+    Attributes:
+        events: Where hashes dropped from the cache are reported (``removed`` on eviction
+            and uncaching, ``cleared`` on reset; ``engine.kv_events.KVEventLog``), or None.
+
     Raises:
         ValueError: ``num_blocks`` is not positive.
     """
@@ -38,6 +42,7 @@ class BlockPool:
         self.cached: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
         self.epoch = 0  # bumped whenever a cached hash is dropped (eviction or reset)
+        self.events = None
 
     @property
     def num_free(self) -> int:
@@ -86,7 +91,7 @@ class BlockPool:
         cached = self.cached
         blocks: list[KVCacheBlock] = []
         append = blocks.append
-        evicted = 0
+        evicted: list[bytes] = []
         node = queue.head.next_free
         for _ in range(n):
             block = node
@@ -95,16 +100,18 @@ class BlockPool:
             if block.block_hash is not None:
                 # Invariant: a block holds a hash only while it is the cached block for it.
                 del cached[block.block_hash]
+                evicted.append(block.block_hash)
                 block.block_hash = None
-                evicted += 1
             block.ref_cnt = 1
             append(block)
         queue.head.next_free = node
         node.prev_free = queue.head
         queue.num_free -= n
         if evicted:
-            self.num_evictions += evicted
+            self.num_evictions += len(evicted)
             self.epoch += 1
+            if self.events is not None:
+                self.events.removed(evicted)
         return blocks
 
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> int:
@@ -116,16 +123,18 @@ class BlockPool:
         Returns:
             How many hashes were dropped.
         """
-        dropped = 0
+        dropped: list[bytes] = []
         for block in blocks:
             h = block.block_hash
             if h is not None and self.cached.get(h) is block:
                 del self.cached[h]
                 block.block_hash = None
-                dropped += 1
+                dropped.append(h)
         if dropped:
             self.epoch += 1
-        return dropped
+            if self.events is not None:
+                self.events.removed(dropped)
+        return len(dropped)
 
     def free_blocks(self, ordered: Sequence[KVCacheBlock]) -> None:
         """Drop one reference on each block; those reaching 0 return to the free queue.
@@ -174,4 +183,6 @@ class BlockPool:
             block.block_hash = None
         self.cached.clear()
         self.epoch += 1
+        if self.events is not None:
+            self.events.cleared()
         return True

@@ -22,6 +22,7 @@ from operator import is_not
 from loraplex.engine.kv_cache.block import KVCacheBlock
 from loraplex.engine.kv_cache.block_pool import BlockPool
 from loraplex.engine.kv_cache.stats import PrefixCacheStats
+from loraplex.engine.kv_events import KVEventLog
 
 _is_block = partial(is_not, None)
 
@@ -91,17 +92,27 @@ class KVCacheManager:
         num_blocks: Blocks in the pool.
         block_size: Token slots per block.
         enable_caching: Automatic prefix caching on or off.
+        events: Where the cache's changes are reported (hashes stored, removed, cleared:
+            ``engine.kv_events``, for a router), or None.
 
     Raises:
         ValueError: a non-positive ``num_blocks`` or ``block_size``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        events: KVEventLog | None = None,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.events = events
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool.events = events
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
 
@@ -260,13 +271,17 @@ class KVCacheManager:
         if num_full <= start:
             return
         cached = self.pool.cached
+        stored: list[bytes] = []
         for block, h in zip(
             state.blocks[start:num_full], block_hashes[start:num_full], strict=True
         ):
             if block.block_hash is None and h not in cached:
                 block.block_hash = h
                 cached[h] = block
+                stored.append(h)
         state.num_cached_blocks = num_full
+        if stored and self.events is not None:
+            self.events.stored(stored)
 
     def trim(self, request_id: str, num_tokens: int) -> list[int]:
         """Keep only the blocks that ``num_tokens`` tokens need; give back the rest.

@@ -40,6 +40,8 @@ from loraplex.engine.kv_cache import (
     KVCacheManager,
     PrefixMatch,
 )
+from loraplex.engine.kv_events import KVEventLog
+from loraplex.gateway.routing import ReplicaView
 from loraplex.hashing.request_hasher import RequestBlockHasher
 
 # A tiny vocabulary and a few shared prefixes, so prompts share blocks often.
@@ -92,8 +94,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, False]),
     )
     def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
-        self.mgr = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+        self.events = KVEventLog()
+        self.mgr = KVCacheManager(
+            num_blocks, block_size, enable_caching=caching, events=self.events
+        )
         self.pool = self.mgr.pool
+        self.router_view = ReplicaView("replica")  # a router's mirror, from the events only
         self.bs = block_size
         self.num_blocks = num_blocks
         self.caching = caching
@@ -618,6 +624,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def model_invariants(self) -> None:
         pool, mgr, bs = self.pool, self.mgr, self.bs
         self.num_steps += 1
+        # KV events (issue 18): a router applying them knows exactly the cached hashes.
+        self.router_view.apply(self.events.drain())
+        assert self.router_view.hashes == set(pool.cached)
         # Mirrors equal the manager's tables; waiting and freed sequences hold nothing.
         for rid, seq in self.live.items():
             assert rid in mgr
