@@ -185,6 +185,10 @@ class InstantEngine:
             "lora_slots_in_use": 0,
         }
 
+    def drain_kv_events(self) -> list[Any]:
+        """None: the fake caches nothing."""
+        return []
+
     def shutdown(self) -> None:
         """Stop: :attr:`is_running` turns False."""
         self._running = False

@@ -9,6 +9,7 @@ cancellation) aborts its request, which frees its blocks at the next step bounda
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -50,6 +51,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._dead: BaseException | None = None
+        self._kv_events: collections.deque = collections.deque()  # filled by the engine thread
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -120,6 +122,17 @@ class AsyncLLM:
     def stats(self) -> dict[str, Any]:
         """A snapshot of scheduler and cache figures (read without locking: approximate)."""
         return self.engine.stats()
+
+    def drain_kv_events(self) -> list[Any]:
+        """KV events since the last call, oldest first.
+
+        See ``engine.kv_events``; none unless the config has ``enable_kv_events``. The engine
+        thread moves them here after each step.
+        """
+        events = []
+        while self._kv_events:
+            events.append(self._kv_events.popleft())
+        return events
 
     # -------------------------------------------------------------------- engine thread
     def _deliver(self, rid: str, item: Any) -> None:
@@ -192,6 +205,7 @@ class AsyncLLM:
                     break
                 if self.engine.has_unfinished_requests():
                     self._deliver_all(self.engine.step())
+                self._kv_events.extend(self.engine.core.drain_kv_events())
         except BaseException as exc:  # a bug in a step: fail every stream, mark dead
             logger.exception("engine loop failed")
             self._dead = exc

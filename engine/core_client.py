@@ -23,6 +23,7 @@ The same async API as :class:`engine.async_llm.AsyncLLM`: ``generate``, ``abort`
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import multiprocessing
@@ -75,6 +76,7 @@ class CoreProcessClient:
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._stats: dict[str, Any] = {}
+        self._kv_events: collections.deque = collections.deque()
         self._dir = tempfile.TemporaryDirectory(prefix="loraplex-core-")
         self._incarnation = 0
         self._enc = wire.encoder()
@@ -258,6 +260,16 @@ class CoreProcessClient:
         """The core's statistics after its latest step (refreshed at least every 0.25 s)."""
         return dict(self._stats)
 
+    def drain_kv_events(self) -> list[Any]:
+        """The core's KV events received since the last call, oldest first.
+
+        See ``engine.kv_events``; none unless the config has ``enable_kv_events``.
+        """
+        events = []
+        while self._kv_events:
+            events.append(self._kv_events.popleft())
+        return events
+
     def _send(self, msg: Any) -> None:
         """Push a message to the core (caller holds ``_lock``); dropped while none runs."""
         if self._running and self._push is not None:
@@ -294,6 +306,8 @@ class CoreProcessClient:
             msg = self._dec.decode(frame)
             if isinstance(msg, wire.Outputs):
                 self._stats = msg.stats
+                if msg.events:
+                    self._kv_events.extend(msg.events)  # a deque: safe across threads
                 if msg.outputs:
                     self._deliver_outputs(msg.outputs)
             elif isinstance(msg, wire.Rejected):

@@ -87,9 +87,10 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
                     if reply is not None:
                         push.send(enc.encode(reply))
             outputs = core.step() if core.has_unfinished_requests() else []
+            events = core.drain_kv_events()
             now = time.monotonic()
-            if outputs or now - last_stats >= STATS_EVERY_S:
-                push.send(enc.encode(wire.Outputs(outputs, _stats(core))))
+            if outputs or events or now - last_stats >= STATS_EVERY_S:
+                push.send(enc.encode(wire.Outputs(outputs, _stats(core), events)))
                 last_stats = now
     finally:
         push.close()

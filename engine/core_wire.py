@@ -16,6 +16,7 @@ import msgspec
 import torch
 
 from loraplex.adapters.registry import AdapterLimits
+from loraplex.engine.kv_events import KVEvent
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.scheduler_output import EngineCoreOutput
 
@@ -96,10 +97,13 @@ class Outputs(msgspec.Struct, tag=True):
     """A step's outputs, with the core's statistics after it.
 
     The statistics are numbers, and lists of counts (``spec_decode_num_accepted_tokens_per_pos``).
+    ``events`` are the KV events since the last message (``engine.kv_events``; empty unless
+    the core records them).
     """
 
     outputs: list[EngineCoreOutput]
     stats: dict[str, int | float | list[int]]
+    events: list[KVEvent] = []
 
 
 class Rejected(msgspec.Struct, tag=True):

@@ -119,6 +119,10 @@ class EngineClient(Protocol):
         """Scheduler and cache figures (``AsyncLLM.stats`` keys)."""
         ...
 
+    def drain_kv_events(self) -> list[Any]:
+        """The engine's KV events since the last call (``engine.kv_events``), for a router."""
+        ...
+
     def shutdown(self) -> None:
         """Abort everything and stop."""
         ...
@@ -217,6 +221,10 @@ class LocalEngineClient:
     def stats(self) -> dict[str, Any]:
         """See :class:`EngineClient`."""
         return dict(self.llm.stats())
+
+    def drain_kv_events(self) -> list[Any]:
+        """See :class:`EngineClient`."""
+        return self.llm.drain_kv_events()
 
     def shutdown(self) -> None:
         """See :class:`EngineClient`."""

@@ -129,6 +129,10 @@ class ProcessEngineClient:
         """See :class:`EngineClient`."""
         return self.core.stats()
 
+    def drain_kv_events(self) -> list[Any]:
+        """See :class:`EngineClient`."""
+        return self.core.drain_kv_events()
+
     def shutdown(self) -> None:
         """See :class:`EngineClient`."""
         self.core.shutdown()

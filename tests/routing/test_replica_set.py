@@ -1,0 +1,96 @@
+"""Two in-process engine replicas behind one ReplicaSetClient: requests sharing a prefix go
+where it is cached, tenants' salts keep their blocks apart, outputs equal one engine's, and a
+stopped replica leaves the routing table while the other serves."""
+
+import asyncio
+
+import pytest
+
+from loraplex.engine.async_llm import EngineDeadError
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.gateway.routing import ReplicaSetClient, RoutingPolicy
+from loraplex.gateway.server.build import start_engine
+from tests.media import long_text
+
+
+@pytest.fixture
+def replica_set(tiny_text_dir, tmp_path):
+    config = EngineConfig(model=str(tiny_text_dir), num_kv_blocks=128, enable_kv_events=True)
+    replicas = {f"r{i}": start_engine(config, tmp_path / "store") for i in range(2)}
+    client = ReplicaSetClient(replicas, RoutingPolicy(block_size=config.block_size))
+    yield client
+    client.shutdown()
+
+
+def collect(client, request):
+    async def run():
+        return [out async for out in client.generate(request)]
+
+    return asyncio.run(run())
+
+
+def request(client, rid, text, salt, max_tokens=6):
+    prompt = asyncio.run(client.process([{"role": "user", "content": text}]))
+    return EngineRequest(
+        rid,
+        list(prompt.prompt_token_ids),
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        cache_salt=salt,
+    )
+
+
+def test_shared_prefixes_follow_their_blocks_and_tenants_stay_apart(replica_set, tiny_text_dir):
+    texts = [long_text(100, seed=50 + i) for i in range(4)]
+    firsts = [request(replica_set, f"a{i}", text, "tenant-a") for i, text in enumerate(texts)]
+
+    async def together():  # in flight at once: spread by queued tokens
+        async def one(req):
+            return [out async for out in replica_set.generate(req)]
+
+        return await asyncio.gather(*(one(r) for r in firsts))
+
+    asyncio.run(together())
+    assert replica_set.num_routed == {"r0": 2, "r1": 2}
+    replica_set.refresh()
+    homes = {
+        name: view.leading_hits(firsts[0].block_hasher(16).block_hashes)
+        for name, view in replica_set.router.views.items()
+    }
+    assert sorted(homes.values())[0] == 0 < sorted(homes.values())[1]  # one replica holds it
+    for i, text in enumerate(texts):  # one at a time: each goes where its blocks are
+        again = request(replica_set, f"b{i}", text, "tenant-a")
+        home = replica_set.route(again)
+        assert replica_set.router.views[home].leading_hits(again.block_hasher(16).block_hashes)
+        outs = collect(replica_set, again)
+        assert outs[-1].num_cached_tokens > 0, i
+    other = request(replica_set, "c0", texts[0], "tenant-b")  # the same text, another tenant
+    outs = collect(replica_set, other)
+    assert outs[-1].num_cached_tokens == 0
+    stats = replica_set.stats()
+    assert stats["replicas"] == stats["replicas_running"] == 2
+    assert stats["kv_blocks_total"] == 256
+
+
+def test_outputs_equal_one_engine_and_a_stopped_replica_is_skipped(
+    replica_set, tiny_text_dir, tmp_path
+):
+    config = EngineConfig(model=str(tiny_text_dir), num_kv_blocks=128)
+    single = start_engine(config, tmp_path / "single-store")
+    try:
+        for i in range(4):
+            text = long_text(30 + 10 * i, seed=60 + i)
+            want = collect(single, request(single, f"s{i}", text, "t"))[-1].outputs[0].token_ids
+            got = collect(replica_set, request(replica_set, f"s{i}", text, "t"))
+            assert got[-1].outputs[0].token_ids == want
+    finally:
+        single.shutdown()
+    replica_set.replicas["r0"].llm.shutdown()  # its engine dies; the gateway side stays
+    routed = [replica_set.route(request(replica_set, f"d{i}", "hi", "t")) for i in range(3)]
+    assert routed == ["r1"] * 3 and not replica_set.router.views["r0"].healthy
+    assert collect(replica_set, request(replica_set, "d9", "hi", "t"))[-1].finished
+    replica_set.replicas["r1"].llm.shutdown()
+    assert not replica_set.is_running
+    with pytest.raises(EngineDeadError):
+        collect(replica_set, request(replica_set, "e0", "hi", "t"))
