@@ -26,7 +26,6 @@ import asyncio
 import collections
 import itertools
 import logging
-import multiprocessing
 import tempfile
 import threading
 import time
@@ -36,6 +35,7 @@ from typing import Any
 
 from loraplex.engine import core_wire as wire
 from loraplex.engine.async_llm import EngineDeadError, RequestFailedError
+from loraplex.engine.core_launch import ProcessLauncher
 from loraplex.engine.output_processor import OutputProcessor
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.streams import StreamState, put_all, read_outputs, settle
@@ -56,13 +56,22 @@ class CoreProcessClient:
         store_root: The adapter store the core reads adapters from by digest, or None.
         tokenizer: The model's tokenizer (for the output processor); may be given later with
             :meth:`set_tokenizer`, before the first request.
+        launcher: Where cores run (``engine.core_launch``): a child process (the default)
+            or a Ray actor.
 
     Raises:
         RuntimeError: (from :meth:`start`) the first core exited or did not become ready.
     """
 
-    def __init__(self, config: Any, store_root: str | None, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        store_root: str | None,
+        tokenizer: Any = None,
+        launcher: Any = None,
+    ) -> None:
         self.config = config
+        self.launcher = launcher if launcher is not None else ProcessLauncher()
         self.store_root = store_root
         self.output_processor = OutputProcessor(tokenizer)
         self.info: wire.CoreInfo | None = None
@@ -104,33 +113,30 @@ class CoreProcessClient:
         return self.info
 
     def _spawn(self) -> wire.CoreInfo:
-        """A new core process and sockets; block until its ``Ready``."""
+        """A new core (process or actor) and sockets; block until its ``Ready``."""
         import zmq
 
-        from loraplex.engine.core_proc import run_core
-
         self._incarnation += 1
-        base = Path(self._dir.name)
-        in_addr = f"ipc://{base}/in-{self._incarnation}"
-        out_addr = f"ipc://{base}/out-{self._incarnation}"
         for sock in (self._push, self._pull):
             if sock is not None:
                 sock.close(linger=0)
         self._push = self._ctx.socket(zmq.PUSH)
-        self._push.bind(in_addr)
         self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(out_addr)
-        spawn = multiprocessing.get_context("spawn")
-        self._proc = spawn.Process(
-            target=run_core,
-            args=(self.config, self.store_root, in_addr, out_addr),
-            name="loraplex-engine-core",
-            daemon=True,
-        )
-        self._proc.start()
+        if self.launcher.remote:  # a core on another node: TCP to this host's address
+            host = self.launcher.node_address()
+            in_addr = f"tcp://{host}:{self._push.bind_to_random_port(f'tcp://{host}')}"
+            out_addr = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}"
+        else:
+            base = Path(self._dir.name)
+            in_addr = f"ipc://{base}/in-{self._incarnation}"
+            out_addr = f"ipc://{base}/out-{self._incarnation}"
+            self._push.bind(in_addr)
+            self._pull.bind(out_addr)
+        self._proc = self.launcher.launch(self.config, self.store_root, in_addr, out_addr)
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
-        poller.register(self._proc.sentinel, zmq.POLLIN)
+        if self._proc.sentinel is not None:
+            poller.register(self._proc.sentinel, zmq.POLLIN)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             events = dict(poller.poll(200))
@@ -282,12 +288,14 @@ class CoreProcessClient:
         while not self._stopping.is_set():
             poller = zmq.Poller()
             poller.register(self._pull, zmq.POLLIN)
-            poller.register(self._proc.sentinel, zmq.POLLIN)
+            sentinel = self._proc.sentinel  # None for a Ray actor: polled with is_alive()
+            if sentinel is not None:
+                poller.register(sentinel, zmq.POLLIN)
             while not self._stopping.is_set():
                 events = dict(poller.poll(100))
                 if self._pull in events:
                     self._drain()
-                if self._proc.sentinel in events:
+                if sentinel in events if sentinel is not None else not self._proc.is_alive():
                     break
             if self._stopping.is_set():
                 return

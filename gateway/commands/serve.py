@@ -119,6 +119,23 @@ def register(subparsers) -> None:
         "gateway's process, which then exits if it dies (default: own process)",
     )
     p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine cores behind one router that sends each request where its prefix is "
+        "cached and its adapter loaded, weighed against queued work (docs/scale_out.md); "
+        "each core gets 1/N of the automatic CPU KV share (default %(default)s)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="place the engine cores as Ray actors on this cluster: auto (the cluster this "
+        "host belongs to), a GCS address, or local (a new Ray instance on this machine); one "
+        "GPU each with --device cuda (default: child processes of this one)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -327,7 +344,11 @@ def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
     gateway_config = gateway_config.replace(port=port)
     admin_key, admin_path, created = load_or_create_admin_key(directory, args.admin_key)
     client = start_engine(
-        engine_config, gateway_config.store_dir, in_process=not args.engine_process
+        engine_config,
+        gateway_config.store_dir,
+        in_process=not args.engine_process,
+        replicas=args.replicas,
+        ray_address=args.ray_address,
     )
     try:
         _report_engine(client, gateway_config.served_model_name, time.monotonic() - t0)
@@ -376,6 +397,8 @@ def _report_engine(client, name: str, seconds: float) -> None:
 
     info = client.describe()
     where = f" (engine core: process {info['pid']})" if info.get("pid") else " (in process)"
+    if info.get("replicas"):
+        where = f" ({info['replicas']} engine replicas behind a router; the first{where[1:]}"
     progress(
         f"model {name} loaded: {_count(info['num_parameters'])} parameters, "
         f"{info['dtype']} on {info['device']}, in {seconds:.1f} s{where}"

@@ -25,7 +25,12 @@ def served_name(engine_config: EngineConfig) -> str:
 
 
 def start_engine(
-    engine_config: EngineConfig, store_root: Path, *, in_process: bool = True
+    engine_config: EngineConfig,
+    store_root: Path,
+    *,
+    in_process: bool = True,
+    replicas: int = 1,
+    ray_address: str | None = None,
 ) -> EngineClient:
     """Load the model and start the engine, reading tenant adapters from the store.
 
@@ -34,11 +39,19 @@ def start_engine(
         store_root: The adapter store.
         in_process: The engine core on a thread of this process (``LLM``, tests); else in its
             own process (``serve``'s default: ``gateway.server.process_client``).
+        replicas: Engine cores behind one router (``gateway.routing``); more than 1 records
+            KV events in every core, and on a CPU splits the automatic KV share between them.
+        ray_address: Place the cores as Ray actors on this cluster (``"auto"``, an address,
+            or ``"local"`` for a new local instance) instead of child processes.
 
     Raises:
-        ValueError: the model or config is unusable (in process).
-        RuntimeError: the core process exited before it was ready (its error is logged).
+        ValueError: the model or config is unusable (in process), or ``replicas < 1``.
+        RuntimeError: a core process exited before it was ready (its error is logged).
     """
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    if replicas > 1 or ray_address is not None:
+        return _start_replicas(engine_config, store_root, in_process, replicas, ray_address)
     if not in_process:
         from loraplex.gateway.server.process_client import ProcessEngineClient
 
@@ -63,6 +76,44 @@ def start_engine(
     client = LocalEngineClient(AsyncLLM(engine=engine), served_name(engine_config))
     holder["client"] = client
     return client
+
+
+def _start_replicas(
+    engine_config: EngineConfig,
+    store_root: Path,
+    in_process: bool,
+    replicas: int,
+    ray_address: str | None,
+) -> EngineClient:
+    """``replicas`` cores (child processes, Ray actors, or in process) behind a router."""
+    from loraplex.gateway.routing import ReplicaSetClient, RoutingPolicy
+
+    config = engine_config.replace(enable_kv_events=True)
+    if config.device == "cpu" and ray_address is None:  # one machine's memory, shared
+        config = config.replace(cpu_kv_cache_share=config.cpu_kv_cache_share / replicas)
+    launcher = None
+    if ray_address is not None:
+        from loraplex.engine.core_launch import RayLauncher
+
+        launcher = RayLauncher(ray_address, num_gpus=1 if config.device == "cuda" else 0)
+    clients: dict[str, EngineClient] = {}
+    try:
+        for i in range(replicas):
+            if launcher is None and in_process:
+                clients[f"replica-{i}"] = start_engine(config, store_root)
+            else:
+                from loraplex.gateway.server.process_client import ProcessEngineClient
+
+                clients[f"replica-{i}"] = ProcessEngineClient(
+                    config, str(store_root), served_name(config), launcher=launcher
+                )
+    except BaseException:
+        for client in clients.values():
+            client.shutdown()
+        raise
+    return ReplicaSetClient(
+        clients, RoutingPolicy(block_size=config.block_size), prefix_hash=config.prefix_hash
+    )
 
 
 def build_gateway(

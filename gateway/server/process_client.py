@@ -30,16 +30,19 @@ class ProcessEngineClient:
         config: The ``EngineConfig``.
         store_root: The adapter store the core reads adapters from.
         model_name: Name of the base model in the API.
+        launcher: Where the core runs (``engine.core_launch``; a child process by default).
 
     Raises:
         RuntimeError: the core exited or timed out before it was ready.
         ValueError: the model directory has no usable tokenizer or processor.
     """
 
-    def __init__(self, config: Any, store_root: str, model_name: str) -> None:
+    def __init__(
+        self, config: Any, store_root: str, model_name: str, launcher: Any = None
+    ) -> None:
         self.model_name = model_name
         self.core: CoreProcessClient | None = None
-        core = CoreProcessClient(config, store_root)
+        core = CoreProcessClient(config, store_root, launcher=launcher)
         info = core.start()
         self.core = core
         try:
