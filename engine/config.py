@@ -84,6 +84,8 @@ class EngineConfig:
             is set.
         prompt_lookup_min: ``ngram``: shortest suffix matched.
         prompt_lookup_max: ``ngram``: longest suffix matched (tried first).
+        num_cpu_threads: Threads torch uses for CPU work in the engine (None: torch's
+            default, every core); replicas sharing one machine split its cores.
         enable_kv_events: Record KV events (``engine.kv_events``: block hashes stored and
             removed, adapters loaded and unloaded) for a router; set by the replica set,
             off for one engine (nobody would drain them).
@@ -124,6 +126,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     enable_kv_events: bool = False
+    num_cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -197,6 +200,10 @@ class EngineConfig:
                 self.num_speculative_tokens is None
                 or (self.speculative_method is not None and 0 < self.num_speculative_tokens <= 16),
                 "num_speculative_tokens needs a speculative_method and must be in [1, 16]",
+            ),
+            (
+                self.num_cpu_threads is None or self.num_cpu_threads > 0,
+                "num_cpu_threads must be positive",
             ),
             (
                 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,

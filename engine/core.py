@@ -75,6 +75,8 @@ class EngineCore:
     def __init__(
         self, config: EngineConfig, *, adapter_loader: Callable[[str], Any] | None = None
     ) -> None:
+        if config.num_cpu_threads is not None:
+            torch.set_num_threads(config.num_cpu_threads)
         loaded = load_engine_model(config)
         self.model = loaded.model
         self.hf_config = loaded.hf_config
@@ -314,5 +316,6 @@ class EngineCore:
             "prefix_cache_queried_tokens": self.kv.stats.total.queried_tokens,
             "prefix_cache_hit_tokens": self.kv.stats.total.hit_tokens,
             "lora_slots_in_use": self.lora_manager.slots_in_use,
+            "lora_loads": self.lora_manager.num_loads,
             **self.scheduler.spec_stats.as_dict(),
         }

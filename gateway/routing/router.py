@@ -35,7 +35,9 @@ class RoutingPolicy:
         block_size: Tokens per KV block (the engines').
         adapter_load_tokens: What loading an adapter into a device slot is worth, in tokens
             of prefill (a copy of its weights, and a slot taken from another adapter).
-        load_weight: Weight of one queued token against one token of prefill saved.
+        load_weight: Weight of one queued token against one token of prefill saved: a
+            replica's queued tokens delay a new request by much less than their number (in a
+            continuous batch the new request runs alongside them), so 0.25 by default.
         imbalance_tokens: Queued tokens above the least-loaded replica's past which...
         imbalance_ratio: ... and past this multiple of it, least-loaded wins outright.
         policy: ``"cache"`` (the score above), ``"round_robin"`` or ``"least_loaded"``
@@ -44,8 +46,8 @@ class RoutingPolicy:
 
     block_size: int = 16
     adapter_load_tokens: int = 256
-    load_weight: float = 1.0
-    imbalance_tokens: int = 8192
+    load_weight: float = 0.25
+    imbalance_tokens: int = 4096
     imbalance_ratio: float = 2.0
     policy: str = "cache"
 

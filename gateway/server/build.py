@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -89,8 +90,11 @@ def _start_replicas(
     from loraplex.gateway.routing import ReplicaSetClient, RoutingPolicy
 
     config = engine_config.replace(enable_kv_events=True)
-    if config.device == "cpu" and ray_address is None:  # one machine's memory, shared
-        config = config.replace(cpu_kv_cache_share=config.cpu_kv_cache_share / replicas)
+    if config.device == "cpu" and ray_address is None:  # one machine's memory and cores
+        config = config.replace(
+            cpu_kv_cache_share=config.cpu_kv_cache_share / replicas,
+            num_cpu_threads=config.num_cpu_threads or max(1, (os.cpu_count() or 1) // replicas),
+        )
     launcher = None
     if ray_address is not None:
         from loraplex.engine.core_launch import RayLauncher

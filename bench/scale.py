@@ -1,0 +1,187 @@
+"""Benchmark: N engine replicas behind the router against one replica with N times the pool.
+
+Issue 18 item 4. A multi-tenant workload: ``T`` tenants of Zipf popularity (s = 1.1), each with
+3 system prompts of 256 tokens (Zipf within the tenant) and 2 LoRA adapters or the base model
+(Zipf), a unique 16-64-token question after the system prompt, 16 output tokens, greedy, EOS
+ignored; each tenant's requests carry its cache salt (so tenants share nothing, as in
+``serve``). The requests run closed-loop with ``--concurrency`` in flight, through the same
+``ReplicaSetClient`` the gateway uses, on:
+
+- ``one-big``: one replica whose KV pool has ``N`` times the blocks;
+- ``router``: ``N`` replicas, this router (cached blocks + resident adapter - queued tokens);
+- ``round-robin`` and ``least-loaded``: the same ``N`` replicas with the baselines.
+
+The pool of one replica is smaller than the workload's working set, so where each tenant's
+prefixes go decides how much is evicted. Reported per configuration: prefix-cache hit rate
+(cached prompt tokens over prompt tokens), adapter loads into device slots (2 slots per
+replica), output tokens/s, TTFT p50/p99 (from the client). Target: the router's hit rate at
+least 95% of one-big's, and clearly above round-robin's and least-loaded's. Replicas are child
+processes (``--ray``: Ray actors on a local Ray instance); on a 2-core machine they share the
+cores, so tokens/s and TTFT are noisy; the hit rates and loads are not.
+
+Run: ``python -m bench.scale [--quick] [--replicas N] [--ray]``. Prints a table, then one JSON
+line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.multi_lora import model_dir, write_adapters
+from loraplex.adapters.store import AdapterStore
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.gateway.routing import ReplicaSetClient, RoutingPolicy
+from loraplex.gateway.server.build import start_engine
+from loraplex.gateway.settings import data_dir
+
+SYSTEM_TOKENS = 256
+POOL_BLOCKS = 256  # per replica: less than the hot working set
+
+
+def zipf(n: int, count: int, gen: torch.Generator, s: float = 1.1) -> list[int]:
+    """``count`` draws of ``0 .. n-1`` with Zipf(s) popularity."""
+    weights = torch.arange(1, n + 1, dtype=torch.float64).pow(-s)
+    return torch.multinomial(weights / weights.sum(), count, True, generator=gen).tolist()
+
+
+def workload(num: int, tenants: int, vocab: int, digests: list[str], seed: int = 0) -> list:
+    """``(tenant, prompt token ids, adapter digest or None)`` per request."""
+    gen = torch.Generator().manual_seed(seed)
+    systems = [
+        [torch.randint(16, vocab, (SYSTEM_TOKENS,), generator=gen).tolist() for _ in range(3)]
+        for _ in range(tenants)
+    ]
+    who = zipf(tenants, num, gen)
+    which = zipf(3, num, gen)
+    adapter = zipf(3, num, gen)  # 0: base, 1-2: the tenant's adapters
+    out = []
+    for i in range(num):
+        t = who[i]
+        question = torch.randint(16, vocab, (int(torch.randint(16, 65, (1,), generator=gen)),),
+                                 generator=gen).tolist()  # fmt: skip
+        lora = None if adapter[i] == 0 else digests[(2 * t + adapter[i] - 1) % len(digests)]
+        out.append((f"tenant-{t}", systems[t][which[i]] + question, lora))
+    return out
+
+
+async def drive(client, requests, concurrency: int, output_tokens: int) -> dict:
+    """Run the requests closed-loop; TTFTs, tokens, prompt and cached tokens, seconds."""
+    queue = list(enumerate(requests))
+    ttfts, stats = [], {"prompt": 0, "cached": 0, "tokens": 0}
+
+    async def worker() -> None:
+        while queue:
+            i, (tenant, prompt, lora) = queue.pop(0)
+            params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+            req = EngineRequest(f"q{i}", prompt, params, lora_digest=lora, cache_salt=tenant)
+            t0, first, last = time.monotonic(), None, None
+            async for out in client.generate(req):
+                if first is None and out.outputs and out.outputs[0].num_tokens:
+                    first = time.monotonic() - t0
+                last = out
+            ttfts.append(first or 0.0)
+            stats["prompt"] += len(prompt)
+            stats["cached"] += last.num_cached_tokens
+            stats["tokens"] += last.outputs[0].num_tokens
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {**stats, "seconds": time.monotonic() - t0, "ttfts": sorted(ttfts)}
+
+
+def run_config(name, path, store_root, adapters, requests, args) -> dict:
+    """Start the configuration's replicas, add the adapters, run the workload."""
+    replicas = 1 if name == "one-big" else args.replicas
+    blocks = POOL_BLOCKS * (args.replicas if name == "one-big" else 1)
+    config = EngineConfig(model=str(path), num_kv_blocks=blocks, max_loras=2, max_cpu_loras=16,
+                          max_lora_rank=16, max_num_seqs=args.concurrency)  # fmt: skip
+    policy = {"router": "cache", "round-robin": "round_robin", "least-loaded": "least_loaded"}
+    client = start_engine(config, store_root, in_process=False, replicas=replicas,
+                          ray_address="local" if args.ray else None)  # fmt: skip
+    try:
+        if name == "one-big":  # the whole machine, one pool of N times the blocks
+            client = ReplicaSetClient({"replica-0": client}, RoutingPolicy(block_size=16))
+        else:
+            client = ReplicaSetClient(
+                client.replicas, RoutingPolicy(block_size=16, policy=policy[name])
+            )
+
+        async def go():
+            for adapter in adapters:
+                await client.add_lora(adapter)
+            return await drive(client, requests, args.concurrency, args.tokens)
+
+        result = asyncio.run(go())
+        result["adapter_loads"] = client.stats().get("lora_loads", 0)
+        result["routed"] = dict(client.num_routed)
+    finally:
+        client.shutdown()
+    ttfts = result.pop("ttfts")
+    result["hit_rate"] = result["cached"] / result["prompt"]
+    result["tokens_per_s"] = result["tokens"] / result["seconds"]
+    result["ttft_p50_ms"] = 1000 * statistics.median(ttfts)
+    result["ttft_p99_ms"] = 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="60 requests, 4 in flight")
+    parser.add_argument("--replicas", type=int, default=2, help="replicas (2)")
+    parser.add_argument("--ray", action="store_true", help="replicas as Ray actors")
+    parser.add_argument("--requests", type=int, default=None, help="requests (240)")
+    parser.add_argument("--concurrency", type=int, default=None, help="in flight (8)")
+    parser.add_argument("--tokens", type=int, default=16, help="output tokens each (16)")
+    parser.add_argument("--tenants", type=int, default=6, help="tenants (6)")
+    args = parser.parse_args()
+    args.requests = args.requests or (80 if args.quick else 320)
+    args.concurrency = args.concurrency or (4 if args.quick else 8)
+    path = model_dir(quick=True)
+    cfg = json.loads((path / "config.json").read_text())
+    root = Path(data_dir()) / "bench" / "scale"
+    store_root = root / "store"
+    store = AdapterStore(store_root)
+    dirs = write_adapters(root / "adapters", cfg, 2 * args.tenants)
+    from loraplex.adapters.registry import AdapterLimits
+    from loraplex.engine.lora import target_shapes
+    from loraplex.engine.models.loader import load_model
+
+    model, _ = load_model(str(path), torch.float32, torch.device("cpu"))
+    limits = AdapterLimits(
+        target_shapes={name: s for (_, name), s in target_shapes(model).items()},
+        num_layers=model.num_layers,
+        max_rank=16,
+    )
+    adapters = [store.put_dir(d, **limits.kwargs()) for d in dirs]
+    requests = workload(
+        args.requests, args.tenants, cfg["vocab_size"], [a.digest for a in adapters]
+    )
+    results = {}
+    for name in ("one-big", "router", "round-robin", "least-loaded"):
+        results[name] = run_config(name, path, store_root, adapters, requests, args)
+    big = results["one-big"]["hit_rate"]
+    print(f"{args.requests} requests, {args.tenants} tenants x 3 system prompts x 2 adapters; "
+          f"{args.replicas} replicas of {POOL_BLOCKS} blocks vs one of "
+          f"{POOL_BLOCKS * args.replicas}; {args.concurrency} in flight")  # fmt: skip
+    print(f"{'config':<14}{'hit rate':>9}{'x big':>7}{'loads':>7}{'tok/s':>8}"
+          f"{'TTFT p50':>10}{'p99 ms':>8}  routed")  # fmt: skip
+    for name, r in results.items():
+        print(f"{name:<14}{r['hit_rate']:>9.3f}{r['hit_rate'] / big:>7.2f}"
+              f"{r['adapter_loads']:>7}{r['tokens_per_s']:>8.1f}{r['ttft_p50_ms']:>10.0f}"
+              f"{r['ttft_p99_ms']:>8.0f}  {r['routed']}")  # fmt: skip
+    print("target: router hit rate >= 0.95 x one-big's, clearly above round-robin/least-loaded")
+    print(json.dumps({"bench": "scale", "replicas": args.replicas, "requests": args.requests,
+                      "results": results}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

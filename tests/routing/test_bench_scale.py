@@ -1,0 +1,16 @@
+"""``bench.scale --quick`` runs end to end: four configurations over child-process replicas,
+the same workload for each, the figures the issue asks for."""
+
+from tests.bench_run import run_bench
+
+
+def test_bench_scale_quick(tmp_path):
+    result = run_bench("scale", "--quick", "--requests", "24", data_dir=tmp_path)
+    rows = result["results"]
+    assert set(rows) == {"one-big", "router", "round-robin", "least-loaded"}
+    for name, row in rows.items():
+        assert row["tokens"] == 24 * 16, name
+        assert 0 <= row["cached"] <= row["prompt"] and row["ttft_p99_ms"] >= row["ttft_p50_ms"]
+        assert sum(row["routed"].values()) == 24
+    assert len(rows["round-robin"]["routed"]) == 2
+    assert rows["router"]["hit_rate"] >= rows["round-robin"]["hit_rate"]
