@@ -208,3 +208,32 @@ def test_image_installs_the_gpu_and_test_extras(dockerfile):
 def test_secrets_stay_out_of_the_build_context():
     ignored = {ln.strip().rstrip("/") for ln in (ROOT / ".dockerignore").read_text().splitlines()}
     assert {".loraplex", ".git"} <= ignored
+
+
+def test_ray_cluster_compose_file_agrees_with_the_cli(monkeypatch):
+    """docs/deploy/ray-cluster.compose.yml: the gateway's serve line parses with the real
+    parser and asks for Ray replicas; every node mounts the model and the shared data volume
+    at the same paths; workers reserve GPUs and join the head."""
+    path = ROOT / "docs" / "deploy" / "ray-cluster.compose.yml"
+    compose = interpolate(yaml.safe_load(path.read_text()))
+    services = compose["services"]
+    assert set(services) == {"postgres", "ray-head", "ray-worker", "gateway"}
+    script = services["gateway"]["command"][-1]
+    join, _, serve = script.partition("&&")
+    assert "ray start --address=ray-head:6379" in join
+    argv = shlex.split(serve.strip().removeprefix("exec "))
+    assert argv[0] == "loraplex"
+    args = build_parser().parse_args(argv[1:])
+    assert (args.command, args.replicas, args.ray_address) == ("serve", 2, "auto")
+    assert args.device == "cuda" and args.model == "/models/base"
+    for name in ("ray-head", "ray-worker", "gateway"):
+        volumes = mounts(services[name])
+        assert volumes["/models/base"][1] and volumes["/data"] == ("loraplex-data", False)
+    assert "--address=ray-head:6379" in services["ray-worker"]["command"]
+    gpus = services["ray-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpus["capabilities"] == ["gpu"]
+    env = service_env(services["gateway"])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    url = make_url(gateway_config_from_args(args, "base").db_url)
+    assert url.host == "postgres" and url.drivername == "postgresql+asyncpg"
