@@ -94,3 +94,70 @@ def test_outputs_equal_one_engine_and_a_stopped_replica_is_skipped(
     assert not replica_set.is_running
     with pytest.raises(EngineDeadError):
         collect(replica_set, request(replica_set, "e0", "hi", "t"))
+
+
+def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_dir, tmp_path):
+    """Two core processes behind the gateway: SIGKILL the one serving a stream. The stream
+    ends at once with ``engine_unavailable`` and an ``aborted`` usage row; /health stays 200
+    and new requests are served by the other replica meanwhile; the killed one comes back."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from tests.gateway.chat_support import usage_events, wait_for
+    from tests.gateway.live import NO_LIMITS, LiveGateway
+
+    config = EngineConfig(model=str(tiny_text_dir), served_model_name="tiny", num_kv_blocks=128)
+    client = start_engine(config, tmp_path / "store", in_process=False, replicas=2)
+    try:
+        with LiveGateway(client, tmp_path / "data", **NO_LIMITS) as live:
+            key = live.create_tenant("acme")["api_key"]
+            auth = {"Authorization": f"Bearer {key}"}
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "Tell me everything."}],
+                "max_tokens": 2000,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            first_chunk, result = threading.Event(), {}
+
+            def stream():
+                with httpx.Client(base_url=live.base_url, timeout=60) as c:
+                    with c.stream("POST", "/v1/chat/completions", json=body, headers=auth) as r:
+                        lines = []
+                        for line in r.iter_lines():
+                            lines.append(line)
+                            if line.startswith("data: {"):
+                                first_chunk.set()
+                        result["lines"] = lines
+                        result["ended"] = time.monotonic()
+
+            thread = threading.Thread(target=stream)
+            thread.start()
+            assert first_chunk.wait(30)
+            busy = next(n for n, r in client.replicas.items() if r.stats()["requests_running"])
+            victim = client.replicas[busy].core
+            old_pid, killed = victim.pid, time.monotonic()
+            os.kill(old_pid, signal.SIGKILL)
+            thread.join(30)
+            assert result["ended"] - killed < 1.0
+            lines = [line for line in result["lines"] if line]
+            assert '"engine_unavailable"' in lines[-2] and lines[-1] == "data: [DONE]"
+            plain = {**body, "stream": False, "max_tokens": 4}
+            with httpx.Client(base_url=live.base_url, timeout=60) as c:
+                assert c.get("/health").status_code == 200  # the other replica serves
+                for _ in range(3):
+                    r = c.post("/v1/chat/completions", json=plain, headers=auth)
+                    assert r.status_code == 200, r.text
+                assert wait_for(lambda: victim.is_running and victim.pid != old_pid, timeout=120)
+            rows = usage_events(live, key)
+            assert [row.status for row in rows] == ["aborted", "ok", "ok", "ok"]
+            assert rows[0].error_type == "engine_unavailable"
+            assert client.num_routed[busy] >= 1
+    finally:
+        client.shutdown()
