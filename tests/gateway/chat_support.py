@@ -139,3 +139,37 @@ def add_adapter_row(live, tenant_id: str, name: str, digest: str) -> None:
             )
 
     with_db(live.state.config.db_url, body)
+
+
+class BackgroundStream:
+    """A streamed chat completion read on a thread (to kill its engine mid-stream).
+
+    After :meth:`start`, ``first_chunk`` is set at the first ``data: {`` line; when the stream
+    ends, ``lines`` holds every line and ``ended`` the ``time.monotonic()`` it ended at.
+    """
+
+    def __init__(self, live, body: dict, headers: dict) -> None:
+        import threading
+
+        self.first_chunk = threading.Event()
+        self.lines: list[str] = []
+        self.ended: float | None = None
+        self._thread = threading.Thread(target=self._run, args=(live, body, headers))
+
+    def start(self) -> BackgroundStream:
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self, live, body: dict, headers: dict) -> None:
+        import httpx
+
+        with httpx.Client(base_url=live.base_url, timeout=60) as c:
+            with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+                for line in r.iter_lines():
+                    self.lines.append(line)
+                    if line.startswith("data: {"):
+                        self.first_chunk.set()
+        self.ended = time.monotonic()

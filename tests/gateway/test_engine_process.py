@@ -6,7 +6,6 @@ gateway restart."""
 import asyncio
 import os
 import signal
-import threading
 import time
 
 import httpx
@@ -18,7 +17,7 @@ from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.structured_output import StructuredOutputError, StructuredOutputSpec
 from loraplex.gateway.server.build import start_engine
-from tests.gateway.chat_support import usage_events, wait_for
+from tests.gateway.chat_support import BackgroundStream, usage_events, wait_for
 from tests.gateway.live import LiveGateway
 
 
@@ -106,29 +105,14 @@ def test_a_killed_core_fails_its_requests_and_comes_back(proc, tmp_path):
             "temperature": 0,
             "stream": True,
         }
-        first_chunk = threading.Event()
-        result: dict = {}
-
-        def stream():
-            with httpx.Client(base_url=live.base_url, timeout=60) as c:
-                with c.stream("POST", "/v1/chat/completions", json=body, headers=auth) as r:
-                    lines = []
-                    for line in r.iter_lines():
-                        lines.append(line)
-                        if line.startswith("data: {"):
-                            first_chunk.set()
-                    result["lines"] = lines
-                    result["ended"] = time.monotonic()
-
-        thread = threading.Thread(target=stream)
-        thread.start()
-        assert first_chunk.wait(30), result
+        stream = BackgroundStream(live, body, auth).start()
+        assert stream.first_chunk.wait(30)
         old_pid = proc.core.pid
         killed = time.monotonic()
         os.kill(old_pid, signal.SIGKILL)
-        thread.join(30)
-        assert result["ended"] - killed < 1.0  # noticed at once, not after a timeout
-        lines = [line for line in result["lines"] if line]
+        stream.join(30)
+        assert stream.ended - killed < 1.0  # noticed at once, not after a timeout
+        lines = [line for line in stream.lines if line]
         assert '"engine_unavailable"' in lines[-2] and lines[-1] == "data: [DONE]"
         with httpx.Client(base_url=live.base_url, timeout=60) as c:
             assert c.get("/health").status_code == 503  # restarting (0.5 s back-off + load)

@@ -102,12 +102,11 @@ def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_
     and new requests are served by the other replica meanwhile; the killed one comes back."""
     import os
     import signal
-    import threading
     import time
 
     import httpx
 
-    from tests.gateway.chat_support import usage_events, wait_for
+    from tests.gateway.chat_support import BackgroundStream, usage_events, wait_for
     from tests.gateway.live import NO_LIMITS, LiveGateway
 
     config = EngineConfig(model=str(tiny_text_dir), served_model_name="tiny", num_kv_blocks=128)
@@ -124,29 +123,15 @@ def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_
                 "stream": True,
                 "ignore_eos": True,
             }
-            first_chunk, result = threading.Event(), {}
-
-            def stream():
-                with httpx.Client(base_url=live.base_url, timeout=60) as c:
-                    with c.stream("POST", "/v1/chat/completions", json=body, headers=auth) as r:
-                        lines = []
-                        for line in r.iter_lines():
-                            lines.append(line)
-                            if line.startswith("data: {"):
-                                first_chunk.set()
-                        result["lines"] = lines
-                        result["ended"] = time.monotonic()
-
-            thread = threading.Thread(target=stream)
-            thread.start()
-            assert first_chunk.wait(30)
+            stream = BackgroundStream(live, body, auth).start()
+            assert stream.first_chunk.wait(30)
             busy = next(n for n, r in client.replicas.items() if r.stats()["requests_running"])
             victim = client.replicas[busy].core
             old_pid, killed = victim.pid, time.monotonic()
             os.kill(old_pid, signal.SIGKILL)
-            thread.join(30)
-            assert result["ended"] - killed < 1.0
-            lines = [line for line in result["lines"] if line]
+            stream.join(30)
+            assert stream.ended - killed < 1.0
+            lines = [line for line in stream.lines if line]
             assert '"engine_unavailable"' in lines[-2] and lines[-1] == "data: [DONE]"
             plain = {**body, "stream": False, "max_tokens": 4}
             with httpx.Client(base_url=live.base_url, timeout=60) as c:
