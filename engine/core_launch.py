@@ -22,22 +22,39 @@ from typing import Any
 
 
 class ProcessLauncher:
-    """Cores as child processes of this one (``spawn``: no CUDA or thread state inherited)."""
+    """Cores as child processes of this one (``spawn``: no CUDA or thread state inherited).
+
+    Args:
+        env: Environment variables set in the child before anything else runs, e.g.
+            ``{"CUDA_VISIBLE_DEVICES": "2"}`` to give each replica on a multi-GPU host its own
+            GPU (CUDA reads it when first initialized, after the child starts).
+    """
 
     remote = False
 
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.env = dict(env or {})
+
     def launch(self, config: Any, store_root: str | None, in_addr: str, out_addr: str) -> Any:
         """Start ``run_core`` in a child process; its ``multiprocessing.Process``."""
-        from loraplex.engine.core_proc import run_core
-
         proc = multiprocessing.get_context("spawn").Process(
-            target=run_core,
-            args=(config, store_root, in_addr, out_addr),
+            target=run_core_with_env,
+            args=(self.env, config, store_root, in_addr, out_addr),
             name="loraplex-engine-core",
             daemon=True,
         )
         proc.start()
         return proc
+
+
+def run_core_with_env(env: dict[str, str], *args: Any) -> None:
+    """The child's entry point: set ``env``, then ``engine.core_proc.run_core(*args)``."""
+    import os
+
+    os.environ.update(env)
+    from loraplex.engine.core_proc import run_core
+
+    run_core(*args)
 
 
 class RayLauncher:

@@ -95,22 +95,26 @@ def _start_replicas(
             cpu_kv_cache_share=config.cpu_kv_cache_share / replicas,
             num_cpu_threads=config.num_cpu_threads or max(1, (os.cpu_count() or 1) // replicas),
         )
-    launcher = None
-    if ray_address is not None:
-        from loraplex.engine.core_launch import RayLauncher
+    from loraplex.engine.core_launch import ProcessLauncher, RayLauncher
 
-        launcher = RayLauncher(ray_address, num_gpus=1 if config.device == "cuda" else 0)
+    if config.device == "cuda" and ray_address is None and not in_process:
+        per_gpu = -(-replicas // max(1, len(_visible_gpus())))  # replicas sharing one GPU
+        config = config.replace(gpu_memory_utilization=config.gpu_memory_utilization / per_gpu)
+    ray = None
+    if ray_address is not None:
+        ray = RayLauncher(ray_address, num_gpus=1 if config.device == "cuda" else 0)
     clients: dict[str, EngineClient] = {}
     try:
         for i in range(replicas):
-            if launcher is None and in_process:
+            if ray is None and in_process:
                 clients[f"replica-{i}"] = start_engine(config, store_root)
-            else:
-                from loraplex.gateway.server.process_client import ProcessEngineClient
+                continue
+            from loraplex.gateway.server.process_client import ProcessEngineClient
 
-                clients[f"replica-{i}"] = ProcessEngineClient(
-                    config, str(store_root), served_name(config), launcher=launcher
-                )
+            launcher = ray or ProcessLauncher(_replica_env(config, i))
+            clients[f"replica-{i}"] = ProcessEngineClient(
+                config, str(store_root), served_name(config), launcher=launcher
+            )
     except BaseException:
         for client in clients.values():
             client.shutdown()
@@ -118,6 +122,32 @@ def _start_replicas(
     return ReplicaSetClient(
         clients, RoutingPolicy(block_size=config.block_size), prefix_hash=config.prefix_hash
     )
+
+
+def _visible_gpus() -> list[str]:
+    """The CUDA devices this process may use (``CUDA_VISIBLE_DEVICES``, else all)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d for d in visible.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _replica_env(config: EngineConfig, index: int) -> dict[str, str]:
+    """A child-process replica's environment: on CUDA, one of the visible GPUs.
+
+    Round robin over the visible GPUs; replicas sharing one split ``gpu_memory_utilization``.
+
+    Raises:
+        ValueError: ``--device cuda`` and no visible GPU.
+    """
+    if config.device != "cuda":
+        return {}
+    devices = _visible_gpus()
+    if not devices:
+        raise ValueError("--device cuda with replicas, but no CUDA device is visible")
+    return {"CUDA_VISIBLE_DEVICES": devices[index % len(devices)]}
 
 
 def build_gateway(

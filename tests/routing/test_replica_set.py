@@ -146,3 +146,31 @@ def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_
             assert client.num_routed[busy] >= 1
     finally:
         client.shutdown()
+
+
+def test_process_replicas_on_cuda_get_one_visible_gpu_each(monkeypatch):
+    from loraplex.engine import core_proc
+    from loraplex.engine.core_launch import run_core_with_env
+    from loraplex.gateway.server.build import _replica_env
+
+    cuda = EngineConfig(model="m", device="cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert [_replica_env(cuda, i) for i in range(3)] == [
+        {"CUDA_VISIBLE_DEVICES": "3"},
+        {"CUDA_VISIBLE_DEVICES": "5"},
+        {"CUDA_VISIBLE_DEVICES": "3"},
+    ]
+    assert _replica_env(EngineConfig(model="m"), 0) == {}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        _replica_env(cuda, 0)
+    seen = {}
+
+    def fake_run_core(*args):
+        import os
+
+        seen["env"], seen["args"] = os.environ["CUDA_VISIBLE_DEVICES"], args
+
+    monkeypatch.setattr(core_proc, "run_core", fake_run_core)
+    run_core_with_env({"CUDA_VISIBLE_DEVICES": "5"}, "config", None, "in", "out")
+    assert seen == {"env": "5", "args": ("config", None, "in", "out")}
