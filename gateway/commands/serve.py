@@ -398,7 +398,8 @@ def _report_engine(client, name: str, seconds: float) -> None:
     info = client.describe()
     where = f" (engine core: process {info['pid']})" if info.get("pid") else " (in process)"
     if info.get("replicas"):
-        where = f" ({info['replicas']} engine replicas behind a router; the first{where[1:]}"
+        first = f"the first is process {info['pid']}" if info.get("pid") else "in process"
+        where = f" ({info['replicas']} engine replicas behind a router; {first})"
     progress(
         f"model {name} loaded: {_count(info['num_parameters'])} parameters, "
         f"{info['dtype']} on {info['device']}, in {seconds:.1f} s{where}"
