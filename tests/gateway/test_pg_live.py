@@ -110,3 +110,38 @@ def test_key_flows_on_postgresql(engine_client, pg_url, tmp_path):
     while engine_client.stats()["kv_blocks_in_use"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine_client.stats()["kv_blocks_in_use"] == 0, "KV blocks leaked"
+
+
+def test_two_gateways_on_one_database_share_keys_usage_and_revocations(
+    engine_client, pg_url, tmp_path
+):
+    """Issue 18: gateways are stateless in tenants, keys and usage. Two gateways over one
+    PostgreSQL database and one data directory (its key secret and adapter store): a key made
+    through one works on the other, usage from both is one ledger, and a key revoked through
+    one is refused by the other within ``auth_cache_seconds``."""
+    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    data = tmp_path / "data"
+    kw = {"db": pg_url, "adapter_store_dir": store}
+    with LiveGateway(engine_client, data, **kw) as a, LiveGateway(engine_client, data, **kw) as b:
+        tenant = a.create_tenant("shared")
+        key = tenant["api_key"]
+        for gw in (a, b, b):
+            gw.openai(key).chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
+        # Each gateway spools its rows and commits them in groups: one ledger, soon.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            counts = [usage(gw, key)["totals"]["requests"] for gw in (a, b)]
+            if counts == [3, 3]:
+                break
+            time.sleep(0.1)
+        assert counts == [3, 3]
+        with a.admin() as c:
+            assert c.delete(f"/admin/keys/{tenant['key_id']}").status_code in (200, 204)
+        deadline = time.monotonic() + b.state.config.auth_cache_seconds + 3
+        while time.monotonic() < deadline:
+            with b.client(key) as c:
+                if c.get("/v1/models").status_code == 401:
+                    break
+            time.sleep(0.1)
+        with b.client(key) as c:
+            assert c.get("/v1/models").status_code == 401
