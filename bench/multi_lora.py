@@ -56,8 +56,14 @@ def model_dir(quick: bool) -> Path:
     return target
 
 
-def write_adapters(root: Path, cfg: dict, count: int) -> list[str]:
-    """``count`` random PEFT LoRA adapters (rank 16, every projection) in PEFT's file format."""
+def write_adapters(
+    root: Path, cfg: dict, count: int, prefix: str = "base_model.model.model"
+) -> list[str]:
+    """``count`` random PEFT LoRA adapters (rank 16, every projection) in PEFT's file format.
+
+    ``cfg`` is the (text) model config; ``prefix`` is where PEFT puts the decoder layers
+    (``base_model.model.model.language_model`` for a LLaVA).
+    """
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -82,7 +88,7 @@ def write_adapters(root: Path, cfg: dict, count: int) -> list[str]:
         for layer in range(cfg["num_hidden_layers"]):
             for proj, parent in PROJ.items():
                 fan_in, fan_out = shapes[proj]
-                key = f"base_model.model.model.layers.{layer}.{parent}.{proj}"
+                key = f"{prefix}.layers.{layer}.{parent}.{proj}"
                 tensors[f"{key}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=gen) * 0.02
                 tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen) * 0.02
         save_file(tensors, str(d / "adapter_model.safetensors"))

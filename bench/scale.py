@@ -1,10 +1,12 @@
 """Benchmark: N engine replicas behind the router against one replica with N times the pool.
 
-Issue 18 item 4. A multi-tenant workload: ``T`` tenants of Zipf popularity (s = 1.1), each with
-3 system prompts of 256 tokens (Zipf within the tenant) and 2 LoRA adapters or the base model
-(Zipf), a unique 16-64-token question after the system prompt, 16 output tokens, greedy, EOS
-ignored; each tenant's requests carry its cache salt (so tenants share nothing, as in
-``serve``). The requests run closed-loop with ``--concurrency`` in flight, through the same
+Issue 18 item 4. On the built-in tiny LLaVA, a multi-tenant workload: ``T`` tenants of Zipf
+popularity (s = 1.1), each with 3 system prompts (Zipf within the tenant) of one photo (its
+image tokens, keyed by the photo's pixels) and about 200 tokens of text, 2 LoRA adapters or the
+base model (Zipf), a unique question of 10-40 words after the system prompt, 16 output tokens,
+greedy, EOS ignored; each tenant's requests carry its cache salt (so tenants share nothing, as
+in ``serve``). Prompts are processed once, by the gateway-side processor, before the runs.
+The requests run closed-loop with ``--concurrency`` in flight, through the same
 ``ReplicaSetClient`` the gateway uses, on:
 
 - ``one-big``: one replica whose KV pool has ``N`` times the blocks;
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from bench.multi_lora import model_dir, write_adapters
+from bench.multi_lora import write_adapters
 from loraplex.adapters.store import AdapterStore
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.request import EngineRequest
@@ -43,8 +45,45 @@ from loraplex.gateway.routing import ReplicaSetClient, RoutingPolicy
 from loraplex.gateway.server.build import start_engine
 from loraplex.gateway.settings import data_dir
 
-SYSTEM_TOKENS = 256
 POOL_BLOCKS = 256  # per replica: less than the hot working set
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "camera", "cat", "hubble_deep_field")
+WORDS = (
+    "river mountain song bird quick lazy fox dog bread honey cat city small over about "
+    "sat jumped sang while the a of and to in is it that"
+).split()
+
+
+def model_dir() -> Path:
+    """The built-in tiny LLaVA, written once into the data directory."""
+    from loraplex.engine.tiny_model import init_tiny
+
+    target = data_dir() / "bench" / "tiny-llava"
+    if not (target / "config.json").exists():
+        init_tiny(target, seed=0)
+    return target
+
+
+def photo_url(name: str, size: int = 96) -> str:
+    """A real photo (``skimage.data``) as a PNG data URL."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from skimage import data as skdata
+
+    arr = getattr(skdata, name)()
+    if arr.ndim == 2:
+        arr = np.stack([arr] * 3, axis=-1)
+    buf = io.BytesIO()
+    Image.fromarray(arr[..., :3]).resize((size, size)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def words(n: int, gen: torch.Generator) -> str:
+    """``n`` random words of a small vocabulary."""
+    idx = torch.randint(0, len(WORDS), (n,), generator=gen).tolist()
+    return " ".join(WORDS[i] for i in idx)
 
 
 def zipf(n: int, count: int, gen: torch.Generator, s: float = 1.1) -> list[int]:
@@ -53,12 +92,13 @@ def zipf(n: int, count: int, gen: torch.Generator, s: float = 1.1) -> list[int]:
     return torch.multinomial(weights / weights.sum(), count, True, generator=gen).tolist()
 
 
-def workload(num: int, tenants: int, vocab: int, digests: list[str], seed: int = 0) -> list:
-    """``(tenant, prompt token ids, adapter digest or None)`` per request."""
+def workload(num: int, tenants: int, digests: list[str], seed: int = 0) -> list:
+    """``(tenant, chat messages, adapter digest or None)`` per request."""
     gen = torch.Generator().manual_seed(seed)
+    photos = [photo_url(name) for name in PHOTOS]
     systems = [
-        [torch.randint(16, vocab, (SYSTEM_TOKENS,), generator=gen).tolist() for _ in range(3)]
-        for _ in range(tenants)
+        [(photos[(3 * t + k) % len(photos)], words(120, gen)) for k in range(3)]
+        for t in range(tenants)
     ]
     who = zipf(tenants, num, gen)
     which = zipf(3, num, gen)
@@ -66,10 +106,23 @@ def workload(num: int, tenants: int, vocab: int, digests: list[str], seed: int =
     out = []
     for i in range(num):
         t = who[i]
-        question = torch.randint(16, vocab, (int(torch.randint(16, 65, (1,), generator=gen)),),
-                                 generator=gen).tolist()  # fmt: skip
+        image, text = systems[t][which[i]]
+        question = words(int(torch.randint(10, 41, (1,), generator=gen)), gen)
+        content = [
+            {"type": "image_url", "image_url": {"url": image}},
+            {"type": "text", "text": f"{text}\n\n{question}"},
+        ]
         lora = None if adapter[i] == 0 else digests[(2 * t + adapter[i] - 1) % len(digests)]
-        out.append((f"tenant-{t}", systems[t][which[i]] + question, lora))
+        out.append((f"tenant-{t}", [{"role": "user", "content": content}], lora))
+    return out
+
+
+async def prepare(client, requests) -> list:
+    """Process each request's messages once: ``(tenant, token ids, images, adapter)``."""
+    out = []
+    for tenant, messages, lora in requests:
+        prompt = await client.process(messages, tenant=tenant)
+        out.append((tenant, prompt.prompt_token_ids, prompt.images, lora))
     return out
 
 
@@ -80,9 +133,10 @@ async def drive(client, requests, concurrency: int, output_tokens: int) -> dict:
 
     async def worker() -> None:
         while queue:
-            i, (tenant, prompt, lora) = queue.pop(0)
+            i, (tenant, prompt, images, lora) = queue.pop(0)
             params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
-            req = EngineRequest(f"q{i}", prompt, params, lora_digest=lora, cache_salt=tenant)
+            req = EngineRequest(f"q{i}", list(prompt), params, images=images, lora_digest=lora,
+                                cache_salt=tenant)  # fmt: skip
             t0, first, last = time.monotonic(), None, None
             async for out in client.generate(req):
                 if first is None and out.outputs and out.outputs[0].num_tokens:
@@ -98,8 +152,11 @@ async def drive(client, requests, concurrency: int, output_tokens: int) -> dict:
     return {**stats, "seconds": time.monotonic() - t0, "ttfts": sorted(ttfts)}
 
 
-def run_config(name, path, store_root, adapters, requests, args) -> dict:
-    """Start the configuration's replicas, add the adapters, run the workload."""
+def run_config(name, path, store_root, adapters, requests, args, prepared: list) -> dict:
+    """Start the configuration's replicas, add the adapters, run the workload.
+
+    ``prepared`` holds the processed prompts; the first configuration fills it.
+    """
     replicas = 1 if name == "one-big" else args.replicas
     blocks = POOL_BLOCKS * (args.replicas if name == "one-big" else 1)
     config = EngineConfig(model=str(path), num_kv_blocks=blocks, max_loras=2, max_cpu_loras=16,
@@ -116,9 +173,11 @@ def run_config(name, path, store_root, adapters, requests, args) -> dict:
             )
 
         async def go():
+            if not prepared:
+                prepared.extend(await prepare(client, requests))
             for adapter in adapters:
                 await client.add_lora(adapter)
-            return await drive(client, requests, args.concurrency, args.tokens)
+            return await drive(client, prepared, args.concurrency, args.tokens)
 
         result = asyncio.run(go())
         result["adapter_loads"] = client.stats().get("lora_loads", 0)
@@ -145,12 +204,13 @@ def main() -> None:
     args = parser.parse_args()
     args.requests = args.requests or (80 if args.quick else 320)
     args.concurrency = args.concurrency or (4 if args.quick else 8)
-    path = model_dir(quick=True)
-    cfg = json.loads((path / "config.json").read_text())
+    path = model_dir()
+    cfg = json.loads((path / "config.json").read_text())["text_config"]
     root = Path(data_dir()) / "bench" / "scale"
     store_root = root / "store"
     store = AdapterStore(store_root)
-    dirs = write_adapters(root / "adapters", cfg, 2 * args.tenants)
+    prefix = "base_model.model.model.language_model"
+    dirs = write_adapters(root / "adapters-llava", cfg, 2 * args.tenants, prefix=prefix)
     from loraplex.adapters.registry import AdapterLimits
     from loraplex.engine.lora import target_shapes
     from loraplex.engine.models.loader import load_model
@@ -162,14 +222,14 @@ def main() -> None:
         max_rank=16,
     )
     adapters = [store.put_dir(d, **limits.kwargs()) for d in dirs]
-    requests = workload(
-        args.requests, args.tenants, cfg["vocab_size"], [a.digest for a in adapters]
-    )
-    results = {}
+    requests = workload(args.requests, args.tenants, [a.digest for a in adapters])
+    results: dict[str, dict] = {}
+    prepared: list = []
     for name in ("one-big", "router", "round-robin", "least-loaded"):
-        results[name] = run_config(name, path, store_root, adapters, requests, args)
+        results[name] = run_config(name, path, store_root, adapters, requests, args, prepared)
     big = results["one-big"]["hit_rate"]
-    print(f"{args.requests} requests, {args.tenants} tenants x 3 system prompts x 2 adapters; "
+    print(f"{args.requests} requests, {args.tenants} tenants x 3 system prompts (photo + text) "
+          f"x 2 adapters; "
           f"{args.replicas} replicas of {POOL_BLOCKS} blocks vs one of "
           f"{POOL_BLOCKS * args.replicas}; {args.concurrency} in flight")  # fmt: skip
     print(f"{'config':<14}{'hit rate':>9}{'x big':>7}{'loads':>7}{'tok/s':>8}"
