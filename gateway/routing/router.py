@@ -37,7 +37,9 @@ class RoutingPolicy:
             of prefill (a copy of its weights, and a slot taken from another adapter).
         load_weight: Weight of one queued token against one token of prefill saved: a
             replica's queued tokens delay a new request by much less than their number (in a
-            continuous batch the new request runs alongside them), so 0.25 by default.
+            continuous batch the new request runs alongside them), so 0.125 by default
+            (``bench.scale``: 0.96 of the one-big-pool hit rate at 0.125, 0.94 at 0.25,
+            with the requests still split evenly).
         imbalance_tokens: Queued tokens above the least-loaded replica's past which...
         imbalance_ratio: ... and past this multiple of it, least-loaded wins outright.
         policy: ``"cache"`` (the score above), ``"round_robin"`` or ``"least_loaded"``
@@ -46,7 +48,7 @@ class RoutingPolicy:
 
     block_size: int = 16
     adapter_load_tokens: int = 256
-    load_weight: float = 0.25
+    load_weight: float = 0.125
     imbalance_tokens: int = 4096
     imbalance_ratio: float = 2.0
     policy: str = "cache"

@@ -64,9 +64,9 @@ def test_adapter_residency_and_load_are_weighed_in_tokens():
     r.views["b"].apply([KVEvent("lora_loaded", adapter="d")])  # saves an adapter load
     assert r.choose(H[:4], adapter="d") == "b"
     assert r.choose(H[:4], adapter=None) == "a"
-    r.started("b", 1000)  # b's queue (a quarter of its tokens) outweighs its adapter
+    r.started("b", 2000)  # b's queue (an eighth of its tokens) outweighs its adapter
     assert r.choose(H[:4], adapter="d") == "a"
-    r.finished("b", 1000)
+    r.finished("b", 2000)
     assert r.views["b"].outstanding_tokens == 0
     assert r.choose(H[:4], adapter="d") == "b"
 
