@@ -37,9 +37,7 @@ class ProcessEngineClient:
         ValueError: the model directory has no usable tokenizer or processor.
     """
 
-    def __init__(
-        self, config: Any, store_root: str, model_name: str, launcher: Any = None
-    ) -> None:
+    def __init__(self, config: Any, store_root: str, model_name: str, launcher: Any = None) -> None:
         self.model_name = model_name
         self.core: CoreProcessClient | None = None
         core = CoreProcessClient(config, store_root, launcher=launcher)
