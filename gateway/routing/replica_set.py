@@ -151,7 +151,10 @@ class ReplicaSetClient:
         return all(results)
 
     def stats(self) -> dict[str, Any]:
-        """Every replica's figures added up, plus ``replicas`` and ``replicas_running``.
+        """Every replica's figures added up, with the set's own.
+
+        The set adds ``replicas``, ``replicas_running`` and ``routed`` (requests sent to
+        each replica, by name).
 
         Lists (per-position counters) are added element by element.
         """
@@ -167,6 +170,7 @@ class ReplicaSetClient:
                     total[key] = total.get(key, 0) + value
         total["replicas"] = len(self.replicas)
         total["replicas_running"] = sum(r.is_running for r in self.replicas.values())
+        total["routed"] = dict(self.num_routed)
         return total
 
     def drain_kv_events(self) -> list[Any]:

@@ -62,6 +62,27 @@ class _EngineCollector(Collector):
             value=hit / queried if queried else 0.0,
         )
         yield from _spec_decode_counters(s)
+        yield from _replica_series(s)
+
+
+def _replica_series(s: dict[str, Any]) -> Iterator[Any]:
+    """With engine replicas (``--replicas``): how many run, and requests routed to each."""
+    if "replicas" not in s:
+        return
+    yield GaugeMetricFamily("loraplex_replicas", "Engine replicas", value=float(s["replicas"]))
+    yield GaugeMetricFamily(
+        "loraplex_replicas_running",
+        "Engine replicas running (the others are restarting or gone)",
+        value=float(s.get("replicas_running", 0)),
+    )
+    routed = CounterMetricFamily(
+        "loraplex_router_requests",
+        "Generation requests the router sent to each replica",
+        labels=["replica"],
+    )
+    for name, count in sorted((s.get("routed") or {}).items()):
+        routed.add_metric([name], float(count))
+    yield routed
 
 
 def _spec_decode_counters(s: dict[str, Any]) -> Iterator[Any]:

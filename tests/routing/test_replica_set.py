@@ -3,6 +3,7 @@ where it is cached, tenants' salts keep their blocks apart, outputs equal one en
 stopped replica leaves the routing table while the other serves."""
 
 import asyncio
+import re
 
 import pytest
 
@@ -140,6 +141,16 @@ def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_
                     r = c.post("/v1/chat/completions", json=plain, headers=auth)
                     assert r.status_code == 200, r.text
                 assert wait_for(lambda: victim.is_running and victim.pid != old_pid, timeout=120)
+                text = c.get("/metrics").text
+            assert "\nloraplex_replicas 2.0\n" in text
+            assert "\nloraplex_replicas_running 2.0\n" in text
+            routed = {
+                name: float(v)
+                for name, v in re.findall(
+                    r'^loraplex_router_requests_total\{replica="([^"]+)"\} (\S+)$', text, re.M
+                )
+            }
+            assert sum(routed.values()) == 4 and routed[busy] >= 1
             rows = usage_events(live, key)
             assert [row.status for row in rows] == ["aborted", "ok", "ok", "ok"]
             assert rows[0].error_type == "engine_unavailable"
