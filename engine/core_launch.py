@@ -88,11 +88,19 @@ class RayLauncher:
         return ray
 
     def node_address(self) -> str:
-        """This host's address as the cluster's nodes reach it (the gateway binds there)."""
+        """This host's address as the cluster's nodes reach it (the gateway binds there).
+
+        Raises:
+            ConnectionError: (from Ray) the cluster at ``address`` cannot be reached.
+        """
         return self._ray().util.get_node_ip_address()
 
     def launch(self, config: Any, store_root: str | None, in_addr: str, out_addr: str) -> Any:
-        """Create a core actor and start its loop; a handle shaped like a ``Process``."""
+        """Create a core actor and start its loop; a handle shaped like a ``Process``.
+
+        Raises:
+            ConnectionError: (from Ray) the cluster at ``address`` cannot be reached.
+        """
         ray = self._ray()
         actor = self._actor_class.options(
             num_gpus=self.num_gpus, num_cpus=self.num_cpus, max_restarts=0

@@ -44,6 +44,9 @@ class RoutingPolicy:
         imbalance_ratio: ... and past this multiple of it, least-loaded wins outright.
         policy: ``"cache"`` (the score above), ``"round_robin"`` or ``"least_loaded"``
             (the baselines ``bench.scale`` compares against).
+
+    Raises:
+        ValueError: an unknown ``policy``.
     """
 
     block_size: int = 16
