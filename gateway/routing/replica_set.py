@@ -80,9 +80,14 @@ class ReplicaSetClient:
             EngineDeadError: no replica is running.
         """
         self.refresh()
-        hashes = request.block_hasher(self.router.policy.block_size, self.prefix_hash)
+        policy = self.router.policy
+        hashes = (  # only the cache-aware policy reads them; hashing a long prompt costs
+            request.block_hasher(policy.block_size, self.prefix_hash).block_hashes
+            if policy.policy == "cache" and len(self.replicas) > 1
+            else []
+        )
         try:
-            return self.router.choose(hashes.block_hashes, request.lora_digest)
+            return self.router.choose(hashes, request.lora_digest)
         except NoReplicaError as exc:
             raise EngineDeadError(str(exc)) from None
 
