@@ -141,6 +141,18 @@ def add_adapter_row(live, tenant_id: str, name: str, digest: str) -> None:
     with_db(live.state.config.db_url, body)
 
 
+def long_stream_body(model: str, **extra) -> dict:
+    """A streamed, greedy chat request of up to 2,000 tokens (to kill its engine mid-way)."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me everything."}],
+        "max_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+        **extra,
+    }
+
+
 class BackgroundStream:
     """A streamed chat completion read on a thread (to kill its engine mid-stream).
 

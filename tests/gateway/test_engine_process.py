@@ -17,7 +17,12 @@ from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.structured_output import StructuredOutputError, StructuredOutputSpec
 from loraplex.gateway.server.build import start_engine
-from tests.gateway.chat_support import BackgroundStream, usage_events, wait_for
+from tests.gateway.chat_support import (
+    BackgroundStream,
+    long_stream_body,
+    usage_events,
+    wait_for,
+)
 from tests.gateway.live import LiveGateway
 
 
@@ -98,13 +103,7 @@ def test_a_killed_core_fails_its_requests_and_comes_back(proc, tmp_path):
     with LiveGateway(proc, tmp_path / "data") as live:
         key = live.create_tenant("acme")["api_key"]
         auth = {"Authorization": f"Bearer {key}"}
-        body = {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "Tell me everything."}],
-            "max_tokens": 2000,
-            "temperature": 0,
-            "stream": True,
-        }
+        body = long_stream_body("tiny")
         stream = BackgroundStream(live, body, auth).start()
         assert stream.first_chunk.wait(30)
         old_pid = proc.core.pid

@@ -107,7 +107,12 @@ def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_
 
     import httpx
 
-    from tests.gateway.chat_support import BackgroundStream, usage_events, wait_for
+    from tests.gateway.chat_support import (
+        BackgroundStream,
+        long_stream_body,
+        usage_events,
+        wait_for,
+    )
     from tests.gateway.live import NO_LIMITS, LiveGateway
 
     config = EngineConfig(model=str(tiny_text_dir), served_model_name="tiny", num_kv_blocks=128)
@@ -116,14 +121,7 @@ def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_
         with LiveGateway(client, tmp_path / "data", **NO_LIMITS) as live:
             key = live.create_tenant("acme")["api_key"]
             auth = {"Authorization": f"Bearer {key}"}
-            body = {
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "Tell me everything."}],
-                "max_tokens": 2000,
-                "temperature": 0,
-                "stream": True,
-                "ignore_eos": True,
-            }
+            body = long_stream_body("tiny", ignore_eos=True)
             stream = BackgroundStream(live, body, auth).start()
             assert stream.first_chunk.wait(30)
             busy = next(n for n, r in client.replicas.items() if r.stats()["requests_running"])
