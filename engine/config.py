@@ -89,6 +89,13 @@ class EngineConfig:
         enable_kv_events: Record KV events (``engine.kv_events``: block hashes stored and
             removed, adapters loaded and unloaded) for a router; set by the replica set,
             off for one engine (nobody would drain them).
+        unresponsive_timeout_s: An engine core in its own process that sends nothing (not even
+            its heartbeat, every 0.1 s from a thread of its own) for this long is out of the
+            routing table and ``/health`` until it is heard again.
+        dead_timeout_s: Silent this long, it is declared dead: killed, its requests end with
+            503, and a new one starts (``engine.core_client``).
+        step_timeout_s: A core whose one step has run this long is hung (it still beats, but
+            its loop is stuck): killed and replaced the same way.
     """
 
     model: str
@@ -127,6 +134,9 @@ class EngineConfig:
     prompt_lookup_max: int = 4
     enable_kv_events: bool = False
     num_cpu_threads: int | None = None
+    unresponsive_timeout_s: float = 1.0
+    dead_timeout_s: float = 10.0
+    step_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -204,6 +214,10 @@ class EngineConfig:
             (
                 self.num_cpu_threads is None or self.num_cpu_threads > 0,
                 "num_cpu_threads must be positive",
+            ),
+            (
+                0 < self.unresponsive_timeout_s <= self.dead_timeout_s and self.step_timeout_s > 0,
+                "need 0 < unresponsive_timeout_s <= dead_timeout_s and step_timeout_s > 0",
             ),
             (
                 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,

@@ -16,6 +16,14 @@ a core that dies is noticed at once (well within a second):
    client gives up for good (``failed`` is True, ``is_running`` stays False), so a core that
    crashes at start-up cannot spin.
 
+A core that stops answering without dying (frozen, swapped out, its node cut off, its loop
+stuck) is caught by its heartbeat (``engine.core_proc``: every 0.1 s from a thread of its own,
+with the running step's age). Silent for the config's ``unresponsive_timeout_s`` (1 s), it is
+not running as far as ``is_running`` goes (a replica set stops routing to it, ``/health``
+fails) but it is ``recovering``: heard again, it serves again. Silent for ``dead_timeout_s``
+(10 s), or one step older than ``step_timeout_s`` (600 s), it is killed and handled as a death
+(1-3 above), so no request waits on it for longer than that.
+
 The same async API as :class:`engine.async_llm.AsyncLLM`: ``generate``, ``abort``,
 ``add_lora`` (by digest), ``remove_lora``, ``stats``, ``shutdown``.
 """
@@ -86,6 +94,8 @@ class CoreProcessClient:
         self._call_ids = itertools.count()
         self._stats: dict[str, Any] = {}
         self._kv_events: collections.deque = collections.deque()
+        self._last_heard = 0.0  # monotonic time of the core's latest message
+        self._step_s = 0.0  # the running step's age, as of the latest heartbeat
         self._dir = tempfile.TemporaryDirectory(prefix="loraplex-core-")
         self._incarnation = 0
         self._enc = wire.encoder()
@@ -143,6 +153,7 @@ class CoreProcessClient:
             if self._pull in events:
                 msg = self._dec.decode(self._pull.recv())
                 if isinstance(msg, wire.Ready):
+                    self._last_heard, self._step_s = time.monotonic(), 0.0
                     return msg.info
             if self._proc.sentinel in events or not self._proc.is_alive():
                 self._proc.join(1)
@@ -162,13 +173,21 @@ class CoreProcessClient:
 
     @property
     def is_running(self) -> bool:
-        """True while a core is up and answering (False while one restarts, and after)."""
-        return self._running and not self._stopping.is_set()
+        """True while a core is up and answering.
+
+        Answering: heard from within the config's ``unresponsive_timeout_s``. False while one
+        is silent or restarts, and after.
+        """
+        return (
+            self._running
+            and not self._stopping.is_set()
+            and time.monotonic() - self._last_heard < self.config.unresponsive_timeout_s
+        )
 
     @property
     def recovering(self) -> bool:
-        """True while a dead core is being replaced (the gateway should wait, not exit)."""
-        return not self._running and not self.failed and not self._stopping.is_set()
+        """True while the core is silent or a dead one is being replaced (wait, not exit)."""
+        return not self.is_running and not self.failed and not self._stopping.is_set()
 
     @property
     def pid(self) -> int | None:
@@ -297,6 +316,9 @@ class CoreProcessClient:
                     self._drain()
                 if sentinel in events if sentinel is not None else not self._proc.is_alive():
                     break
+                if self._hung():
+                    self._proc.kill()
+                    break
             if self._stopping.is_set():
                 return
             self._on_death()
@@ -312,7 +334,10 @@ class CoreProcessClient:
             except zmq.Again:
                 return
             msg = self._dec.decode(frame)
-            if isinstance(msg, wire.Outputs):
+            self._last_heard = time.monotonic()
+            if isinstance(msg, wire.Heartbeat):
+                self._step_s = msg.step_s
+            elif isinstance(msg, wire.Outputs):
                 self._stats = msg.stats
                 if msg.events:
                     self._kv_events.extend(msg.events)  # a deque: safe across threads
@@ -375,6 +400,29 @@ class CoreProcessClient:
                 loop.call_soon_threadsafe(settle, future, None, error)
             except RuntimeError:
                 pass
+
+    def _hung(self) -> bool:
+        """Whether the core is alive but no longer serving (logged).
+
+        Silent for the config's ``dead_timeout_s``, or in one step longer than
+        ``step_timeout_s``.
+        """
+        silent = time.monotonic() - self._last_heard
+        if silent >= self.config.dead_timeout_s:
+            logger.error(
+                "the engine core (pid %s) sent nothing for %.1f s; killing it",
+                self._proc.pid,
+                silent,
+            )
+            return True
+        if self._step_s >= self.config.step_timeout_s:
+            logger.error(
+                "the engine core (pid %s) has been in one step for %.0f s; killing it",
+                self._proc.pid,
+                self._step_s,
+            )
+            return True
+        return False
 
     def _on_death(self) -> None:
         with self._lock:

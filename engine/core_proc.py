@@ -7,6 +7,11 @@ while nothing is in flight), run one step, push its outputs with the core's stat
 that raises ``EngineFaultError`` (or any bug in the loop) ends the process with status 1; the
 client sees the process end and restarts it. Nothing here tokenizes or detokenizes: that is the
 client's side.
+
+A thread of its own sends :class:`~engine.core_wire.Heartbeat` every :data:`HEARTBEAT_EVERY_S`
+on a socket of its own, with how long the current step has run: the client tells a core that is
+frozen or cut off (no heartbeat) from one whose loop is stuck (heartbeats with a step that never
+ends) from one that is merely busy.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 STATS_EVERY_S = 0.25  # statistics ride on outputs, and go alone at least this often when idle
+HEARTBEAT_EVERY_S = 0.1
 
 
 def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -> None:
@@ -72,6 +79,15 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     last_stats = 0.0
+    step_started = [0.0]  # monotonic start of the running step; 0.0 between steps
+    stop_beating = threading.Event()
+    beater = threading.Thread(
+        target=_beat,
+        args=(ctx, out_addr, step_started, stop_beating),
+        name="loraplex-core-heartbeat",
+        daemon=True,
+    )
+    beater.start()
     try:
         while True:
             busy = core.has_unfinished_requests()
@@ -86,16 +102,45 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
                         return
                     if reply is not None:
                         push.send(enc.encode(reply))
-            outputs = core.step() if core.has_unfinished_requests() else []
+            outputs = []
+            if core.has_unfinished_requests():
+                step_started[0] = time.monotonic()
+                outputs = core.step()
+                step_started[0] = 0.0
             events = core.drain_kv_events()
             now = time.monotonic()
             if outputs or events or now - last_stats >= STATS_EVERY_S:
                 push.send(enc.encode(wire.Outputs(outputs, _stats(core), events)))
                 last_stats = now
     finally:
+        stop_beating.set()
+        beater.join()
         push.close()
         pull.close(linger=0)
         ctx.term()
+
+
+def _beat(ctx: Any, out_addr: str, step_started: list[float], stop: threading.Event) -> None:
+    """Send a heartbeat every :data:`HEARTBEAT_EVERY_S` on a socket of this thread's own."""
+    import zmq
+
+    from loraplex.engine import core_wire as wire
+
+    enc = wire.encoder()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 10)  # a client that is gone must not make this queue grow
+    sock.connect(out_addr)
+    try:
+        while not stop.wait(HEARTBEAT_EVERY_S):
+            started = step_started[0]
+            step_s = time.monotonic() - started if started else 0.0
+            try:
+                sock.send(enc.encode(wire.Heartbeat(step_s)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+    finally:
+        sock.close()
 
 
 _SHUTDOWN = object()

@@ -122,7 +122,16 @@ class CallResult(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-CoreMessage = Ready | Outputs | Rejected | CallResult
+class Heartbeat(msgspec.Struct, tag=True):
+    """The core process is alive (sent every 0.1 s by a thread of its own).
+
+    ``step_s``: how long the step now running has run, 0 between steps.
+    """
+
+    step_s: float = 0.0
+
+
+CoreMessage = Ready | Outputs | Rejected | CallResult | Heartbeat
 
 
 # --------------------------------------------------------------------------- encoding

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from loraplex.engine.config import EngineConfig
 from loraplex.gateway.commands.engine_args import add_engine_args, config_from_args
 from loraplex.gateway.server.config import GatewayConfig
 
@@ -16,6 +17,7 @@ def register(subparsers) -> None:
     """Add the ``serve`` command."""
     p = subparsers.add_parser("serve", help="run the HTTP gateway and the engine")
     d = GatewayConfig(data_dir=None, db_url="", served_model_name="")  # type: ignore[arg-type]
+    d_engine = EngineConfig(model="")
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="TCP port to listen on")
     p.add_argument(
@@ -136,6 +138,23 @@ def register(subparsers) -> None:
         "GPU each with --device cuda (default: child processes of this one)",
     )
     p.add_argument(
+        "--engine-dead-timeout",
+        type=float,
+        default=d_engine.dead_timeout_s,
+        metavar="S",
+        help="an engine core process that sends nothing, not even its heartbeat, for this long "
+        "is killed, its requests end with 503 and a new one starts; silent for 1 s it already "
+        "leaves the routing table and /health (default %(default)s)",
+    )
+    p.add_argument(
+        "--engine-step-timeout",
+        type=float,
+        default=d_engine.step_timeout_s,
+        metavar="S",
+        help="an engine core in one step for this long is hung: killed and replaced the same "
+        "way (default %(default)s)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -211,6 +230,24 @@ def add_transport_args(p: argparse.ArgumentParser, d: GatewayConfig) -> None:
         default=d.forwarded_allow_ips,
         help="comma-separated proxy addresses (or '*') whose X-Forwarded-For is believed "
         "for the client address; default: none, the TCP peer is the client",
+    )
+
+
+def serve_engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
+    """The engine config ``serve`` runs: the engine flags, and the core timeouts.
+
+    ``--engine-dead-timeout`` and ``--engine-step-timeout``: how long a silent or stuck engine
+    core process is waited for (``engine.core_client``).
+
+    Raises:
+        ValueError: an invalid flag or combination.
+    """
+    if not args.engine_dead_timeout >= 1.0 or not args.engine_step_timeout > 0:
+        raise ValueError(
+            "--engine-dead-timeout must be at least 1 and --engine-step-timeout positive"
+        )
+    return config_from_args(args, model_dir).replace(
+        dead_timeout_s=args.engine_dead_timeout, step_timeout_s=args.engine_step_timeout
     )
 
 
@@ -331,7 +368,7 @@ def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
     tiny = directory / TINY_MODEL_SUBDIR
     if not args.model and not (tiny / "config.json").exists():
         progress(f"writing the built-in tiny model to {tiny} (first start)")
-    engine_config = config_from_args(args, resolve_model(args.model, directory))
+    engine_config = serve_engine_config(args, resolve_model(args.model, directory))
     if engine_config.attention_backend != "triton":
         keep_triton_out()  # transformers' configs import torch._dynamo, which imports triton
     # Loading starts with the imports (torch, transformers, the gateway): seconds of it.

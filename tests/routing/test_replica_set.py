@@ -183,3 +183,120 @@ def test_process_replicas_on_cuda_get_one_visible_gpu_each(monkeypatch):
     monkeypatch.setattr(core_proc, "run_core", fake_run_core)
     run_core_with_env({"CUDA_VISIBLE_DEVICES": "5"}, "config", None, "in", "out")
     assert seen == {"env": "5", "args": ("config", None, "in", "out")}
+
+
+def test_a_frozen_replica_leaves_the_table_within_a_second_and_is_replaced(tiny_text_dir, tmp_path):
+    """SIGSTOP the core process serving a stream (alive, but answering nothing): within 1 s it
+    is out of the routing table and the other replica serves new requests; after the config's
+    ``dead_timeout_s`` its stream ends with ``engine_unavailable`` and an ``aborted`` usage row,
+    and a new core takes its place. A core stopped for less than that serves on."""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    from tests.gateway.chat_support import (
+        BackgroundStream,
+        long_stream_body,
+        usage_events,
+        wait_for,
+    )
+    from tests.gateway.live import NO_LIMITS, LiveGateway
+
+    config = EngineConfig(
+        model=str(tiny_text_dir),
+        served_model_name="tiny",
+        num_kv_blocks=128,
+        dead_timeout_s=3.0,
+    )
+    client = start_engine(config, tmp_path / "store", in_process=False, replicas=2)
+    try:
+        with LiveGateway(client, tmp_path / "data", **NO_LIMITS) as live:
+            key = live.create_tenant("acme")["api_key"]
+            auth = {"Authorization": f"Bearer {key}"}
+            plain = {**long_stream_body("tiny"), "stream": False, "max_tokens": 4}
+            # A short freeze (under dead_timeout_s): out of the table, then back, same process.
+            replica = client.replicas["replica-1"]
+            pid = replica.core.pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                assert wait_for(lambda: not replica.is_running, timeout=1.5)
+                assert replica.recovering
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert wait_for(lambda: replica.is_running, timeout=5)
+            assert replica.core.pid == pid and replica.core.restarts == 0
+
+            body = long_stream_body("tiny", ignore_eos=True)
+            stream = BackgroundStream(live, body, auth).start()
+            assert stream.first_chunk.wait(30)
+            busy = next(n for n, r in client.replicas.items() if r.stats()["requests_running"])
+            victim = client.replicas[busy]
+            old_pid = victim.core.pid
+            os.kill(old_pid, signal.SIGSTOP)
+            frozen = time.monotonic()
+            assert wait_for(lambda: not victim.is_running, timeout=1.0)
+            assert time.monotonic() - frozen < 1.0 + 0.2  # the poll's own step
+            routed_before = dict(client.num_routed)
+            with httpx.Client(base_url=live.base_url, timeout=60) as c:
+                assert c.get("/health").status_code == 200  # the other replica serves
+                for _ in range(2):
+                    r = c.post("/v1/chat/completions", json=plain, headers=auth)
+                    assert r.status_code == 200, r.text
+                assert client.num_routed[busy] == routed_before[busy]  # none went to it
+                stream.join(30)
+                waited = stream.ended - frozen
+                assert config.dead_timeout_s - 0.5 < waited < config.dead_timeout_s + 2.0
+                lines = [line for line in stream.lines if line]
+                assert '"engine_unavailable"' in lines[-2] and lines[-1] == "data: [DONE]"
+                assert wait_for(
+                    lambda: victim.is_running and victim.core.pid != old_pid, timeout=120
+                )
+                r = c.post("/v1/chat/completions", json=plain, headers=auth)
+                assert r.status_code == 200, r.text
+            rows = usage_events(live, key)
+            assert [row.status for row in rows] == ["ok", "ok", "aborted", "ok"]
+            assert rows[2].error_type == "engine_unavailable"
+    finally:
+        client.shutdown()
+
+
+def test_a_core_is_hung_when_silent_or_stuck_in_one_step(tiny_text_dir):
+    """The reader's verdict: silent for ``dead_timeout_s``, or one step older than
+    ``step_timeout_s`` (heartbeats still coming), and the core is killed."""
+    import time
+    from types import SimpleNamespace
+
+    from loraplex.engine.core_client import CoreProcessClient
+
+    config = EngineConfig(model=str(tiny_text_dir), dead_timeout_s=2.0, step_timeout_s=30.0)
+    core = CoreProcessClient(config, None)
+    core._proc = SimpleNamespace(pid=1)
+    core._running = True
+    core._last_heard = time.monotonic()
+    assert not core._hung() and core.is_running
+    core._last_heard = time.monotonic() - 1.5  # past unresponsive_timeout_s only
+    assert not core._hung() and not core.is_running and core.recovering
+    core._last_heard = time.monotonic() - 2.5
+    assert core._hung()
+    core._last_heard, core._step_s = time.monotonic(), 31.0
+    assert core._hung() and core.is_running
+
+
+def test_serve_flags_set_the_core_timeouts(tmp_path):
+    from loraplex.gateway.cli import build_parser
+    from loraplex.gateway.commands.serve import serve_engine_config
+
+    def config(*flags):
+        args = build_parser().parse_args(["serve", "--data-dir", str(tmp_path), *flags])
+        return serve_engine_config(args, "m")
+
+    default = config()
+    assert (default.unresponsive_timeout_s, default.dead_timeout_s) == (1.0, 10.0)
+    assert default.step_timeout_s == 600.0
+    c = config("--engine-dead-timeout", "4", "--engine-step-timeout", "30")
+    assert (c.dead_timeout_s, c.step_timeout_s) == (4.0, 30.0)
+    for bad in (["--engine-dead-timeout", "0.5"], ["--engine-step-timeout", "0"]):
+        with pytest.raises(ValueError, match="--engine-"):
+            config(*bad)
