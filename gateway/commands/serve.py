@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from loraplex.engine.config import EngineConfig
@@ -28,6 +29,14 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--admin-key", default=None, help="admin key (default $LORAPLEX_ADMIN_KEY, else made)"
+    )
+    p.add_argument(
+        "--rate-limit-url",
+        default=None,
+        metavar="URL",
+        help="Redis URL (redis://host:6379/0) where the per-key rate limits live, shared by "
+        "every gateway that names it; if Redis fails, each gateway limits on its own until it "
+        "answers (default $LORAPLEX_RATE_LIMIT_URL, else in this process)",
     )
     add_engine_args(p)
     g = p.add_argument_group("limits (per key; a tenant's own limits override them)")
@@ -316,6 +325,7 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         auth_max_failures=args.auth_max_failures,
         auth_failure_window_seconds=args.auth_failure_window,
         forwarded_allow_ips=args.forwarded_allow_ips,
+        rate_limit_url=args.rate_limit_url or os.environ.get("LORAPLEX_RATE_LIMIT_URL") or None,
     )
 
 

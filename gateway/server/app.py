@@ -82,4 +82,5 @@ async def shutdown(state: GatewayState) -> None:
     if state.owns_engine:
         await asyncio.to_thread(state.engine.shutdown)
     await state.usage.close()
+    await state.limiter.close()
     await state.db.dispose()

@@ -82,6 +82,8 @@ class GatewayConfig:
             ``/metrics`` (``TENANT_ID/NAME``), the first to answer a request since start, at
             most a quarter of them per tenant; the others share ``(other)``. 0: no adapter
             name is shown (``/metrics`` needs no key; ``docs/metrics.md``).
+        rate_limit_url: A Redis URL where the per-key limits live, shared by every gateway
+            that names it (``gateway.server.ratelimit_shared``); None: in this process.
     """
 
     data_dir: Path
@@ -121,6 +123,7 @@ class GatewayConfig:
     usage_backlog_limit: int = 100_000
     auth_stale_if_error_seconds: float = 300.0
     metrics_max_adapter_labels: int = 32
+    rate_limit_url: str | None = None
 
     @property
     def store_dir(self) -> Path:

@@ -6,8 +6,9 @@ bucket of capacity ``tokens_per_minute`` refilled at ``tpm / 60`` per second. Ad
 request from the first and needs the second to be positive; when the request ends, the tokens it
 actually used (prompt + completion) are taken from the token bucket, which may go negative, so a
 large request delays the next ones instead of being refused up front. A refusal carries the time
-until admission would succeed, for ``Retry-After``. State lives in this process (one gateway
-process per engine); it is lost on restart, which only forgives.
+until admission would succeed, for ``Retry-After``. State lives in this process; it is lost on
+restart, which only forgives. Gateways that share keys share limits through
+:mod:`gateway.server.ratelimit_shared` (the same scheme in Redis; ``--rate-limit-url``).
 """
 
 from __future__ import annotations
@@ -115,6 +116,17 @@ class RateLimiter:
             state.requests.level -= 1.0
         state.in_flight += 1
         return Ticket(self, key_id, limits)
+
+    async def acquire(self, key_id: str, limits: TenantLimits) -> Ticket:
+        """:meth:`admit`, as the shared limiter is called (its state is remote).
+
+        Raises:
+            RateLimitExceeded: over a limit; nothing was taken.
+        """
+        return self.admit(key_id, limits)
+
+    async def close(self) -> None:
+        """Nothing to release (the shared limiter closes its connections)."""
 
     def in_flight(self, key_id: str) -> int:
         """Requests of ``key_id`` admitted and not yet released."""

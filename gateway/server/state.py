@@ -16,6 +16,7 @@ from loraplex.gateway.server.config import GatewayConfig
 from loraplex.gateway.server.engine_client import EngineClient
 from loraplex.gateway.server.metrics import GatewayMetrics
 from loraplex.gateway.server.ratelimit import RateLimiter
+from loraplex.gateway.server.ratelimit_shared import SharedRateLimiter
 from loraplex.gateway.server.usage_spool import UsageSpool
 from loraplex.gateway.server.usage_writer import UsageWriter
 from loraplex.gateway.services.tenants import TenantLimits
@@ -55,7 +56,7 @@ class GatewayState:
     admin_key: str
     store: AdapterStore
     key_cache: KeyCache
-    limiter: RateLimiter
+    limiter: RateLimiter | SharedRateLimiter
     usage: UsageWriter
     metrics: GatewayMetrics
     admission: AdmissionControl
@@ -106,7 +107,7 @@ def build_state(
         key_cache=KeyCache(
             config.auth_cache_seconds, stale_if_error=config.auth_stale_if_error_seconds
         ),
-        limiter=RateLimiter(),
+        limiter=make_limiter(config.rate_limit_url),
         usage=UsageWriter(
             sessions,
             spool=UsageSpool(config.spool_dir, fsync=config.usage_spool_fsync),
@@ -125,3 +126,12 @@ def build_state(
         ),
         owns_engine=owns_engine,
     )
+
+
+def make_limiter(url: str | None) -> RateLimiter | SharedRateLimiter:
+    """The per-key rate limiter: in this process, or shared in the Redis at ``url``.
+
+    Raises:
+        ValueError: (from redis-py) an invalid Redis URL.
+    """
+    return RateLimiter() if url is None else SharedRateLimiter(url)

@@ -119,7 +119,7 @@ async def _generate(request: Request, id_prefix: str, parse: Any) -> Response:
         raise APIError(503, "the engine is not running", code="engine_unavailable")
     state.usage.admit()
     body = await request.body()  # first: a slowly sent body holds no concurrency slot
-    ticket = admit_rate(state, principal)
+    ticket = await admit_rate(state, principal)
     try:
         admission = state.admission.admit(principal.tenant_id)
     except OverloadedError as exc:

@@ -83,7 +83,7 @@ async def resolve_model(state: GatewayState, tenant_id: str, model: str) -> str 
     return row.digest
 
 
-def admit_rate(state: GatewayState, principal: TenantPrincipal) -> Ticket:
+async def admit_rate(state: GatewayState, principal: TenantPrincipal) -> Ticket:
     """The key's rate-limit admission for one request.
 
     Raises:
@@ -92,7 +92,7 @@ def admit_rate(state: GatewayState, principal: TenantPrincipal) -> Ticket:
     """
     limits = principal.limits.or_defaults(state.default_limits)
     try:
-        return state.limiter.admit(principal.key_id, limits)
+        return await state.limiter.acquire(principal.key_id, limits)
     except RateLimitExceeded as exc:
         state.metrics.rate_limited.labels(principal.tenant_id, exc.limit).inc()
         raise rate_limited(

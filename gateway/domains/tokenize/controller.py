@@ -115,7 +115,7 @@ async def _metered(request: Request, handle: Any) -> Response:
         raise APIError(503, "the engine is not running", code="engine_unavailable")
     state.usage.admit()
     body = await request.body()
-    ticket = admit_rate(state, principal)
+    ticket = await admit_rate(state, principal)
     ledger = UsageLedger(state, principal, ticket, f"tok-{uuid.uuid4().hex}")
     try:
         data = decode_object(body)
