@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from loraplex.adapters.base_model import BaseModelInfo
 from loraplex.adapters.errors import AdapterError
@@ -40,7 +41,7 @@ from loraplex.adapters.validation import (
     read_adapter_dir,
 )
 
-_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_SECONDS = 3600.0
 DIR_MODE = 0o700
@@ -56,6 +57,27 @@ def _private_root(root: Path) -> None:
         os.chmod(root, DIR_MODE)
     elif mode & ~DIR_MODE and root.stat().st_uid == os.geteuid():
         os.chmod(root, mode & DIR_MODE)
+
+
+def validate_stored(
+    digest: str, config_bytes: bytes, weights_bytes: bytes, **limits: Any
+) -> LoraAdapter:
+    """A stored adapter's files, validated again and checked against the digest it is kept under.
+
+    Args:
+        digest: The key it was stored under.
+        config_bytes: ``adapter_config.json``.
+        weights_bytes: ``adapter_model.safetensors``.
+        **limits: ``target_shapes``, ``num_layers``, ``max_rank``, ``info`` (see
+            :func:`adapters.validation.load_adapter_files`).
+
+    Raises:
+        AdapterError: the files no longer validate or no longer hash to ``digest``.
+    """
+    adapter = load_adapter_files(config_bytes, weights_bytes, **limits)
+    if adapter.digest != digest:
+        raise AdapterError(f"stored adapter {digest} is corrupt: its content hashes differently")
+    return adapter
 
 
 class AdapterStore:
@@ -177,7 +199,8 @@ class AdapterStore:
         if directory is None or not directory.is_dir():
             raise KeyError(digest)
         config_bytes, weights_bytes = read_adapter_dir(directory)
-        adapter = load_adapter_files(
+        return validate_stored(
+            digest,
             config_bytes,
             weights_bytes,
             target_shapes=target_shapes,
@@ -185,11 +208,6 @@ class AdapterStore:
             max_rank=max_rank,
             info=info,
         )
-        if adapter.digest != digest:
-            raise AdapterError(
-                f"stored adapter {digest} is corrupt: its content hashes differently"
-            )
-        return adapter
 
     def has(self, digest: str) -> bool:
         """Whether an adapter with this digest is stored."""
@@ -240,11 +258,11 @@ class AdapterStore:
     def digests(self) -> list[str]:
         """Every stored digest, sorted."""
         return sorted(
-            p.name for p in self.root.iterdir() if _DIGEST_RE.fullmatch(p.name) and p.is_dir()
+            p.name for p in self.root.iterdir() if DIGEST_RE.fullmatch(p.name) and p.is_dir()
         )
 
     def _path(self, digest: str) -> Path | None:
         """``root/<digest>``, or None for anything that is not a lowercase hex SHA-256."""
-        if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+        if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
             return None
         return self.root / digest

@@ -34,7 +34,8 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
 
     Args:
         config: The ``EngineConfig``.
-        store_root: The gateway's adapter store (``adapters.store.AdapterStore``), or None.
+        store_root: The gateway's adapter store, a directory or an object-store URL
+            (``adapters.object_store.open_store``), or None.
         in_addr: ZMQ address the client pushes messages to (this process pulls).
         out_addr: ZMQ address this process pushes messages to (the client pulls).
     """
@@ -192,9 +193,9 @@ def _store_loader(store_root: str | None, get_core: Any) -> Any:
     """``digest -> LoraAdapter`` read from the adapter store, validated against the model."""
     if store_root is None:
         return None
-    from loraplex.adapters.store import AdapterStore
+    from loraplex.adapters.object_store import open_store
 
-    store = AdapterStore(store_root)
+    store = open_store(store_root)
 
     def load(digest: str) -> Any:
         return store.load(digest, **get_core().adapter_limits.kwargs())

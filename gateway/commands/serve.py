@@ -31,6 +31,15 @@ def register(subparsers) -> None:
         "--admin-key", default=None, help="admin key (default $LORAPLEX_ADMIN_KEY, else made)"
     )
     p.add_argument(
+        "--adapter-store",
+        default=None,
+        metavar="DIR_OR_URL",
+        help="the content-addressed store of uploaded adapters, which every gateway and engine "
+        "replica reads: a directory (a shared file system for several machines) or an "
+        "object-store URL such as s3://bucket/prefix (fsspec; s3fs for s3://) (default "
+        "DATA_DIR/adapters)",
+    )
+    p.add_argument(
         "--rate-limit-url",
         default=None,
         metavar="URL",
@@ -266,10 +275,14 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
     Raises:
         ValueError: a limit that is not positive.
     """
+    from pathlib import Path
+
+    from loraplex.adapters.object_store import is_url
     from loraplex.gateway.db.session import db_url
     from loraplex.gateway.settings import data_dir
 
     directory = data_dir(args.data_dir)
+    store = args.adapter_store
     for flag in ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
@@ -325,6 +338,8 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         auth_max_failures=args.auth_max_failures,
         auth_failure_window_seconds=args.auth_failure_window,
         forwarded_allow_ips=args.forwarded_allow_ips,
+        adapter_store_dir=None if store is None or is_url(store) else Path(store),
+        adapter_store_url=store if store is not None and is_url(store) else None,
         rate_limit_url=args.rate_limit_url or os.environ.get("LORAPLEX_RATE_LIMIT_URL") or None,
     )
 
@@ -392,7 +407,7 @@ def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
     admin_key, admin_path, created = load_or_create_admin_key(directory, args.admin_key)
     client = start_engine(
         engine_config,
-        gateway_config.store_dir,
+        gateway_config.store_location,
         in_process=not args.engine_process,
         replicas=args.replicas,
         ray_address=args.ray_address,

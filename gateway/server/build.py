@@ -27,7 +27,7 @@ def served_name(engine_config: EngineConfig) -> str:
 
 def start_engine(
     engine_config: EngineConfig,
-    store_root: Path,
+    store_root: str | Path,
     *,
     in_process: bool = True,
     replicas: int = 1,
@@ -57,11 +57,11 @@ def start_engine(
         from loraplex.gateway.server.process_client import ProcessEngineClient
 
         return ProcessEngineClient(engine_config, str(store_root), served_name(engine_config))
-    from loraplex.adapters.store import AdapterStore
+    from loraplex.adapters.object_store import open_store
     from loraplex.engine.async_llm import AsyncLLM
     from loraplex.engine.llm_engine import LLMEngine
 
-    store = AdapterStore(store_root)
+    store = open_store(store_root)
     holder: dict[str, Any] = {}
 
     def load(digest: str) -> Any:
@@ -81,7 +81,7 @@ def start_engine(
 
 def _start_replicas(
     engine_config: EngineConfig,
-    store_root: Path,
+    store_root: str | Path,
     in_process: bool,
     replicas: int,
     ray_address: str | None,

@@ -42,6 +42,8 @@ class GatewayConfig:
             are aborted.
         adapter_store_dir: The content-addressed adapter store (default ``DATA/adapters``); the
             engine's adapter loader must read the same store.
+        adapter_store_url: Instead, an object-store URL (``s3://bucket/prefix``;
+            ``adapters.object_store``) every gateway and replica reads.
         max_outstanding_requests: Chat requests admitted and not finished, at most, across all
             tenants; past it, 503 + ``Retry-After`` (None: no bound).
         max_outstanding_tokens: Their prompt + max_tokens, at most (None: no bound).
@@ -104,6 +106,7 @@ class GatewayConfig:
     usage_flush_seconds: float = 0.2
     shutdown_grace_seconds: float = 10.0
     adapter_store_dir: Path | None = None
+    adapter_store_url: str | None = None
     max_outstanding_requests: int | None = 1024
     max_outstanding_tokens: int | None = 4 * 1024 * 1024
     tenant_share: float = 0.5
@@ -127,8 +130,13 @@ class GatewayConfig:
 
     @property
     def store_dir(self) -> Path:
-        """Where uploaded adapters are stored."""
+        """Where uploaded adapters are stored, when in a directory."""
         return self.adapter_store_dir or self.data_dir / "adapters"
+
+    @property
+    def store_location(self) -> str:
+        """The adapter store every gateway and replica opens (``adapters.object_store``)."""
+        return self.adapter_store_url or str(self.store_dir)
 
     @property
     def spool_dir(self) -> Path:

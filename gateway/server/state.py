@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
+from loraplex.adapters.object_store import ObjectAdapterStore, open_store
 from loraplex.adapters.store import AdapterStore
 from loraplex.gateway.server.admission import AdmissionControl
 from loraplex.gateway.server.auth import KeyCache
@@ -54,7 +55,7 @@ class GatewayState:
     sessions: async_sessionmaker
     secret: bytes
     admin_key: str
-    store: AdapterStore
+    store: AdapterStore | ObjectAdapterStore
     key_cache: KeyCache
     limiter: RateLimiter | SharedRateLimiter
     usage: UsageWriter
@@ -103,7 +104,7 @@ def build_state(
         sessions=sessions,
         secret=load_or_create_secret(config.data_dir),
         admin_key=admin_key,
-        store=AdapterStore(config.store_dir),
+        store=open_store(config.store_location),
         key_cache=KeyCache(
             config.auth_cache_seconds, stale_if_error=config.auth_stale_if_error_seconds
         ),

@@ -1,0 +1,249 @@
+"""The content-addressed adapter store in object storage (S3, GCS, Azure ...), through fsspec.
+
+::
+
+    URL/<digest>/adapter_model.safetensors    # written first
+    URL/<digest>/adapter_config.json          # written last: an adapter is there once it is
+    URL/.trash-<random>/<digest>/...          # stashed by the orphan collector
+
+The same contract as :class:`adapters.store.AdapterStore`, for gateways and engine replicas on
+different machines that share no file system: every one of them opens the same URL
+(``serve --adapter-store s3://bucket/loraplex/adapters``) and reads adapters by digest. The
+filesystem is fsspec's for the URL's scheme (``s3fs`` for ``s3://``, ``gcsfs`` for ``gs://``,
+``adlfs`` for ``az://``; installed separately); credentials and endpoints come from the usual
+places (the environment, instance roles; ``AWS_ENDPOINT_URL`` for MinIO or another
+S3-compatible store). An engine keeps up to
+``max_cpu_loras`` adapters in host memory and downloads the others again when it needs them.
+
+Object stores have no rename, so nothing here is atomic the way the directory store's renames
+are; content addressing makes up for it. An adapter counts as stored once its config (written
+after the weights) exists; a reader of a half-written or half-removed adapter gets ``KeyError``
+or, from :meth:`load`, the digest check's ``AdapterError``, never another adapter's weights; and
+two gateways storing the same digest write the same bytes. Stash, unstash and purge (the orphan
+collector's protocol, :mod:`gateway.domains.adapters.orphans`) are moves under a ``.trash-``
+prefix. Access control is the bucket's: grant the gateways read and write, the replicas read.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+from loraplex.adapters.base_model import BaseModelInfo
+from loraplex.adapters.store import DIGEST_RE, AdapterStore, validate_stored
+from loraplex.adapters.validation import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    LoraAdapter,
+    load_adapter_files,
+    read_adapter_dir,
+)
+
+_TRASH_PREFIX = ".trash-"
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` is an fsspec URL (``s3://...``, ``simplecache::gs://...``)."""
+    return isinstance(location, str) and "://" in location
+
+
+def open_store(location: str | os.PathLike[str]) -> AdapterStore | ObjectAdapterStore:
+    """The adapter store at ``location``: a directory path, or an fsspec URL.
+
+    Raises:
+        ValueError: a URL whose scheme has no fsspec filesystem installed (the message names
+            the package), or a malformed URL.
+    """
+    if is_url(location):
+        return ObjectAdapterStore(str(location))
+    return AdapterStore(location)
+
+
+class ObjectAdapterStore:
+    """Validated adapters in object storage, keyed by digest (see the module doc).
+
+    Args:
+        url: The store's root, an fsspec URL (``s3://bucket/prefix``).
+        **storage_options: Passed to the filesystem (``endpoint_url``, ``anon`` ...).
+
+    Raises:
+        ValueError: no filesystem for the URL's scheme, or a malformed URL.
+    """
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        import fsspec
+
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        except ImportError as exc:
+            raise ValueError(f"the adapter store {url!r} needs a package: {exc}") from None
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"the adapter store {url!r} is not a usable URL: {exc}") from None
+        self.url = url
+        self.root = root.rstrip("/")
+
+    # ------------------------------------------------------------------- writing
+    def put_files(
+        self,
+        config_bytes: bytes,
+        weights_bytes: bytes,
+        *,
+        target_shapes: dict[str, tuple[int, int]],
+        num_layers: int,
+        max_rank: int,
+        info: BaseModelInfo | None = None,
+    ) -> LoraAdapter:
+        """Validate an adapter and store it (an existing digest is reused).
+
+        Raises:
+            AdapterError: the adapter is invalid; nothing was written.
+            OSError: the upload failed (a half-written adapter does not count as stored).
+        """
+        adapter = load_adapter_files(
+            config_bytes,
+            weights_bytes,
+            target_shapes=target_shapes,
+            num_layers=num_layers,
+            max_rank=max_rank,
+            info=info,
+        )
+        if not self.has(adapter.digest):
+            directory = f"{self.root}/{adapter.digest}"
+            self.fs.pipe_file(f"{directory}/{WEIGHTS_NAME}", weights_bytes)
+            self.fs.pipe_file(f"{directory}/{CONFIG_NAME}", config_bytes)
+            self.fs.invalidate_cache(directory)
+        return adapter
+
+    def put_dir(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        target_shapes: dict[str, tuple[int, int]],
+        num_layers: int,
+        max_rank: int,
+        info: BaseModelInfo | None = None,
+    ) -> LoraAdapter:
+        """Validate a local PEFT adapter directory and store it (see :meth:`put_files`).
+
+        Raises:
+            AdapterError: missing or pickle files, or an invalid adapter; nothing was written.
+        """
+        config_bytes, weights_bytes = read_adapter_dir(path)
+        return self.put_files(
+            config_bytes,
+            weights_bytes,
+            target_shapes=target_shapes,
+            num_layers=num_layers,
+            max_rank=max_rank,
+            info=info,
+        )
+
+    # ------------------------------------------------------------------- reading
+    def load(
+        self,
+        digest: str,
+        *,
+        target_shapes: dict[str, tuple[int, int]],
+        num_layers: int,
+        max_rank: int,
+        info: BaseModelInfo | None = None,
+    ) -> LoraAdapter:
+        """Download and re-validate a stored adapter.
+
+        Raises:
+            KeyError: no adapter with this digest.
+            AdapterError: the stored files no longer validate or no longer hash to ``digest``.
+        """
+        directory = self._path(digest)
+        if directory is None:
+            raise KeyError(digest)
+        try:
+            config_bytes = self.fs.cat_file(f"{directory}/{CONFIG_NAME}")
+            weights_bytes = self.fs.cat_file(f"{directory}/{WEIGHTS_NAME}")
+        except FileNotFoundError:
+            raise KeyError(digest) from None
+        return validate_stored(
+            digest,
+            config_bytes,
+            weights_bytes,
+            target_shapes=target_shapes,
+            num_layers=num_layers,
+            max_rank=max_rank,
+            info=info,
+        )
+
+    def has(self, digest: str) -> bool:
+        """Whether an adapter with this digest is stored (asked of the store, not a cache)."""
+        directory = self._path(digest)
+        if directory is None:
+            return False
+        self.fs.invalidate_cache(directory)
+        return bool(self.fs.exists(f"{directory}/{CONFIG_NAME}"))
+
+    def digests(self) -> list[str]:
+        """Every stored digest, sorted."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        found = (name.rstrip("/").rsplit("/", 1)[-1] for name in names)
+        return sorted(d for d in found if DIGEST_RE.fullmatch(d) and self.has(d))
+
+    # ------------------------------------------------------------------- removal
+    def delete(self, digest: str) -> bool:
+        """Remove a stored adapter; False if there was none."""
+        stashed = self.stash(digest)
+        if stashed is None:
+            return False
+        self.purge(stashed)
+        return True
+
+    def stash(self, digest: str) -> str | None:
+        """Move an adapter out of sight (readers no longer find it); None if there was none.
+
+        The config goes first, so the adapter stops counting as stored before anything else
+        moves.
+
+        Returns:
+            Where it went, for :meth:`unstash` or :meth:`purge`.
+        """
+        if not self.has(digest):
+            return None
+        source = f"{self.root}/{digest}"
+        doomed = f"{self.root}/{_TRASH_PREFIX}{uuid.uuid4().hex}/{digest}"
+        try:
+            self.fs.mv(f"{source}/{CONFIG_NAME}", f"{doomed}/{CONFIG_NAME}")
+        except FileNotFoundError:  # removed concurrently
+            return None
+        try:
+            self.fs.mv(f"{source}/{WEIGHTS_NAME}", f"{doomed}/{WEIGHTS_NAME}")
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(source)
+        return doomed
+
+    def unstash(self, stashed: str) -> None:
+        """Put a stashed adapter back (weights, then config); drop the stash if stored again."""
+        digest = stashed.rstrip("/").rsplit("/", 1)[-1]
+        if not self.has(digest):
+            target = f"{self.root}/{digest}"
+            self.fs.mv(f"{stashed}/{WEIGHTS_NAME}", f"{target}/{WEIGHTS_NAME}")
+            self.fs.mv(f"{stashed}/{CONFIG_NAME}", f"{target}/{CONFIG_NAME}")
+            self.fs.invalidate_cache(target)
+        self.purge(stashed)
+
+    def purge(self, stashed: str) -> None:
+        """Delete a stashed adapter for good."""
+        parent = stashed.rstrip("/").rsplit("/", 1)[0]
+        try:
+            self.fs.rm(parent, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def _path(self, digest: str) -> str | None:
+        """``root/<digest>``, or None for anything that is not a lowercase hex SHA-256."""
+        if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
+            return None
+        return f"{self.root}/{digest}"
