@@ -35,8 +35,13 @@ def s3_server(monkeypatch) -> Iterator[str]:
     try:
         for name, value in {**ENV, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
             monkeypatch.setenv(name, value)
+        import urllib.request
+
         import s3fs
 
+        # moto keeps its buckets in this process: start from none, whatever ran before.
+        reset = urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST")
+        urllib.request.urlopen(reset, timeout=10).close()
         s3fs.S3FileSystem.clear_instance_cache()
         s3fs.S3FileSystem().mkdir("loraplex")
         yield "s3://loraplex"

@@ -217,7 +217,7 @@ def test_ray_cluster_compose_file_agrees_with_the_cli(monkeypatch):
     path = ROOT / "docs" / "deploy" / "ray-cluster.compose.yml"
     compose = interpolate(yaml.safe_load(path.read_text()))
     services = compose["services"]
-    assert set(services) == {"postgres", "ray-head", "ray-worker", "gateway"}
+    assert set(services) == {"postgres", "redis", "ray-head", "ray-worker", "gateway"}
     script = services["gateway"]["command"][-1]
     join, _, serve = script.partition("&&")
     assert "ray start --address=ray-head:6379" in join
@@ -235,5 +235,8 @@ def test_ray_cluster_compose_file_agrees_with_the_cli(monkeypatch):
     env = service_env(services["gateway"])
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    url = make_url(gateway_config_from_args(args, "base").db_url)
+    config = gateway_config_from_args(args, "base")
+    url = make_url(config.db_url)
     assert url.host == "postgres" and url.drivername == "postgresql+asyncpg"
+    assert config.rate_limit_url == "redis://redis:6379/0"  # every gateway shares the limits
+    assert services["gateway"]["depends_on"]["redis"]["condition"] == "service_healthy"

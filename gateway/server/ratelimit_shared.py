@@ -18,7 +18,9 @@ Redis Cluster slot):
 
 When Redis cannot be reached, a key is limited by this gateway's in-process limiter instead
 (never unlimited; never a 5xx because of the limiter), and a warning is logged at most every
-30 s; the shared state resumes when Redis answers again.
+30 s. After a failed call, admissions do not try Redis for :data:`RETRY_AFTER_FAILURE_S`, so an
+outage does not add a socket timeout to every request; the shared state resumes when Redis
+answers again.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from loraplex.gateway.services.tenants import TenantLimits
 logger = logging.getLogger(__name__)
 
 LEASE_SECONDS = 60.0
+RETRY_AFTER_FAILURE_S = 2.0  # after a failed call, admissions skip Redis this long
 _WARN_EVERY_S = 30.0
 _PREFIX = "loraplex:rl:"
 
@@ -181,6 +184,7 @@ class SharedRateLimiter:
         self._tasks: set[asyncio.Task] = set()
         self._renewer: asyncio.Task | None = None
         self._warned = float("-inf")
+        self._down_until = float("-inf")
 
     # ------------------------------------------------------------------- admission
     async def acquire(self, key_id: str, limits: TenantLimits) -> Any:
@@ -192,6 +196,8 @@ class SharedRateLimiter:
         Raises:
             RateLimitExceeded: over a limit; nothing was taken.
         """
+        if time.monotonic() < self._down_until:  # Redis failed just now: do not wait on it
+            return self.fallback.admit(key_id, limits)
         lease = uuid.uuid4().hex
         args = [
             _arg(limits.requests_per_minute),
@@ -273,6 +279,7 @@ class SharedRateLimiter:
 
     def _warn(self, exc: BaseException) -> None:
         now = time.monotonic()
+        self._down_until = now + RETRY_AFTER_FAILURE_S
         if now - self._warned >= _WARN_EVERY_S:
             self._warned = now
             logger.warning(

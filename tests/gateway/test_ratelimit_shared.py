@@ -144,7 +144,9 @@ def test_without_redis_each_gateway_limits_on_its_own(caplog):
         limits = TenantLimits(requests_per_minute=2)
         for _ in range(2):
             (await limiter.acquire("k", limits)).release(0)
+        started = asyncio.get_running_loop().time()
         assert (await refused(limiter, "k", limits)).limit == "requests_per_minute"
+        assert asyncio.get_running_loop().time() - started < 0.1  # Redis not waited on again
         await limiter.close()
 
     with caplog.at_level(logging.WARNING, logger="loraplex.gateway.server.ratelimit_shared"):
