@@ -41,6 +41,7 @@ LEASE_SECONDS = 60.0
 RETRY_AFTER_FAILURE_S = 2.0  # after a failed call, admissions skip Redis this long
 _WARN_EVERY_S = 30.0
 _PREFIX = "loraplex:rl:"
+_RELEASE_BATCH = 512
 
 # Both scripts: KEYS[1] the bucket hash, KEYS[2] the lease set. Numbers cross as strings (a Lua
 # number returned to Redis is cut to an integer).
@@ -152,14 +153,23 @@ class SharedRateLimiter:
         url: A Redis URL (``redis://host:6379/0``, ``rediss://...``, ``unix://...``); its
             password, if any, is never logged.
         lease_seconds: How long a crashed gateway's requests keep their concurrency slots.
-        timeout_seconds: Socket timeout of each Redis call; past it, the in-process fallback.
+        timeout_seconds: Socket timeout of each Redis call, and the longest wait for a free
+            connection; past it, the in-process fallback.
+        max_connections: Admissions talking to Redis at once (others wait their turn, in
+            order); releases go in pipelined batches on one more connection, renewals on
+            another.
 
     Raises:
         ValueError: an invalid URL, or redis-py is not installed (the ``redis`` extra).
     """
 
     def __init__(
-        self, url: str, *, lease_seconds: float = LEASE_SECONDS, timeout_seconds: float = 0.5
+        self,
+        url: str,
+        *,
+        lease_seconds: float = LEASE_SECONDS,
+        timeout_seconds: float = 0.5,
+        max_connections: int = 32,
     ) -> None:
         try:
             import redis.asyncio as redis
@@ -171,17 +181,26 @@ class SharedRateLimiter:
         parts = urlsplit(url)
         self.where = f"{parts.hostname}:{parts.port or 6379}" if parts.hostname else parts.path
         self.lease_seconds = lease_seconds
-        self.redis = redis.from_url(
+        # Admissions take turns on a FIFO semaphore (redis-py's blocking pool is not fair: under
+        # load a waiter can starve past any timeout); the releaser and the renewer have a
+        # connection each on top.
+        self._turns = asyncio.Semaphore(max_connections)
+        pool = redis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections + 2,
+            timeout=timeout_seconds,
             socket_timeout=timeout_seconds,
             socket_connect_timeout=timeout_seconds,
             decode_responses=True,
         )
+        self.redis = redis.Redis.from_pool(pool)
         self._admit = self.redis.register_script(_ADMIT)
         self._release_script = self.redis.register_script(_RELEASE)
         self.fallback = RateLimiter()
+        self.fallback_admissions = 0  # admitted by the in-process fallback (Redis failed)
         self._live: dict[str, SharedTicket] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._releases: list[tuple[list[str], list[str]]] = []
+        self._releaser: asyncio.Task | None = None
         self._renewer: asyncio.Task | None = None
         self._warned = float("-inf")
         self._down_until = float("-inf")
@@ -197,7 +216,7 @@ class SharedRateLimiter:
             RateLimitExceeded: over a limit; nothing was taken.
         """
         if time.monotonic() < self._down_until:  # Redis failed just now: do not wait on it
-            return self.fallback.admit(key_id, limits)
+            return self._fallback(key_id, limits)
         lease = uuid.uuid4().hex
         args = [
             _arg(limits.requests_per_minute),
@@ -206,11 +225,14 @@ class SharedRateLimiter:
             lease,
             repr(self.lease_seconds),
         ]
-        try:
-            verdict, retry = await self._admit(keys=_keys(key_id), args=args)
-        except Exception as exc:  # noqa: BLE001 - any Redis failure: limit in this process
-            self._warn(exc)
-            return self.fallback.admit(key_id, limits)
+        async with self._turns:
+            if time.monotonic() < self._down_until:  # it failed while this one waited
+                return self._fallback(key_id, limits)
+            try:
+                verdict, retry = await self._admit(keys=_keys(key_id), args=args)
+            except Exception as exc:  # noqa: BLE001 - any Redis failure: limit in this process
+                self._warn(exc)
+                return self._fallback(key_id, limits)
         if verdict != "ok":
             raise RateLimitExceeded(verdict, float(retry))
         ticket = SharedTicket(self, key_id, lease, limits)
@@ -218,21 +240,33 @@ class SharedRateLimiter:
         self._ensure_renewer()
         return ticket
 
+    def _fallback(self, key_id: str, limits: TenantLimits) -> Any:
+        ticket = self.fallback.admit(key_id, limits)
+        self.fallback_admissions += 1
+        return ticket
+
     def _release(self, ticket: SharedTicket, tokens_used: int) -> None:
+        """Queue the release; one background task sends the queue in pipelined batches."""
         self._live.pop(ticket.lease, None)
         args = [ticket.lease, str(tokens_used), _arg(ticket.limits.tokens_per_minute)]
-        try:
-            task = asyncio.get_running_loop().create_task(self._send_release(ticket, args))
-        except RuntimeError:  # no loop (shutting down): the lease expires by itself
-            return
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._releases.append((_keys(ticket.key_id), args))
+        if self._releaser is None or self._releaser.done():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (shutting down): the lease expires by itself
+                return
+            self._releaser = loop.create_task(self._send_releases())
 
-    async def _send_release(self, ticket: SharedTicket, args: list[str]) -> None:
-        try:
-            await self._release_script(keys=_keys(ticket.key_id), args=args)
-        except Exception as exc:  # noqa: BLE001 - the lease expires; the tokens are forgiven
-            self._warn(exc)
+    async def _send_releases(self) -> None:
+        while self._releases:
+            batch, self._releases = self._releases[:_RELEASE_BATCH], self._releases[_RELEASE_BATCH:]
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for keys, args in batch:
+                        await self._release_script(keys=keys, args=args, client=pipe)
+                    await pipe.execute()
+            except Exception as exc:  # noqa: BLE001 - the leases expire; the tokens are forgiven
+                self._warn(exc)
 
     # --------------------------------------------------------------------- leases
     def _ensure_renewer(self) -> None:
@@ -267,8 +301,8 @@ class SharedRateLimiter:
 
     async def drain(self, timeout: float = 2.0) -> None:
         """Wait (up to ``timeout`` seconds) for the releases sent in the background."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout)
+        if self._releaser is not None and not self._releaser.done():
+            await asyncio.wait({self._releaser}, timeout=timeout)
 
     async def close(self) -> None:
         """Send the pending releases, stop renewing, close the connections."""
