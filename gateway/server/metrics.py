@@ -103,6 +103,20 @@ def _spec_decode_counters(s: dict[str, Any]) -> Iterator[Any]:
     yield per_pos
 
 
+class _SharedLimiterCollector(Collector):
+    """The shared rate limiter's fallback count, read at scrape time."""
+
+    def __init__(self, limiter: Any) -> None:
+        self._limiter = limiter
+
+    def collect(self) -> Iterator[Any]:
+        yield CounterMetricFamily(
+            "loraplex_rate_limit_fallback_admissions",
+            "Requests this gateway's own limiter admitted because the shared one's Redis failed",
+            value=float(self._limiter.fallback_admissions),
+        )
+
+
 class GatewayMetrics:
     """The app's registry and its counters.
 
@@ -170,6 +184,11 @@ class GatewayMetrics:
             )
             self._tenant_tokens[tenant_id] = found
         return found
+
+    def watch_limiter(self, limiter: Any) -> None:
+        """Export the shared rate limiter's fallback admissions (nothing for the in-process one)."""
+        if hasattr(limiter, "fallback_admissions"):
+            self.registry.register(_SharedLimiterCollector(limiter))
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

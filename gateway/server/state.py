@@ -97,6 +97,9 @@ def build_state(
     private_dir(config.data_dir)
     db = make_engine(config.db_url)
     sessions = session_factory(db)
+    limiter = make_limiter(config.rate_limit_url)
+    metrics = GatewayMetrics(engine.stats, engine.model_name, config.metrics_max_adapter_labels)
+    metrics.watch_limiter(limiter)
     return GatewayState(
         config=config,
         engine=engine,
@@ -108,7 +111,7 @@ def build_state(
         key_cache=KeyCache(
             config.auth_cache_seconds, stale_if_error=config.auth_stale_if_error_seconds
         ),
-        limiter=make_limiter(config.rate_limit_url),
+        limiter=limiter,
         usage=UsageWriter(
             sessions,
             spool=UsageSpool(config.spool_dir, fsync=config.usage_spool_fsync),
@@ -116,7 +119,7 @@ def build_state(
             flush_seconds=config.usage_flush_seconds,
             backlog_limit=config.usage_backlog_limit,
         ),
-        metrics=GatewayMetrics(engine.stats, engine.model_name, config.metrics_max_adapter_labels),
+        metrics=metrics,
         admission=AdmissionControl(
             config.max_outstanding_requests, config.max_outstanding_tokens, config.tenant_share
         ),
@@ -133,6 +136,6 @@ def make_limiter(url: str | None) -> RateLimiter | SharedRateLimiter:
     """The per-key rate limiter: in this process, or shared in the Redis at ``url``.
 
     Raises:
-        ValueError: (from redis-py) an invalid Redis URL.
+        ValueError: an invalid Redis URL, or redis-py missing (the ``redis`` extra).
     """
     return RateLimiter() if url is None else SharedRateLimiter(url)

@@ -147,6 +147,7 @@ def test_without_redis_each_gateway_limits_on_its_own(caplog):
         started = asyncio.get_running_loop().time()
         assert (await refused(limiter, "k", limits)).limit == "requests_per_minute"
         assert asyncio.get_running_loop().time() - started < 0.1  # Redis not waited on again
+        assert limiter.fallback_admissions == 2  # the refused one was not admitted
         await limiter.close()
 
     with caplog.at_level(logging.WARNING, logger="loraplex.gateway.server.ratelimit_shared"):
@@ -198,5 +199,7 @@ def test_two_live_gateways_share_a_keys_limits(redis_url, tmp_path):
             assert int(r.headers["Retry-After"]) >= 1
             with b.client(key) as c:
                 assert c.post("/v1/chat/completions", json=body).status_code == 429
+                metrics = c.get("/metrics").text
+            assert "\nloraplex_rate_limit_fallback_admissions_total 0.0\n" in metrics
     finally:
         gate.set()
