@@ -31,13 +31,12 @@ import uuid
 from typing import Any
 
 from loraplex.adapters.base_model import BaseModelInfo
-from loraplex.adapters.store import DIGEST_RE, AdapterStore, validate_stored
+from loraplex.adapters.store import DIGEST_RE, AdapterStore, DigestStore, validate_stored
 from loraplex.adapters.validation import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     LoraAdapter,
     load_adapter_files,
-    read_adapter_dir,
 )
 
 _TRASH_PREFIX = ".trash-"
@@ -60,7 +59,7 @@ def open_store(location: str | os.PathLike[str]) -> AdapterStore | ObjectAdapter
     return AdapterStore(location)
 
 
-class ObjectAdapterStore:
+class ObjectAdapterStore(DigestStore):
     """Validated adapters in object storage, keyed by digest (see the module doc).
 
     Args:
@@ -115,30 +114,6 @@ class ObjectAdapterStore:
             self.fs.invalidate_cache(directory)
         return adapter
 
-    def put_dir(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        target_shapes: dict[str, tuple[int, int]],
-        num_layers: int,
-        max_rank: int,
-        info: BaseModelInfo | None = None,
-    ) -> LoraAdapter:
-        """Validate a local PEFT adapter directory and store it (see :meth:`put_files`).
-
-        Raises:
-            AdapterError: missing or pickle files, or an invalid adapter; nothing was written.
-        """
-        config_bytes, weights_bytes = read_adapter_dir(path)
-        return self.put_files(
-            config_bytes,
-            weights_bytes,
-            target_shapes=target_shapes,
-            num_layers=num_layers,
-            max_rank=max_rank,
-            info=info,
-        )
-
     # ------------------------------------------------------------------- reading
     def load(
         self,
@@ -192,14 +167,6 @@ class ObjectAdapterStore:
         return sorted(d for d in found if DIGEST_RE.fullmatch(d) and self.has(d))
 
     # ------------------------------------------------------------------- removal
-    def delete(self, digest: str) -> bool:
-        """Remove a stored adapter; False if there was none."""
-        stashed = self.stash(digest)
-        if stashed is None:
-            return False
-        self.purge(stashed)
-        return True
-
     def stash(self, digest: str) -> str | None:
         """Move an adapter out of sight (readers no longer find it); None if there was none.
 

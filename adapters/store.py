@@ -80,7 +80,62 @@ def validate_stored(
     return adapter
 
 
-class AdapterStore:
+class DigestStore:
+    """What every adapter store does the same way, on top of its own primitives.
+
+    :class:`AdapterStore` (a directory) and ``adapters.object_store.ObjectAdapterStore``
+    implement ``put_files``, ``stash`` and ``purge``; ``put_dir`` and ``delete`` are built here.
+    """
+
+    def put_files(self, config_bytes: bytes, weights_bytes: bytes, **limits: Any) -> LoraAdapter:
+        """Validate an adapter and store it (the subclass's)."""
+        raise NotImplementedError
+
+    def stash(self, digest: str) -> Any:
+        """Move an adapter out of sight; where it went, or None (the subclass's)."""
+        raise NotImplementedError
+
+    def purge(self, stashed: Any) -> None:
+        """Delete a stashed adapter for good (the subclass's)."""
+        raise NotImplementedError
+
+    def put_dir(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        target_shapes: dict[str, tuple[int, int]],
+        num_layers: int,
+        max_rank: int,
+        info: BaseModelInfo | None = None,
+    ) -> LoraAdapter:
+        """Validate a PEFT adapter directory and store it (see :meth:`put_files`).
+
+        Raises:
+            AdapterError: missing or pickle files, or an invalid adapter; nothing was written.
+        """
+        config_bytes, weights_bytes = read_adapter_dir(path)
+        return self.put_files(
+            config_bytes,
+            weights_bytes,
+            target_shapes=target_shapes,
+            num_layers=num_layers,
+            max_rank=max_rank,
+            info=info,
+        )
+
+    def delete(self, digest: str) -> bool:
+        """Remove a stored adapter; False if there was none.
+
+        It is stashed out of sight first, so readers never see half of it.
+        """
+        stashed = self.stash(digest)
+        if stashed is None:
+            return False
+        self.purge(stashed)
+        return True
+
+
+class AdapterStore(DigestStore):
     """Validated adapters on disk, keyed by digest.
 
     Args:
@@ -156,30 +211,6 @@ class AdapterStore:
             shutil.rmtree(tmp, ignore_errors=True)
         return adapter
 
-    def put_dir(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        target_shapes: dict[str, tuple[int, int]],
-        num_layers: int,
-        max_rank: int,
-        info: BaseModelInfo | None = None,
-    ) -> LoraAdapter:
-        """Validate a PEFT adapter directory and store it (see :meth:`put_files`).
-
-        Raises:
-            AdapterError: missing or pickle files, or an invalid adapter; nothing was written.
-        """
-        config_bytes, weights_bytes = read_adapter_dir(path)
-        return self.put_files(
-            config_bytes,
-            weights_bytes,
-            target_shapes=target_shapes,
-            num_layers=num_layers,
-            max_rank=max_rank,
-            info=info,
-        )
-
     def load(
         self,
         digest: str,
@@ -213,17 +244,6 @@ class AdapterStore:
         """Whether an adapter with this digest is stored."""
         directory = self._path(digest)
         return directory is not None and directory.is_dir()
-
-    def delete(self, digest: str) -> bool:
-        """Remove a stored adapter; False if there was none.
-
-        The directory is renamed out of the way first, so readers never see half of it.
-        """
-        stashed = self.stash(digest)
-        if stashed is None:
-            return False
-        self.purge(stashed)
-        return True
 
     def stash(self, digest: str) -> Path | None:
         """Rename an adapter out of sight (readers no longer find it); None if there was none.
