@@ -12,6 +12,7 @@ from loraplex.gateway.commands.engine_args import add_engine_args, config_from_a
 from loraplex.gateway.server.config import GatewayConfig
 
 logger = logging.getLogger("loraplex.serve")
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
 def register(subparsers) -> None:
@@ -283,6 +284,9 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
 
     directory = data_dir(args.data_dir)
     store = args.adapter_store
+    rate_limit_url = args.rate_limit_url or os.environ.get("LORAPLEX_RATE_LIMIT_URL") or None
+    if rate_limit_url is not None and rate_limit_url.split("://")[0] not in _REDIS_SCHEMES:
+        raise ValueError("--rate-limit-url must be a redis://, rediss:// or unix:// URL")
     for flag in ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
@@ -340,7 +344,7 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         forwarded_allow_ips=args.forwarded_allow_ips,
         adapter_store_dir=None if store is None or is_url(store) else Path(store),
         adapter_store_url=store if store is not None and is_url(store) else None,
-        rate_limit_url=args.rate_limit_url or os.environ.get("LORAPLEX_RATE_LIMIT_URL") or None,
+        rate_limit_url=rate_limit_url,
     )
 
 

@@ -300,3 +300,22 @@ def test_serve_flags_set_the_core_timeouts(tmp_path):
     for bad in (["--engine-dead-timeout", "0.5"], ["--engine-step-timeout", "0"]):
         with pytest.raises(ValueError, match="--engine-"):
             config(*bad)
+
+
+def test_serve_flags_for_several_gateways(tmp_path, monkeypatch):
+    from loraplex.gateway.cli import build_parser
+    from loraplex.gateway.commands.serve import gateway_config_from_args
+
+    def config(*flags):
+        args = build_parser().parse_args(["serve", "--data-dir", str(tmp_path), *flags])
+        return gateway_config_from_args(args, "m")
+
+    default = config()
+    assert default.rate_limit_url is None and default.store_location == str(tmp_path / "adapters")
+    c = config("--rate-limit-url", "redis://r:6379/0", "--adapter-store", "s3://bucket/a")
+    assert (c.rate_limit_url, c.store_location) == ("redis://r:6379/0", "s3://bucket/a")
+    assert config("--adapter-store", str(tmp_path / "s")).store_location == str(tmp_path / "s")
+    monkeypatch.setenv("LORAPLEX_RATE_LIMIT_URL", "rediss://r/1")
+    assert config().rate_limit_url == "rediss://r/1"
+    with pytest.raises(ValueError, match="--rate-limit-url"):
+        config("--rate-limit-url", "http://r:6379")
