@@ -131,6 +131,10 @@ class CoreProcessClient:
             if sock is not None:
                 sock.close(linger=0)
         self._push = self._ctx.socket(zmq.PUSH)
+        # No high-water mark: a send never blocks the gateway's event loop, even while a frozen
+        # core reads nothing (until the dead timeout kills it). What queues is bounded by the
+        # gateway's admission control, and the requests are held here anyway.
+        self._push.setsockopt(zmq.SNDHWM, 0)
         self._pull = self._ctx.socket(zmq.PULL)
         if self.launcher.remote:  # a core on another node: TCP to this host's address
             host = self.launcher.node_address()
