@@ -54,19 +54,21 @@ def register(subparsers) -> None:
         "--requests-per-minute",
         type=int,
         default=d.default_requests_per_minute,
-        help="requests per minute per key; 429 with Retry-After beyond",
+        help="requests per minute per key; 429 with Retry-After beyond; 0: unlimited (default "
+        "%(default)s)",
     )
     g.add_argument(
         "--tokens-per-minute",
         type=int,
         default=d.default_tokens_per_minute,
-        help="prompt + completion tokens per minute per key; 429 with Retry-After beyond",
+        help="prompt + completion tokens per minute per key; 429 with Retry-After beyond; 0: "
+        "unlimited (default %(default)s)",
     )
     g.add_argument(
         "--max-concurrent-requests",
         type=int,
         default=d.default_max_concurrent_requests,
-        help="requests in flight per key; 429 beyond",
+        help="requests in flight per key; 429 beyond; 0: unlimited (default %(default)s)",
     )
     g.add_argument(
         "--max-tokens-limit",
@@ -289,8 +291,8 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         raise ValueError("--rate-limit-url must be a redis://, rediss:// or unix:// URL")
     for flag in ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests"):
         value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+        if value is not None and value < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be 0 (unlimited) or positive")
     for flag in ("max_outstanding_requests", "max_outstanding_tokens"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be 0 (no bound) or positive")
@@ -322,9 +324,9 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         host=args.host,
         port=args.port,
         max_tokens_limit=args.max_tokens_limit,
-        default_requests_per_minute=args.requests_per_minute,
-        default_tokens_per_minute=args.tokens_per_minute,
-        default_max_concurrent_requests=args.max_concurrent_requests,
+        default_requests_per_minute=args.requests_per_minute or None,
+        default_tokens_per_minute=args.tokens_per_minute or None,
+        default_max_concurrent_requests=args.max_concurrent_requests or None,
         shutdown_grace_seconds=args.shutdown_grace,
         max_outstanding_requests=args.max_outstanding_requests or None,
         max_outstanding_tokens=args.max_outstanding_tokens or None,

@@ -83,7 +83,15 @@ def test_serve_flags_set_the_bounds(tmp_path):
     assert (
         defaults.usage_spool_fsync and config("--usage-backlog-limit", "9").usage_backlog_limit == 9
     )
+    unlimited = config("--requests-per-minute", "0", "--tokens-per-minute", "0")
+    assert (unlimited.default_requests_per_minute, unlimited.default_tokens_per_minute) == (
+        None,
+        None,
+    )
+    c = config("--max-concurrent-requests", "0", "--requests-per-minute", "5")
+    assert (c.default_max_concurrent_requests, c.default_requests_per_minute) == (None, 5)
     for bad in (
+        ["--requests-per-minute", "-1"],
         ["--tenant-share", "0"],
         ["--tenant-share", "1.5"],
         ["--max-outstanding-requests", "-1"],
