@@ -91,6 +91,11 @@ def test_admin_routes(live):
         with live.admin() as a:
             assert a.delete(f"/admin/keys/{key.json()['id']}").status_code == 200
         assert_openai_error(c.get("/admin/tenants"), 401)
+    with live.admin() as a:
+        keys = {k["id"]: k for k in a.get(f"/admin/tenants/{t['id']}").json()["keys"]}
+    assert keys[t["key_id"]]["revoked_at"] is None and not keys[t["key_id"]]["revoked"]
+    gone = keys[key.json()["id"]]
+    assert gone["revoked"] and gone["revoked_at"].startswith("20")  # as `keys list` says it
 
 
 def test_every_route_takes_one_kind_of_key(live):

@@ -84,7 +84,7 @@ class AdminController(Controller):
 
     @get("/tenants/{tenant_id:str}")
     async def get_tenant(self, request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
-        """One tenant, with its keys (ids and prefixes, never hashes)."""
+        """One tenant, with its keys: ids, prefixes, ``revoked_at`` and ``revoked``; no hashes."""
         async with request.app.state.gateway.sessions() as session:
             tenant = await get_tenant(session, tenant_id)
             keys = await list_keys(session, tenant_id)
@@ -95,6 +95,7 @@ class AdminController(Controller):
                     "prefix": k.prefix,
                     "created_at": k.created_at.isoformat(),
                     "revoked": k.revoked_at is not None,
+                    "revoked_at": None if k.revoked_at is None else k.revoked_at.isoformat(),
                 }
                 for k in keys
             ]
