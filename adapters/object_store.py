@@ -13,7 +13,10 @@ filesystem is fsspec's for the URL's scheme (``s3fs`` for ``s3://``, ``gcsfs`` f
 ``adlfs`` for ``az://``; installed separately); credentials and endpoints come from the usual
 places (the environment, instance roles; ``AWS_ENDPOINT_URL`` for MinIO or another
 S3-compatible store). An engine keeps up to
-``max_cpu_loras`` adapters in host memory and downloads the others again when it needs them.
+``max_cpu_loras`` adapters in host memory; engine cores (``engine.core_proc``) also keep what
+they download in a local cache directory (``cache_dir``: an :class:`~adapters.store.AdapterStore`
+bounded by ``cache_bytes``, least recently used first out), which is safe to share between the
+cores of a machine because entries are keyed by digest and every load checks it.
 
 Object stores have no rename, so nothing here is atomic the way the directory store's renames
 are; content addressing makes up for it. An adapter counts as stored once its config (written
@@ -26,11 +29,13 @@ prefix. Access control is the bucket's: grant the gateways read and write, the r
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from typing import Any
 
 from loraplex.adapters.base_model import BaseModelInfo
+from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.store import DIGEST_RE, AdapterStore, DigestStore, validate_stored
 from loraplex.adapters.validation import (
     CONFIG_NAME,
@@ -40,6 +45,8 @@ from loraplex.adapters.validation import (
 )
 
 _TRASH_PREFIX = ".trash-"
+DEFAULT_CACHE_BYTES = 2 * 1024**3
+logger = logging.getLogger(__name__)
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -47,15 +54,20 @@ def is_url(location: str | os.PathLike[str]) -> bool:
     return isinstance(location, str) and "://" in location
 
 
-def open_store(location: str | os.PathLike[str]) -> AdapterStore | ObjectAdapterStore:
+def open_store(
+    location: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None
+) -> AdapterStore | ObjectAdapterStore:
     """The adapter store at ``location``: a directory path, or an fsspec URL.
+
+    ``cache_dir``: for a URL, where downloaded adapters are kept (see
+    :class:`ObjectAdapterStore`); ignored for a directory.
 
     Raises:
         ValueError: a URL whose scheme has no fsspec filesystem installed (the message names
             the package), or a malformed URL.
     """
     if is_url(location):
-        return ObjectAdapterStore(str(location))
+        return ObjectAdapterStore(str(location), cache_dir=cache_dir)
     return AdapterStore(location)
 
 
@@ -64,13 +76,22 @@ class ObjectAdapterStore(DigestStore):
 
     Args:
         url: The store's root, an fsspec URL (``s3://bucket/prefix``).
+        cache_dir: A local directory that keeps downloaded adapters (None: no cache).
+        cache_bytes: The cache's bound in bytes (least recently used adapters go first).
         **storage_options: Passed to the filesystem (``endpoint_url``, ``anon`` ...).
 
     Raises:
         ValueError: no filesystem for the URL's scheme, or a malformed URL.
     """
 
-    def __init__(self, url: str, **storage_options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        **storage_options: Any,
+    ) -> None:
         import fsspec
 
         try:
@@ -81,6 +102,9 @@ class ObjectAdapterStore(DigestStore):
             raise ValueError(f"the adapter store {url!r} is not a usable URL: {exc}") from None
         self.url = url
         self.root = root.rstrip("/")
+        self.cache = None if cache_dir is None else AdapterStore(cache_dir)
+        self.cache_bytes = cache_bytes
+        self.downloads = 0  # adapters fetched from the object store by load()
 
     # ------------------------------------------------------------------- writing
     def put_files(
@@ -133,20 +157,28 @@ class ObjectAdapterStore(DigestStore):
         directory = self._path(digest)
         if directory is None:
             raise KeyError(digest)
+        limits = dict(target_shapes=target_shapes, num_layers=num_layers, max_rank=max_rank)
+        if self.cache is not None:
+            try:
+                adapter = self.cache.load(digest, **limits, info=info)
+                self.cache.touch(digest)
+                return adapter
+            except (KeyError, AdapterError, OSError):  # not cached, evicted meanwhile, or bad
+                self.cache.delete(digest)
         try:
             config_bytes = self.fs.cat_file(f"{directory}/{CONFIG_NAME}")
             weights_bytes = self.fs.cat_file(f"{directory}/{WEIGHTS_NAME}")
         except FileNotFoundError:
             raise KeyError(digest) from None
-        return validate_stored(
-            digest,
-            config_bytes,
-            weights_bytes,
-            target_shapes=target_shapes,
-            num_layers=num_layers,
-            max_rank=max_rank,
-            info=info,
-        )
+        self.downloads += 1
+        adapter = validate_stored(digest, config_bytes, weights_bytes, **limits, info=info)
+        if self.cache is not None:
+            try:
+                self.cache.write_files(digest, config_bytes, weights_bytes)
+                self.cache.trim(self.cache_bytes)
+            except OSError as exc:  # a full or broken cache disk costs downloads, not requests
+                logger.warning("could not cache adapter %s locally: %s", digest, exc)
+        return adapter
 
     def has(self, digest: str) -> bool:
         """Whether an adapter with this digest is stored (asked of the store, not a cache)."""

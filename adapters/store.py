@@ -189,9 +189,23 @@ class AdapterStore(DigestStore):
             max_rank=max_rank,
             info=info,
         )
-        final = self.root / adapter.digest
+        self.write_files(adapter.digest, config_bytes, weights_bytes)
+        return adapter
+
+    def write_files(self, digest: str, config_bytes: bytes, weights_bytes: bytes) -> None:
+        """Store files the caller has validated, as the adapter ``digest``.
+
+        Atomic; an existing entry is kept. Loads check the digest again.
+
+        Raises:
+            KeyError: ``digest`` is not a lowercase hex SHA-256.
+            OSError: the disk write failed; nothing was left behind.
+        """
+        final = self._path(digest)
+        if final is None:
+            raise KeyError(digest)
         if final.is_dir():
-            return adapter
+            return
         tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=self.root))
         os.chmod(tmp, DIR_MODE)
         try:
@@ -209,7 +223,6 @@ class AdapterStore(DigestStore):
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return adapter
 
     def load(
         self,
@@ -274,6 +287,41 @@ class AdapterStore(DigestStore):
     def purge(self, stashed: Path) -> None:
         """Delete a stashed adapter for good."""
         shutil.rmtree(stashed.parent, ignore_errors=True)
+
+    def touch(self, digest: str) -> None:
+        """Mark a stored adapter as just used (for :meth:`trim`)."""
+        directory = self._path(digest)
+        if directory is not None:
+            try:
+                os.utime(directory)
+            except FileNotFoundError:
+                pass
+
+    def trim(self, max_bytes: int) -> list[str]:
+        """Delete the least recently used adapters until at most ``max_bytes`` are left.
+
+        Recency is the last :meth:`touch` or the store time: a cache's bound.
+
+        Returns:
+            The digests deleted.
+        """
+        entries = []
+        for digest in self.digests():
+            directory = self.root / digest
+            try:
+                size = sum(f.stat().st_size for f in directory.iterdir())
+                entries.append((directory.stat().st_mtime, digest, size))
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+        total = sum(size for _, _, size in entries)
+        removed = []
+        for _, digest, size in sorted(entries):
+            if total <= max_bytes:
+                break
+            if self.delete(digest):
+                removed.append(digest)
+            total -= size
+        return removed
 
     def digests(self) -> list[str]:
         """Every stored digest, sorted."""

@@ -190,12 +190,22 @@ def _stats(core: Any) -> dict[str, int | float | list[int]]:
 
 
 def _store_loader(store_root: str | None, get_core: Any) -> Any:
-    """``digest -> LoraAdapter`` read from the adapter store, validated against the model."""
+    """``digest -> LoraAdapter`` read from the adapter store, validated against the model.
+
+    An object store's downloads are kept in ``$LORAPLEX_ADAPTER_CACHE_DIR`` (default: a
+    directory of this user's under the system's temporary directory, shared by the cores of
+    this machine; 2 GiB, least recently used first out).
+    """
     if store_root is None:
         return None
+    import tempfile
+
     from loraplex.adapters.object_store import open_store
 
-    store = open_store(store_root)
+    cache_dir = os.environ.get("LORAPLEX_ADAPTER_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"loraplex-adapter-cache-{os.getuid()}"
+    )
+    store = open_store(store_root, cache_dir=cache_dir)
 
     def load(digest: str) -> Any:
         return store.load(digest, **get_core().adapter_limits.kwargs())

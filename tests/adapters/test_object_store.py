@@ -97,3 +97,27 @@ def test_half_written_or_corrupt_adapters_are_never_served(store, adapter_dir, t
         assert not store.has(bad) and not store.delete(bad)
         with pytest.raises(KeyError):
             store.load(bad, **text_kw)
+
+
+def test_downloads_are_cached_locally_by_digest_within_a_bound(
+    bucket, request, adapter_dir, text_base, text_kw, tmp_path
+):
+    url = f"{bucket}/{request.node.name}"
+    writer = open_store(url)
+    first = writer.put_dir(adapter_dir, **text_kw).digest
+    other_dir = make_adapter(text_base, tmp_path / "other", seed=5, **ATTN)[0]
+    second = writer.put_dir(other_dir, **text_kw).digest
+    one_size = sum(len(b) for b in files(adapter_dir))
+    reader = ObjectAdapterStore(url, cache_dir=tmp_path / "cache", cache_bytes=one_size + 1000)
+    for _ in range(3):
+        assert reader.load(first, **text_kw).digest == first
+    assert reader.downloads == 1 and reader.cache.digests() == [first]
+    cached = reader.cache.root / first / "adapter_model.safetensors"
+    data = bytearray(cached.read_bytes())
+    data[-1] ^= 0x01  # a corrupt cache entry is dropped and fetched again
+    cached.write_bytes(bytes(data))
+    assert reader.load(first, **text_kw).digest == first and reader.downloads == 2
+    assert reader.load(second, **text_kw).digest == second and reader.downloads == 3
+    assert reader.cache.digests() == [second]  # the bound keeps the most recent one
+    shared = ObjectAdapterStore(url, cache_dir=tmp_path / "cache")  # another core, same disk
+    assert shared.load(second, **text_kw).digest == second and shared.downloads == 0

@@ -1,8 +1,8 @@
 """Adapters in object storage, end to end (issue 18): two gateways over one database and one
 S3 bucket (moto's server), two engine replicas in their own processes reading the bucket.
 An adapter uploaded through one gateway is served through the other, by either replica, with
-the tokens the session engine gives from its local store; deleting it removes it from the
-bucket."""
+the tokens the session engine gives from its local store; the cores keep the download in
+their local cache; deleting it removes it from the bucket."""
 
 import asyncio
 
@@ -25,7 +25,7 @@ def bucket(monkeypatch):
 
 
 def test_an_adapter_in_the_bucket_is_served_by_every_gateway_and_replica(
-    bucket, engine_client, llava_dir, tiny_adapter, tmp_path
+    bucket, engine_client, llava_dir, tiny_adapter, tmp_path, monkeypatch
 ):
     from loraplex.adapters.store import AdapterStore
 
@@ -36,6 +36,8 @@ def test_an_adapter_in_the_bucket_is_served_by_every_gateway_and_replica(
     messages = [user(image_part(data_url(photo("coffee", 96))), "Describe it")]
     expected = engine_direct(engine_client, messages, oracle_digest, max_tokens=6, temperature=0.0)
 
+    cache = tmp_path / "core-cache"  # the cores' download cache (inherited environment)
+    monkeypatch.setenv("LORAPLEX_ADAPTER_CACHE_DIR", str(cache))
     config = EngineConfig(model=str(llava_dir), served_model_name="tiny", num_kv_blocks=256)
     client = start_engine(config, bucket, in_process=False, replicas=2)
     data = tmp_path / "data"
@@ -57,7 +59,8 @@ def test_an_adapter_in_the_bucket_is_served_by_every_gateway_and_replica(
                 )
                 seen.append(out.choices[0].message.content)
             assert seen == [expected.outputs[0].text] * 4
-            for replica in client.replicas.values():  # each core reads the bucket itself
+            assert AdapterStore(cache).digests() == [digest]  # a core downloaded it
+            for replica in client.replicas.values():  # each core loads it (bucket or cache)
                 asyncio.run(replica.core.add_lora(digest))
                 with pytest.raises(RuntimeError, match="KeyError"):
                     asyncio.run(replica.core.add_lora("e" * 64))
