@@ -71,6 +71,26 @@ def open_store(
     return AdapterStore(location)
 
 
+def _private_cache(directory: str | os.PathLike[str]) -> AdapterStore | None:
+    """The download cache at ``directory``, or None (logged) if it is not this user's own.
+
+    Tenants' weights are never written where another local user can read them.
+    """
+    try:
+        cache = AdapterStore(directory)
+        info = cache.root.stat()
+    except OSError as exc:
+        logger.warning("adapter cache %s unusable (%s); downloading every time", directory, exc)
+        return None
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        logger.warning(
+            "adapter cache %s belongs to another user or others may enter it; not used",
+            directory,
+        )
+        return None
+    return cache
+
+
 class ObjectAdapterStore(DigestStore):
     """Validated adapters in object storage, keyed by digest (see the module doc).
 
@@ -102,7 +122,7 @@ class ObjectAdapterStore(DigestStore):
             raise ValueError(f"the adapter store {url!r} is not a usable URL: {exc}") from None
         self.url = url
         self.root = root.rstrip("/")
-        self.cache = None if cache_dir is None else AdapterStore(cache_dir)
+        self.cache = None if cache_dir is None else _private_cache(cache_dir)
         self.cache_bytes = cache_bytes
         self.downloads = 0  # adapters fetched from the object store by load()
 

@@ -121,3 +121,16 @@ def test_downloads_are_cached_locally_by_digest_within_a_bound(
     assert reader.cache.digests() == [second]  # the bound keeps the most recent one
     shared = ObjectAdapterStore(url, cache_dir=tmp_path / "cache")  # another core, same disk
     assert shared.load(second, **text_kw).digest == second and shared.downloads == 0
+
+
+def test_a_cache_directory_others_may_enter_is_not_used(bucket, tmp_path, monkeypatch):
+    import os
+
+    open_dir = tmp_path / "shared"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    monkeypatch.setattr(os, "geteuid", lambda: 12345)  # as if another user made it
+    assert ObjectAdapterStore(f"{bucket}/x", cache_dir=open_dir).cache is None
+    monkeypatch.undo()
+    own = ObjectAdapterStore(f"{bucket}/x", cache_dir=tmp_path / "mine")
+    assert own.cache is not None and (tmp_path / "mine").stat().st_mode & 0o777 == 0o700
