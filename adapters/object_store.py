@@ -41,7 +41,6 @@ from loraplex.adapters.validation import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     LoraAdapter,
-    load_adapter_files,
 )
 
 _TRASH_PREFIX = ".trash-"
@@ -127,38 +126,40 @@ class ObjectAdapterStore(DigestStore):
         self.downloads = 0  # adapters fetched from the object store by load()
 
     # ------------------------------------------------------------------- writing
-    def put_files(
-        self,
-        config_bytes: bytes,
-        weights_bytes: bytes,
-        *,
-        target_shapes: dict[str, tuple[int, int]],
-        num_layers: int,
-        max_rank: int,
-        info: BaseModelInfo | None = None,
-    ) -> LoraAdapter:
-        """Validate an adapter and store it (an existing digest is reused).
+    def write_files(self, digest: str, config_bytes: bytes, weights_bytes: bytes) -> None:
+        """Upload validated files as the adapter ``digest``; one already stored is kept.
+
+        The weights go first, then the config: from then on it counts as stored.
 
         Raises:
-            AdapterError: the adapter is invalid; nothing was written.
+            KeyError: ``digest`` is not a lowercase hex SHA-256.
             OSError: the upload failed (a half-written adapter does not count as stored).
         """
-        adapter = load_adapter_files(
-            config_bytes,
-            weights_bytes,
-            target_shapes=target_shapes,
-            num_layers=num_layers,
-            max_rank=max_rank,
-            info=info,
-        )
-        if not self.has(adapter.digest):
-            directory = f"{self.root}/{adapter.digest}"
+        directory = self._path(digest)
+        if directory is None:
+            raise KeyError(digest)
+        if not self.has(digest):
             self.fs.pipe_file(f"{directory}/{WEIGHTS_NAME}", weights_bytes)
             self.fs.pipe_file(f"{directory}/{CONFIG_NAME}", config_bytes)
             self.fs.invalidate_cache(directory)
-        return adapter
 
     # ------------------------------------------------------------------- reading
+    def read_files(self, digest: str) -> tuple[bytes, bytes]:
+        """Download ``(config, weights)`` of the adapter ``digest`` (no cache).
+
+        Raises:
+            KeyError: no adapter with this digest.
+        """
+        directory = self._path(digest)
+        if directory is None:
+            raise KeyError(digest)
+        try:
+            config_bytes = self.fs.cat_file(f"{directory}/{CONFIG_NAME}")
+            weights_bytes = self.fs.cat_file(f"{directory}/{WEIGHTS_NAME}")
+        except FileNotFoundError:
+            raise KeyError(digest) from None
+        return config_bytes, weights_bytes
+
     def load(
         self,
         digest: str,
@@ -168,28 +169,23 @@ class ObjectAdapterStore(DigestStore):
         max_rank: int,
         info: BaseModelInfo | None = None,
     ) -> LoraAdapter:
-        """Download and re-validate a stored adapter.
+        """Re-validate a stored adapter: from the local cache if there, else downloaded.
+
+        A download is then cached (if there is a cache).
 
         Raises:
             KeyError: no adapter with this digest.
             AdapterError: the stored files no longer validate or no longer hash to ``digest``.
         """
-        directory = self._path(digest)
-        if directory is None:
-            raise KeyError(digest)
         limits = dict(target_shapes=target_shapes, num_layers=num_layers, max_rank=max_rank)
-        if self.cache is not None:
+        if self.cache is not None and self._path(digest) is not None:
             try:
                 adapter = self.cache.load(digest, **limits, info=info)
                 self.cache.touch(digest)
                 return adapter
             except (KeyError, AdapterError, OSError):  # not cached, evicted meanwhile, or bad
                 self.cache.delete(digest)
-        try:
-            config_bytes = self.fs.cat_file(f"{directory}/{CONFIG_NAME}")
-            weights_bytes = self.fs.cat_file(f"{directory}/{WEIGHTS_NAME}")
-        except FileNotFoundError:
-            raise KeyError(digest) from None
+        config_bytes, weights_bytes = self.read_files(digest)
         self.downloads += 1
         adapter = validate_stored(digest, config_bytes, weights_bytes, **limits, info=info)
         if self.cache is not None:
@@ -209,14 +205,14 @@ class ObjectAdapterStore(DigestStore):
         return bool(self.fs.exists(f"{directory}/{CONFIG_NAME}"))
 
     def digests(self) -> list[str]:
-        """Every stored digest, sorted."""
+        """Every stored digest (its config is there), sorted; one listing of the store."""
         self.fs.invalidate_cache(self.root)
-        try:
-            names = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        found = (name.rstrip("/").rsplit("/", 1)[-1] for name in names)
-        return sorted(d for d in found if DIGEST_RE.fullmatch(d) and self.has(d))
+        found = set()
+        for path in self.fs.find(self.root):
+            parts = path[len(self.root) :].strip("/").split("/")
+            if len(parts) == 2 and parts[1] == CONFIG_NAME and DIGEST_RE.fullmatch(parts[0]):
+                found.add(parts[0])
+        return sorted(found)
 
     # ------------------------------------------------------------------- removal
     def stash(self, digest: str) -> str | None:

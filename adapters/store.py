@@ -84,11 +84,16 @@ class DigestStore:
     """What every adapter store does the same way, on top of its own primitives.
 
     :class:`AdapterStore` (a directory) and ``adapters.object_store.ObjectAdapterStore``
-    implement ``put_files``, ``stash`` and ``purge``; ``put_dir`` and ``delete`` are built here.
+    implement ``write_files``, ``read_files``, ``stash`` and ``purge``; validation on the way in
+    and out, ``put_dir`` and ``delete`` are built here.
     """
 
-    def put_files(self, config_bytes: bytes, weights_bytes: bytes, **limits: Any) -> LoraAdapter:
-        """Validate an adapter and store it (the subclass's)."""
+    def write_files(self, digest: str, config_bytes: bytes, weights_bytes: bytes) -> None:
+        """Store validated files as the adapter ``digest`` (the subclass's)."""
+        raise NotImplementedError
+
+    def read_files(self, digest: str) -> tuple[bytes, bytes]:
+        """``(config, weights)`` stored under ``digest``; KeyError if none (the subclass's)."""
         raise NotImplementedError
 
     def stash(self, digest: str) -> Any:
@@ -99,22 +104,70 @@ class DigestStore:
         """Delete a stashed adapter for good (the subclass's)."""
         raise NotImplementedError
 
-    def put_dir(
+    def put_files(
         self,
-        path: str | os.PathLike[str],
+        config_bytes: bytes,
+        weights_bytes: bytes,
         *,
         target_shapes: dict[str, tuple[int, int]],
         num_layers: int,
         max_rank: int,
         info: BaseModelInfo | None = None,
     ) -> LoraAdapter:
-        """Validate a PEFT adapter directory and store it (see :meth:`put_files`).
+        """Validate an adapter and store it (an existing digest is reused).
+
+        Args:
+            config_bytes: ``adapter_config.json``.
+            weights_bytes: ``adapter_model.safetensors``.
+            target_shapes: See :func:`adapters.validation.load_adapter_files`.
+            num_layers: Decoder layers of the served model.
+            max_rank: The largest rank served.
+            info: Optional facts about the served model.
+
+        Returns:
+            The validated adapter.
+
+        Raises:
+            AdapterError: the adapter is invalid; nothing was written.
+            OSError: the write failed; nothing that counts as stored was left behind.
+        """
+        adapter = load_adapter_files(
+            config_bytes,
+            weights_bytes,
+            target_shapes=target_shapes,
+            num_layers=num_layers,
+            max_rank=max_rank,
+            info=info,
+        )
+        self.write_files(adapter.digest, config_bytes, weights_bytes)
+        return adapter
+
+    def put_dir(self, path: str | os.PathLike[str], **limits: Any) -> LoraAdapter:
+        """Validate a PEFT adapter directory and store it (``limits``: see :meth:`put_files`).
 
         Raises:
             AdapterError: missing or pickle files, or an invalid adapter; nothing was written.
         """
-        config_bytes, weights_bytes = read_adapter_dir(path)
-        return self.put_files(
+        return self.put_files(*read_adapter_dir(path), **limits)
+
+    def load(
+        self,
+        digest: str,
+        *,
+        target_shapes: dict[str, tuple[int, int]],
+        num_layers: int,
+        max_rank: int,
+        info: BaseModelInfo | None = None,
+    ) -> LoraAdapter:
+        """Read and re-validate a stored adapter (arguments as :meth:`put_files`).
+
+        Raises:
+            KeyError: no adapter with this digest.
+            AdapterError: the stored files no longer validate or no longer hash to ``digest``.
+        """
+        config_bytes, weights_bytes = self.read_files(digest)
+        return validate_stored(
+            digest,
             config_bytes,
             weights_bytes,
             target_shapes=target_shapes,
@@ -154,44 +207,6 @@ class AdapterStore(DigestStore):
             except OSError:
                 pass
 
-    def put_files(
-        self,
-        config_bytes: bytes,
-        weights_bytes: bytes,
-        *,
-        target_shapes: dict[str, tuple[int, int]],
-        num_layers: int,
-        max_rank: int,
-        info: BaseModelInfo | None = None,
-    ) -> LoraAdapter:
-        """Validate an adapter and store it (an existing digest is reused).
-
-        Args:
-            config_bytes: ``adapter_config.json``.
-            weights_bytes: ``adapter_model.safetensors``.
-            target_shapes: See :func:`adapters.validation.load_adapter_files`.
-            num_layers: Decoder layers of the served model.
-            max_rank: The largest rank served.
-            info: Optional facts about the served model.
-
-        Returns:
-            The validated adapter.
-
-        Raises:
-            AdapterError: the adapter is invalid; nothing was written.
-            OSError: the disk write failed; nothing was left behind.
-        """
-        adapter = load_adapter_files(
-            config_bytes,
-            weights_bytes,
-            target_shapes=target_shapes,
-            num_layers=num_layers,
-            max_rank=max_rank,
-            info=info,
-        )
-        self.write_files(adapter.digest, config_bytes, weights_bytes)
-        return adapter
-
     def write_files(self, digest: str, config_bytes: bytes, weights_bytes: bytes) -> None:
         """Store files the caller has validated, as the adapter ``digest``.
 
@@ -224,34 +239,17 @@ class AdapterStore(DigestStore):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def load(
-        self,
-        digest: str,
-        *,
-        target_shapes: dict[str, tuple[int, int]],
-        num_layers: int,
-        max_rank: int,
-        info: BaseModelInfo | None = None,
-    ) -> LoraAdapter:
-        """Read and re-validate a stored adapter.
+    def read_files(self, digest: str) -> tuple[bytes, bytes]:
+        """``(config, weights)`` as stored under ``digest``.
 
         Raises:
             KeyError: no adapter with this digest.
-            AdapterError: the stored files no longer validate or no longer hash to ``digest``.
+            AdapterError: a file is missing or unreadable.
         """
         directory = self._path(digest)
         if directory is None or not directory.is_dir():
             raise KeyError(digest)
-        config_bytes, weights_bytes = read_adapter_dir(directory)
-        return validate_stored(
-            digest,
-            config_bytes,
-            weights_bytes,
-            target_shapes=target_shapes,
-            num_layers=num_layers,
-            max_rank=max_rank,
-            info=info,
-        )
+        return read_adapter_dir(directory)
 
     def has(self, digest: str) -> bool:
         """Whether an adapter with this digest is stored."""
