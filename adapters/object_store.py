@@ -59,14 +59,16 @@ def open_store(
     """The adapter store at ``location``: a directory path, or an fsspec URL.
 
     ``cache_dir``: for a URL, where downloaded adapters are kept (see
-    :class:`ObjectAdapterStore`); ignored for a directory.
+    :class:`ObjectAdapterStore`); a directory store reads its own disk and takes none.
 
     Raises:
         ValueError: a URL whose scheme has no fsspec filesystem installed (the message names
-            the package), or a malformed URL.
+            the package), a malformed URL, or a ``cache_dir`` for a directory store.
     """
     if is_url(location):
         return ObjectAdapterStore(str(location), cache_dir=cache_dir)
+    if cache_dir is not None:
+        raise ValueError("a directory adapter store takes no download cache")
     return AdapterStore(location)
 
 

@@ -200,11 +200,13 @@ def _store_loader(store_root: str | None, get_core: Any) -> Any:
         return None
     import tempfile
 
-    from loraplex.adapters.object_store import open_store
+    from loraplex.adapters.object_store import is_url, open_store
 
-    cache_dir = os.environ.get("LORAPLEX_ADAPTER_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"loraplex-adapter-cache-{os.getuid()}"
-    )
+    cache_dir = None
+    if is_url(store_root):
+        cache_dir = os.environ.get("LORAPLEX_ADAPTER_CACHE_DIR") or os.path.join(
+            tempfile.gettempdir(), f"loraplex-adapter-cache-{os.getuid()}"
+        )
     store = open_store(store_root, cache_dir=cache_dir)
 
     def load(digest: str) -> Any:

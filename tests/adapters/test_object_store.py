@@ -39,6 +39,8 @@ def test_open_store_picks_the_backend(bucket, tmp_path):
     assert isinstance(open_store(f"{bucket}/x"), ObjectAdapterStore)
     with pytest.raises(ValueError, match="adapter store"):
         open_store("nosuchscheme://bucket/x")
+    with pytest.raises(ValueError, match="no download cache"):
+        open_store(tmp_path / "dir", cache_dir=tmp_path / "cache")
 
 
 def test_put_load_stash_unstash_purge(store, adapter_dir, text_base, text_kw, tmp_path):
