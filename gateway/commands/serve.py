@@ -267,6 +267,13 @@ def serve_engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfi
         raise ValueError(
             "--engine-dead-timeout must be at least 1 and --engine-step-timeout positive"
         )
+    default = EngineConfig(model="")
+    timeouts = (args.engine_dead_timeout, args.engine_step_timeout)
+    if not args.engine_process and timeouts != (default.dead_timeout_s, default.step_timeout_s):
+        raise ValueError(
+            "--engine-dead-timeout and --engine-step-timeout watch an engine core process; "
+            "with --no-engine-process there is none"
+        )
     return config_from_args(args, model_dir).replace(
         dead_timeout_s=args.engine_dead_timeout, step_timeout_s=args.engine_step_timeout
     )

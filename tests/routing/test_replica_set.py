@@ -297,7 +297,12 @@ def test_serve_flags_set_the_core_timeouts(tmp_path):
     assert default.step_timeout_s == 600.0
     c = config("--engine-dead-timeout", "4", "--engine-step-timeout", "30")
     assert (c.dead_timeout_s, c.step_timeout_s) == (4.0, 30.0)
-    for bad in (["--engine-dead-timeout", "0.5"], ["--engine-step-timeout", "0"]):
+    assert config("--no-engine-process").dead_timeout_s == 10.0  # defaults: nothing asked
+    for bad in (
+        ["--engine-dead-timeout", "0.5"],
+        ["--engine-step-timeout", "0"],
+        ["--no-engine-process", "--engine-dead-timeout", "5"],
+    ):
         with pytest.raises(ValueError, match="--engine-"):
             config(*bad)
 
