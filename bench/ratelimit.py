@@ -72,6 +72,7 @@ async def shared_count(url: str) -> int:
 
 
 async def run(url: str, requests: int, rounds: int, keys: int, concurrency: int) -> dict:
+    """Interleaved rounds of both limiters; the figures (microseconds per request, medians)."""
     local, shared = RateLimiter(), SharedRateLimiter(url)
     times: dict[str, list[float]] = {"in-process": [], "redis": []}
     refused = {"in-process": 0, "redis": 0}
@@ -123,6 +124,7 @@ def start_redis(directory: str) -> tuple[subprocess.Popen, str]:
 
 
 def main() -> None:
+    """Parse the flags, start Redis unless given one, run, print the table and the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2,000 requests x 3 rounds")
     parser.add_argument("--redis-url", default=None, help="a Redis to use (its keys are added)")

@@ -11,7 +11,8 @@ client's side.
 A thread of its own sends :class:`~engine.core_wire.Heartbeat` every :data:`HEARTBEAT_EVERY_S`
 on a socket of its own, with how long the current step has run: the client tells a core that is
 frozen or cut off (no heartbeat) from one whose loop is stuck (heartbeats with a step that never
-ends) from one that is merely busy.
+ends) from one that is merely busy. (Liveness kept apart from the work, as Ray's GCS checks its
+nodes' health on a channel of its own rather than by their tasks' progress.)
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Redis Cluster slot):
 - the requests in flight, as **leases**: a member per admitted request scored by its expiry.
   This gateway renews the leases of its live requests every ``lease_seconds / 3``, so a
   gateway that crashes frees its keys' concurrency slots within ``lease_seconds`` (default 60)
-  instead of never.
+  instead of never. (The counting semaphore with timed-out holders of *Redis in Action*,
+  section 6.3, with the expiry as the score and renewal instead of a fixed timeout.)
 
 When Redis cannot be reached, a key is limited by this gateway's in-process limiter instead
 (never unlimited; never a 5xx because of the limiter), and a warning is logged at most every
