@@ -13,6 +13,7 @@ restart, which only forgives. Gateways that share keys share limits through
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,12 +57,14 @@ class _KeyState:
 
 
 class Ticket:
-    """An admitted request; :meth:`release` it exactly once, with the tokens it used."""
+    """An admitted request; :meth:`release` it exactly once, with the tokens it used.
 
-    def __init__(self, limiter: RateLimiter, key_id: str, limits: TenantLimits) -> None:
-        self._limiter = limiter
-        self._key_id = key_id
-        self._limits = limits
+    Args:
+        release: The limiter's own release of this request, given the tokens it used.
+    """
+
+    def __init__(self, release: Callable[[int], None]) -> None:
+        self._release = release
         self._released = False
 
     def release(self, tokens_used: int) -> None:
@@ -69,7 +72,7 @@ class Ticket:
         if self._released:
             return
         self._released = True
-        self._limiter._release(self._key_id, self._limits, tokens_used)
+        self._release(max(0, tokens_used))
 
 
 class RateLimiter:
@@ -115,7 +118,7 @@ class RateLimiter:
         if rpm is not None:
             state.requests.level -= 1.0
         state.in_flight += 1
-        return Ticket(self, key_id, limits)
+        return Ticket(functools.partial(self._release, key_id, limits))
 
     async def acquire(self, key_id: str, limits: TenantLimits) -> Ticket:
         """:meth:`admit`, as the shared limiter is called (its state is remote).

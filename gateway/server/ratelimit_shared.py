@@ -27,13 +27,13 @@ answers again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
-from typing import Any
 from urllib.parse import urlsplit
 
-from loraplex.gateway.server.ratelimit import RateLimiter, RateLimitExceeded
+from loraplex.gateway.server.ratelimit import RateLimiter, RateLimitExceeded, Ticket
 from loraplex.gateway.services.tenants import TenantLimits
 
 logger = logging.getLogger(__name__)
@@ -129,24 +129,6 @@ def _arg(value: int | None) -> str:
     return "" if value is None else str(value)
 
 
-class SharedTicket:
-    """An admitted request; :meth:`release` it exactly once, with the tokens it used."""
-
-    def __init__(self, limiter: SharedRateLimiter, key_id: str, lease: str, limits: TenantLimits):
-        self._limiter = limiter
-        self.key_id = key_id
-        self.lease = lease
-        self.limits = limits
-        self._released = False
-
-    def release(self, tokens_used: int) -> None:
-        """End the request: free its lease, charge its tokens (in the background). Idempotent."""
-        if self._released:
-            return
-        self._released = True
-        self._limiter._release(self, max(0, tokens_used))
-
-
 class SharedRateLimiter:
     """Token-bucket limits per API key in Redis, shared by every gateway that uses it.
 
@@ -199,7 +181,7 @@ class SharedRateLimiter:
         self._release_script = self.redis.register_script(_RELEASE)
         self.fallback = RateLimiter()
         self.fallback_admissions = 0  # admitted by the in-process fallback (Redis failed)
-        self._live: dict[str, SharedTicket] = {}
+        self._live: dict[str, str] = {}  # lease -> key id, of this gateway's live requests
         self._releases: list[tuple[list[str], list[str]]] = []
         self._releaser: asyncio.Task | None = None
         self._renewer: asyncio.Task | None = None
@@ -207,7 +189,7 @@ class SharedRateLimiter:
         self._down_until = float("-inf")
 
     # ------------------------------------------------------------------- admission
-    async def acquire(self, key_id: str, limits: TenantLimits) -> Any:
+    async def acquire(self, key_id: str, limits: TenantLimits) -> Ticket:
         """Admit one request for ``key_id`` under ``limits`` (None fields: unlimited).
 
         Returns:
@@ -236,21 +218,20 @@ class SharedRateLimiter:
                 return self._fallback(key_id, limits)
         if verdict != "ok":
             raise RateLimitExceeded(verdict, float(retry))
-        ticket = SharedTicket(self, key_id, lease, limits)
-        self._live[lease] = ticket
+        self._live[lease] = key_id
         self._ensure_renewer()
-        return ticket
+        return Ticket(functools.partial(self._release, key_id, lease, limits))
 
-    def _fallback(self, key_id: str, limits: TenantLimits) -> Any:
+    def _fallback(self, key_id: str, limits: TenantLimits) -> Ticket:
         ticket = self.fallback.admit(key_id, limits)
         self.fallback_admissions += 1
         return ticket
 
-    def _release(self, ticket: SharedTicket, tokens_used: int) -> None:
+    def _release(self, key_id: str, lease: str, limits: TenantLimits, tokens_used: int) -> None:
         """Queue the release; one background task sends the queue in pipelined batches."""
-        self._live.pop(ticket.lease, None)
-        args = [ticket.lease, str(tokens_used), _arg(ticket.limits.tokens_per_minute)]
-        self._releases.append((_keys(ticket.key_id), args))
+        self._live.pop(lease, None)
+        args = [lease, str(tokens_used), _arg(limits.tokens_per_minute)]
+        self._releases.append((_keys(key_id), args))
         if self._releaser is None or self._releaser.done():
             try:
                 loop = asyncio.get_running_loop()
@@ -281,16 +262,16 @@ class SharedRateLimiter:
 
     async def renew(self) -> None:
         """Extend the leases of this gateway's live requests by ``lease_seconds``."""
-        tickets = list(self._live.values())
-        if not tickets:
+        live = list(self._live.items())
+        if not live:
             return
         try:
             now_s, now_us = await self.redis.time()
             expiry = now_s + now_us / 1e6 + self.lease_seconds
             async with self.redis.pipeline(transaction=False) as pipe:
-                for t in tickets:
-                    pipe.zadd(_keys(t.key_id)[1], {t.lease: expiry}, xx=True)
-                    pipe.pexpire(_keys(t.key_id)[1], int(self.lease_seconds * 1000) + 1000)
+                for lease, key_id in live:
+                    pipe.zadd(_keys(key_id)[1], {lease: expiry}, xx=True)
+                    pipe.pexpire(_keys(key_id)[1], int(self.lease_seconds * 1000) + 1000)
                 await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - tried again at the next renewal
             self._warn(exc)
