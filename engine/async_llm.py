@@ -17,19 +17,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import EngineDeadError, RequestFailedError
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.streams import StreamState, put_all, read_outputs, settle
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (shut down, or a step raised); no request can run."""
-
-
-class RequestFailedError(RuntimeError):
-    """A fault while admitting this request failed it alone (the engine runs on)."""
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError"]
 
 
 class AsyncLLM:
@@ -205,6 +200,8 @@ class AsyncLLM:
                     break
                 if self.engine.has_unfinished_requests():
                     self._deliver_all(self.engine.step())
+                    for rid, error in self.engine.take_rejected():
+                        self._deliver(rid, error)
                 self._kv_events.extend(self.engine.core.drain_kv_events())
         except BaseException as exc:  # a bug in a step: fail every stream, mark dead
             logger.exception("engine loop failed")
@@ -218,6 +215,10 @@ class AsyncLLM:
                     continue
                 if out is not None:
                     self._deliver(rid, out)
+            try:
+                self.engine.shutdown()
+            except Exception:  # noqa: BLE001 - the streams must still end below
+                logger.exception("shutting the engine's helpers down failed")
             if self._dead is None:
                 self._dead = EngineDeadError("the engine was shut down")
             with self._lock:

@@ -96,6 +96,11 @@ class EngineConfig:
             503, and a new one starts (``engine.core_client``).
         step_timeout_s: A core whose one step has run this long is hung (it still beats, but
             its loop is stuck): killed and replaced the same way.
+        grammar_workers: Processes of the grammar sandbox (``engine.grammar_sandbox``), which
+            compiles every new structured-output spec before the core does.
+        grammar_cpu_seconds: CPU seconds one spec's compilation may take in the sandbox; past
+            it the spec is refused (a 400) and the worker replaced.
+        grammar_memory_bytes: Address space of one sandbox worker (``RLIMIT_AS``; 0: none).
     """
 
     model: str
@@ -137,6 +142,9 @@ class EngineConfig:
     unresponsive_timeout_s: float = 1.0
     dead_timeout_s: float = 10.0
     step_timeout_s: float = 600.0
+    grammar_workers: int = 1
+    grammar_cpu_seconds: float = 5.0
+    grammar_memory_bytes: int = 2 * 1024**3
 
     def __post_init__(self) -> None:
         checks = [
@@ -219,6 +227,9 @@ class EngineConfig:
                 0 < self.unresponsive_timeout_s <= self.dead_timeout_s and self.step_timeout_s > 0,
                 "need 0 < unresponsive_timeout_s <= dead_timeout_s and step_timeout_s > 0",
             ),
+            (self.grammar_workers > 0, "grammar_workers must be positive"),
+            (self.grammar_cpu_seconds > 0, "grammar_cpu_seconds must be positive"),
+            (self.grammar_memory_bytes >= 0, "grammar_memory_bytes must be >= 0"),
             (
                 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max",

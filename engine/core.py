@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from loraplex.adapters.manager import LoRAManager
 from loraplex.adapters.registry import AdapterLimits, AdapterRegistry
 from loraplex.engine.attention import get_attention_backend
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.grammar_sandbox import SandboxLimits
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.kv_events import KVEvent, KVEventLog
 from loraplex.engine.loading import (
@@ -43,7 +46,8 @@ from loraplex.engine.sequence import Sequence
 from loraplex.engine.spec_decode import NgramProposer
 from loraplex.engine.spec_decode.draft import DraftProposer, check_draft
 from loraplex.engine.step_budget import PrefillBudget
-from loraplex.engine.structured_output import StructuredOutputs
+from loraplex.engine.structured_output import StructuredOutputError
+from loraplex.engine.structured_output_manager import StructuredOutputManager
 from loraplex.engine.swap import CpuBlockPool
 from loraplex.engine.validation import RequestLimits, validate_request
 from loraplex.engine.vision_cache import VisionCache
@@ -52,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 MAX_FAILING_STEPS = 3
 """Steps in a row that fail for every sequence they run before the engine gives up."""
+
+GRAMMAR_WAIT_S = 0.02
+"""How long an idle step waits for a grammar being compiled before it returns."""
 
 
 class EngineFaultError(RuntimeError):
@@ -109,7 +116,19 @@ class EngineCore:
         self.config = config
         self.max_model_len = config.max_model_len
         num_blocks = config.num_kv_blocks
-        self.structured = StructuredOutputs(config.model, self.model.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            config.model,
+            self.model.vocab_size,
+            self.eos_token_ids,
+            sandbox=SandboxLimits(
+                workers=config.grammar_workers,
+                cpu_seconds=config.grammar_cpu_seconds,
+                memory_bytes=config.grammar_memory_bytes,
+            ),
+        )
+        # Requests waiting for their grammar (vLLM's WAITING_FOR_FSM), and those refused since.
+        self._awaiting_grammar: dict[str, tuple[EngineRequest, Future]] = {}
+        self._rejected: list[tuple[str, str, str]] = []
         self.kv_events = KVEventLog() if config.enable_kv_events else None
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, events=self.kv_events
@@ -143,7 +162,6 @@ class EngineCore:
             preemption=config.preemption,
             cpu_pool=CpuBlockPool(num_cpu_blocks) if num_cpu_blocks else None,
             lora_manager=self.lora_manager,
-            structured=self.structured,
             num_speculative_tokens=config.spec_k,
             draft_model=draft_model is not None,
         )
@@ -193,19 +211,36 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request.
 
+        A request with a structured-output spec whose grammar is not compiled yet waits for it
+        off the step (the grammar sandbox vets it, a background thread compiles it); it joins
+        the scheduler at the first step after, or is rejected then (:meth:`take_rejected`).
+
         Raises:
             ValueError: a duplicate id, an unknown adapter, or what
-                ``engine.validation.validate_request`` refuses.
+                ``engine.validation.validate_request`` refuses; ``StructuredOutputError``
+                for a spec already known to be refused.
         """
-        if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        rid = request.request_id
+        if rid in self.scheduler.requests or rid in self._awaiting_grammar:
+            raise ValueError(f"request id {rid!r} is already in flight")
         validate_request(request, self.request_limits)
-        self.structured.check(request.sampling.structured_output)
         digest = request.lora_digest
         if digest is not None and not (
             self.adapters.known(digest) or self.lora_manager.holds(digest)
         ):
             raise ValueError(f"unknown adapter {digest}")
+        spec = request.sampling.structured_output
+        if spec is None:
+            self._queue(request, None)
+            return
+        grammar = self.structured.prepare(spec, request.tenant)
+        if grammar.done():
+            self._queue(request, grammar.result())  # a refusal raises here, synchronously
+        else:
+            self._awaiting_grammar[rid] = (request, grammar)
+
+    def _queue(self, request: EngineRequest, template: Any) -> None:
+        """Give a request its first sequence (and its grammar's matcher) in the scheduler."""
         hasher = request.block_hasher(self.kv.block_size, self.config.prefix_hash)
         seq = Sequence(
             seq_id=request.request_id,
@@ -214,7 +249,34 @@ class EngineCore:
             token_ids=list(request.prompt_token_ids),
             hasher=hasher,
         )
+        if template is not None:
+            seq.grammar = template.deep_copy()
         self.scheduler.add(seq)
+
+    def _admit_ready_grammars(self) -> None:
+        """Queue the requests whose grammar is ready; reject those whose grammar was refused."""
+        for rid, (request, grammar) in list(self._awaiting_grammar.items()):
+            if not grammar.done():
+                continue
+            del self._awaiting_grammar[rid]
+            error = grammar.exception()
+            if error is None:
+                self._queue(request, grammar.result())
+            elif isinstance(error, StructuredOutputError):
+                self._rejected.append((rid, str(error), "structured"))
+            else:
+                logger.error("preparing the grammar of request %s failed: %s", rid, error)
+                self._rejected.append((rid, type(error).__name__, "fault"))
+
+    def take_rejected(self) -> list[tuple[str, str, str]]:
+        """Requests refused since the last call: ``(request_id, message, kind)``.
+
+        ``kind`` is ``"structured"`` (a spec the sandbox or the compiler refused: the
+        client's 400) or ``"fault"`` (the sandbox could not run: a 500). The core has
+        forgotten them.
+        """
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request at any time; its blocks are freed at once.
@@ -222,6 +284,8 @@ class EngineCore:
         Returns:
             False for an unknown (or finished) request.
         """
+        if self._awaiting_grammar.pop(request_id, None) is not None:
+            return True
         return bool(self.scheduler.finish_request(request_id, "abort"))
 
     def finish_request(
@@ -235,8 +299,8 @@ class EngineCore:
         return bool(self.scheduler.finish_request(request_id, reason, stop_reason, index))
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is in flight."""
-        return bool(self.scheduler.requests)
+        """True while any request is in flight (waiting for its grammar included)."""
+        return bool(self.scheduler.requests or self._awaiting_grammar or self._rejected)
 
     # ------------------------------------------------------------------------ adapters
     @property
@@ -282,8 +346,13 @@ class EngineCore:
                 they ran (the engine itself is broken, not a request).
         """
         t0 = time.perf_counter()
+        if self._awaiting_grammar:
+            self._admit_ready_grammars()
         sched = self.scheduler.schedule()
         if sched.is_empty():
+            if self._awaiting_grammar:  # nothing else to do: wait a little, do not spin
+                futures = [g for _, g in self._awaiting_grammar.values()]
+                wait_futures(futures, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
             return []
         result = self.runner.execute(sched)
         if sched.scheduled and len(result.failed) >= len(sched.scheduled):
@@ -317,5 +386,11 @@ class EngineCore:
             "prefix_cache_hit_tokens": self.kv.stats.total.hit_tokens,
             "lora_slots_in_use": self.lora_manager.slots_in_use,
             "lora_loads": self.lora_manager.num_loads,
+            "requests_waiting_for_grammar": len(self._awaiting_grammar),
+            **self.structured.stats(),
             **self.scheduler.spec_stats.as_dict(),
         }
+
+    def shutdown(self) -> None:
+        """Stop the helpers the core started (the grammar sandbox's workers and thread)."""
+        self.structured.shutdown()

@@ -42,12 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.engine import core_wire as wire
-from loraplex.engine.async_llm import EngineDeadError, RequestFailedError
 from loraplex.engine.core_launch import ProcessLauncher
+from loraplex.engine.errors import EngineDeadError, rejection_error
 from loraplex.engine.output_processor import OutputProcessor
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.streams import StreamState, put_all, read_outputs, settle
-from loraplex.engine.structured_output import StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -348,10 +347,7 @@ class CoreProcessClient:
                 if msg.outputs:
                     self._deliver_outputs(msg.outputs)
             elif isinstance(msg, wire.Rejected):
-                error = {
-                    "structured": StructuredOutputError,
-                    "fault": RequestFailedError,
-                }.get(msg.kind, ValueError)(msg.message)
+                error = rejection_error(msg.message, msg.kind)
                 with self._lock:
                     self.output_processor.remove(msg.request_id)
                 self._deliver(msg.request_id, error)

@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 STATS_EVERY_S = 0.25  # statistics ride on outputs, and go alone at least this often when idle
 HEARTBEAT_EVERY_S = 0.1
+CRASH_ON_TOKENS_ENV = "LORAPLEX_TEST_CRASH_ON_TOKENS"
+"""Fault injection for tests: comma-separated token ids; a request whose prompt holds them in a
+row kills this process with SIGSEGV when it is admitted, as a native fault would (the
+query-of-death tests, docs/hardening.md). Unset in production."""
 
 
 def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -> None:
@@ -45,6 +49,7 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
         from loraplex.engine.triton_guard import keep_triton_out
 
         keep_triton_out()  # before the engine's imports: no triton, no leak report at exit
+    import msgspec
     import zmq
 
     from loraplex.engine import core_wire as wire
@@ -74,6 +79,7 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
                     device=str(core.device),
                     kv_pool=core.kv_sizing.describe(),
                     pid=os.getpid(),
+                    vocab_size=model.vocab_size,
                 )
             )
         )
@@ -99,7 +105,12 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
                         frame = pull.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    reply = _handle(core, dec.decode(frame))
+                    try:
+                        msg = dec.decode(frame)
+                    except msgspec.DecodeError:  # a client of another version: dropped
+                        logger.exception("an undecodable message from the client")
+                        continue
+                    reply = _handle(core, msg)
                     if reply is _SHUTDOWN:
                         return
                     if reply is not None:
@@ -109,12 +120,15 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
                 step_started[0] = time.monotonic()
                 outputs = core.step()
                 step_started[0] = 0.0
+                for rid, message, kind in core.take_rejected():  # refused grammars
+                    push.send(enc.encode(wire.Rejected(rid, message, kind)))
             events = core.drain_kv_events()
             now = time.monotonic()
             if outputs or events or now - last_stats >= STATS_EVERY_S:
                 push.send(enc.encode(wire.Outputs(outputs, _stats(core), events)))
                 last_stats = now
     finally:
+        core.shutdown()
         stop_beating.set()
         beater.join()
         push.close()
@@ -155,6 +169,7 @@ def _handle(core: Any, msg: Any) -> Any:
 
     if isinstance(msg, wire.AddRequest):
         rid = msg.request.request_id
+        _maybe_crash(msg.request.prompt_token_ids)
         try:
             core.add_request(msg.request)
         except StructuredOutputError as exc:
@@ -184,6 +199,17 @@ def _handle(core: Any, msg: Any) -> Any:
     if isinstance(msg, wire.Shutdown):
         return _SHUTDOWN
     return None
+
+
+def _maybe_crash(prompt: list[int]) -> None:
+    """Die of SIGSEGV if the prompt holds :data:`CRASH_ON_TOKENS_ENV`'s ids (tests only)."""
+    marker = os.environ.get(CRASH_ON_TOKENS_ENV)
+    if not marker:
+        return
+    ids = [int(t) for t in marker.split(",")]
+    n = len(ids)
+    if any(prompt[i : i + n] == ids for i in range(len(prompt) - n + 1)):
+        os.kill(os.getpid(), signal.SIGSEGV)
 
 
 def _stats(core: Any) -> dict[str, int | float | list[int]]:

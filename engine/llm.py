@@ -60,7 +60,9 @@ class LLM:
             The final output of each request, in input order.
 
         Raises:
-            ValueError: a request is invalid (nothing of the batch is run then).
+            ValueError: a request is invalid (nothing of the batch is run then), or its
+                structured-output spec is refused (``StructuredOutputError``; the batch is
+                aborted then).
         """
         final_only = RequestOutputKind.FINAL_ONLY
         for i, req in enumerate(requests):
@@ -75,7 +77,16 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id] = out
+            rejected = self.engine.take_rejected()
+            if rejected:  # a grammar refused after admission: the batch fails as it would have
+                for req in requests:
+                    self.engine.abort_request(req.request_id)
+                raise rejected[0][1]
         return [final[r.request_id] for r in requests]
+
+    def shutdown(self) -> None:
+        """Stop the engine's helper processes (the grammar sandbox); the engine is unusable."""
+        self.engine.shutdown()
 
     def chat(
         self, conversations: Seq[Any], sampling: SamplingParams | Seq[SamplingParams]

@@ -19,6 +19,7 @@ from typing import Any
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.errors import rejection_error
 from loraplex.engine.output_processor import OutputProcessor
 from loraplex.engine.processing import load_processor
 from loraplex.engine.request import EngineRequest, RequestOutput
@@ -53,6 +54,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.core.structured.use_tokenizer(self.tokenizer)  # not read a second time
+        self._rejected: list[tuple[str, Exception]] = []
 
     # The core's parts, for statistics, benchmarks and tests.
     @property
@@ -134,9 +136,11 @@ class LLMEngine:
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is in flight."""
+        """True while any request is in flight (or a rejection is not taken yet)."""
         return (
-            self.output_processor.has_unfinished_requests() or self.core.has_unfinished_requests()
+            self.output_processor.has_unfinished_requests()
+            or self.core.has_unfinished_requests()
+            or bool(self._rejected)
         )
 
     def step(self) -> list[RequestOutput]:
@@ -151,7 +155,23 @@ class LLMEngine:
         processed = self.output_processor.process(self.core.step())
         for f in processed.finish:
             self.core.finish_request(f.request_id, f.reason, f.stop_reason, f.index)
+        for rid, message, kind in self.core.take_rejected():
+            self.output_processor.remove(rid)
+            self._rejected.append((rid, rejection_error(message, kind)))
         return processed.request_outputs
+
+    def take_rejected(self) -> list[tuple[str, Exception]]:
+        """Requests the core refused after admission (their grammar), with the error to raise.
+
+        ``StructuredOutputError`` (a ValueError: the client's 400) for a refused spec,
+        ``RequestFailedError`` when the grammar sandbox could not run.
+        """
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def shutdown(self) -> None:
+        """Stop the core's helpers (the grammar sandbox)."""
+        self.core.shutdown()
 
     # ------------------------------------------------------------------------ adapters
     def add_lora_dir(self, path: str) -> Any:

@@ -64,11 +64,7 @@ from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.spec_decode import AdaptiveK, SpecDecodeStats
 from loraplex.engine.spec_decode.adaptive import DRAFT_MAX_FAILED_PROBES
 from loraplex.engine.step_budget import PrefillBudget
-from loraplex.engine.structured_output import (
-    StructuredOutputs,
-    grammar_bitmask,
-    speculative_bitmasks,
-)
+from loraplex.engine.structured_output import grammar_bitmask, speculative_bitmasks
 from loraplex.engine.swap import CpuBlockPool
 
 
@@ -121,7 +117,6 @@ class Scheduler(Preemption, OutputUpdate):
         preemption: str = "recompute",
         cpu_pool: CpuBlockPool | None = None,
         lora_manager: Any = None,
-        structured: StructuredOutputs | None = None,
         num_speculative_tokens: int = 0,
         draft_model: bool = False,
     ) -> None:
@@ -137,7 +132,6 @@ class Scheduler(Preemption, OutputUpdate):
         self.preemption = preemption
         self.cpu_pool = cpu_pool
         self.lora_manager = lora_manager
-        self.structured = structured
         self.spec_k = num_speculative_tokens
         self.draft_model = draft_model
         self.spec_stats = SpecDecodeStats()
@@ -156,9 +150,6 @@ class Scheduler(Preemption, OutputUpdate):
     def add(self, seq: Sequence) -> None:
         """Queue a new request's first sequence (at the back of its tenant's queue)."""
         seq.status = SequenceStatus.WAITING
-        spec = seq.request.sampling.structured_output
-        if spec is not None and self.structured is not None:
-            seq.grammar = self.structured.matcher(spec)
         self.seqs[seq.seq_id] = seq
         self.requests[seq.request.request_id] = _RequestSeqs(seq.request, [seq])
         self.waiting.append(seq)

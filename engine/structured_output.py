@@ -12,10 +12,12 @@ xgrammar), and each step:
 3. ``Scheduler.update_from_output`` advances the sequence's matcher with the sampled token; a
    sequence whose grammar is complete finishes with ``"stop"``.
 
-A spec is compiled once per process into a template matcher (bounded LRU cache keyed by the
-spec); each sequence gets a deep copy of it (an ``n > 1`` fork copies its parent's). Compilation
-and every mask computation run under :data:`PARSER_LIMITS`, so a hostile schema is refused or
-cut off by fuel, never by wall time.
+A spec is checked for its shape first (``engine.grammar_bounds``, when it is made), vetted in
+a sandboxed worker process (``engine.grammar_sandbox``), then compiled once per process into a
+template matcher off the engine's step (``engine.structured_output_manager``; bounded LRU cache
+keyed by the spec); each sequence gets a deep copy of it (an ``n > 1`` fork copies its
+parent's). Compilation and every mask computation run under :func:`parser_limits`, so a
+hostile schema is refused or cut off by fuel, never by wall time.
 
 llguidance is used rather than xgrammar because xgrammar requires triton on Linux (~290 MB that a
 CPU install does not otherwise need); llguidance has no dependencies.
@@ -29,6 +31,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from loraplex.engine.grammar_bounds import check_spec_bounds
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +58,8 @@ class StructuredOutputSpec:
         value: The schema (canonical JSON text), regex or grammar; empty for ``json_object``.
 
     Raises:
-        ValueError: an unknown kind, a missing or too long value.
+        ValueError: an unknown kind, a missing or too long value; ``BoundError`` (a
+            ValueError) for a shape past ``engine.grammar_bounds.DEFAULT_BOUNDS``.
     """
 
     kind: str
@@ -71,6 +76,7 @@ class StructuredOutputSpec:
             raise ValueError(
                 f"the {self.kind} is {len(self.value)} characters; at most {MAX_SPEC_CHARS}"
             )
+        check_spec_bounds(self.kind, self.value)
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutputSpec:
@@ -154,10 +160,19 @@ class GrammarCompiler:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=eos or None
         )
+        self.tokenizer_json = tokenizer_json  # what the grammar sandbox's workers are built from
         self.max_cached = max_cached
         self._templates: OrderedDict[StructuredOutputSpec, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # templates built (cache misses), for tests and stats
+
+    def cached(self, spec: StructuredOutputSpec):
+        """The template matcher of ``spec`` if it is cached (made most recent), else None."""
+        with self._lock:
+            hit = self._templates.get(spec)
+            if hit is not None:
+                self._templates.move_to_end(spec)
+            return hit
 
     def template(self, spec: StructuredOutputSpec):
         """The compiled template matcher of ``spec`` (from the cache when there).
@@ -305,66 +320,3 @@ def tokenizer_json(hf_tokenizer) -> str:
     backend.no_padding()
     backend.no_truncation()
     return backend.to_str()
-
-
-class StructuredOutputs:
-    """The engine core's side: one compiler for the served model, built on first use.
-
-    Args:
-        model_dir: The served model's directory (its tokenizer is read on first use).
-        vocab_size: The model's vocabulary size.
-        eos_token_ids: The ids that end a sequence.
-        hf_tokenizer: The tokenizer if the caller has it loaded (saves reading it again).
-    """
-
-    def __init__(
-        self,
-        model_dir: str,
-        vocab_size: int,
-        eos_token_ids: Iterable[int],
-        hf_tokenizer: Any = None,
-    ) -> None:
-        self.model_dir = model_dir
-        self.vocab_size = vocab_size
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.hf_tokenizer = hf_tokenizer
-        self._compiler: GrammarCompiler | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def compiler(self) -> GrammarCompiler:
-        """The compiler (the tokenizer is read and indexed on the first call, ~0.1-1 s).
-
-        Raises:
-            ValueError: the model has no fast tokenizer.
-        """
-        with self._lock:
-            if self._compiler is None:
-                tok = self.hf_tokenizer
-                if tok is None:
-                    from transformers import AutoTokenizer
-
-                    tok = AutoTokenizer.from_pretrained(self.model_dir)
-                self._compiler = GrammarCompiler(
-                    tokenizer_json(tok), self.vocab_size, self.eos_token_ids
-                )
-            return self._compiler
-
-    def use_tokenizer(self, hf_tokenizer: Any) -> None:
-        """Take an already loaded tokenizer instead of reading the model's on first use."""
-        with self._lock:
-            if self._compiler is None:
-                self.hf_tokenizer = hf_tokenizer
-
-    def check(self, spec: StructuredOutputSpec | None) -> None:
-        """Compile ``spec`` (cached), so a bad one is refused before it is queued.
-
-        Raises:
-            ValueError: as :meth:`GrammarCompiler.template`.
-        """
-        if spec is not None:
-            self.compiler.template(spec)
-
-    def matcher(self, spec: StructuredOutputSpec):
-        """A fresh matcher for a new sequence."""
-        return self.compiler.matcher(spec)
