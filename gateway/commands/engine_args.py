@@ -184,6 +184,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="draft: the draft model's directory, a text-only checkpoint with the served "
         "model's tokenizer (default: none)",
     )
+    g.add_argument(
+        "--grammar-workers",
+        type=int,
+        default=d.grammar_workers,
+        metavar="N",
+        help="processes of the grammar sandbox, where every new structured-output schema or "
+        f"regex is compiled before the engine does (default: {d.grammar_workers}; "
+        "docs/structured_output.md)",
+    )
+    g.add_argument(
+        "--grammar-timeout",
+        type=float,
+        default=d.grammar_cpu_seconds,
+        metavar="S",
+        help="CPU seconds one schema's compilation may take in the sandbox; past it the "
+        f"request gets a 400 (default: {d.grammar_cpu_seconds:g})",
+    )
+    g.add_argument(
+        "--grammar-memory",
+        type=lambda text: 0 if text.strip() == "0" else _size(text),
+        default=d.grammar_memory_bytes,
+        metavar="SIZE",
+        help="address space of one sandbox worker, e.g. 2GiB; a schema that needs more gets "
+        "a 400 (default: 2GiB; 0: no limit)",
+    )
 
 
 def config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
@@ -219,4 +244,7 @@ def config_from_args(args: argparse.Namespace, model_dir: str) -> EngineConfig:
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,
+        grammar_workers=args.grammar_workers,
+        grammar_cpu_seconds=args.grammar_timeout,
+        grammar_memory_bytes=args.grammar_memory,
     )
