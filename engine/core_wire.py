@@ -74,6 +74,7 @@ class CoreInfo(msgspec.Struct):
         device: Its device.
         kv_pool: One line describing the KV pool (``engine.kv_sizing``).
         pid: The core process's id.
+        vocab_size: Token ids the model takes are in ``[0, vocab_size)``.
     """
 
     max_model_len: int
@@ -85,6 +86,7 @@ class CoreInfo(msgspec.Struct):
     device: str
     kv_pool: str
     pid: int
+    vocab_size: int = 0
 
 
 class Ready(msgspec.Struct, tag=True):

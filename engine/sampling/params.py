@@ -21,6 +21,7 @@ MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence / frequency penalties
 MAX_REPETITION_PENALTY = 100.0
+MAX_TOKEN_ID = 2**63  # exclusive: ids travel as int64 (the core's wire, tensors)
 MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary keeps every token; bounded so it fits int64
 SEED_RANGE = (-(2**63), 2**64 - 1)  # reduced modulo 2**64 by ``make_generator``
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy, as vLLM does
@@ -160,8 +161,8 @@ class SamplingParams:
             self.structured_output, StructuredOutputSpec
         ):
             raise ValueError("structured_output must be a StructuredOutputSpec")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        if any(not 0 <= t < MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, 2**63), got {_ids(self)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_float(name, value)
@@ -213,13 +214,26 @@ def _logit_bias(value: object) -> dict[int, float]:
     for key, bias in value.items():
         if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
             key = int(key)
-        if not isinstance(key, int) or isinstance(key, bool) or key < 0:
-            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < MAX_TOKEN_ID:
+            shown = f"a {type(key).__name__}"
+            if isinstance(key, str):
+                shown = repr(key[:32])  # a JSON key may be megabytes long
+            elif isinstance(key, int) and not isinstance(key, bool):
+                shown = str(key) if key.bit_length() <= 128 else "a huge integer"
+            raise ValueError(
+                f"logit_bias keys must be token ids (integers in [0, 2**63)), got {shown}"
+            )
         _check_float("logit_bias", bias)
         if not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         out[key] = float(bias)
     return out
+
+
+def _ids(params: SamplingParams) -> str:
+    """``stop_token_ids`` for an error message, never thousands of digits long."""
+    text = ", ".join(str(t) if t.bit_length() <= 128 else "(huge)" for t in params.stop_token_ids)
+    return f"[{text}]"
 
 
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:

@@ -34,12 +34,16 @@ class InputLimits:
         max_images: Most images in one request.
         tool_call_format: The tool-call syntax the chat template teaches the model
             (``gateway.domains.chat.tool_calls.FORMATS``), None when it teaches none.
+        vocab_size: Token ids a request may carry are in ``[0, vocab_size)`` (the model's
+            vocabulary, as the engine checks it); 0 when unknown: ids are then only kept
+            within int64, what can cross to an engine core.
     """
 
     max_token_bytes: int = 0
     image_tokens: int = 0
     max_images: int = 8
     tool_call_format: str | None = None
+    vocab_size: int = 0
 
 
 class EngineClient(Protocol):
@@ -168,6 +172,7 @@ class LocalEngineClient:
             image_tokens=getattr(engine.model, "num_image_tokens", 0),
             max_images=engine.inputs.max_images,
             tool_call_format=detect_tool_call_format(engine.inputs.chat_template),
+            vocab_size=engine.model.vocab_size,
         )
         self._workers = FairWorkerPool(default_workers())
 

@@ -70,6 +70,7 @@ class ProcessEngineClient:
             image_tokens=info.num_image_tokens,
             max_images=self._inputs.max_images,
             tool_call_format=detect_tool_call_format(self._inputs.chat_template),
+            vocab_size=info.vocab_size,
         )
         self._workers = FairWorkerPool(default_workers())
 

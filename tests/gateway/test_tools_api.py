@@ -185,7 +185,7 @@ def test_tools_are_rendered_and_a_tool_turn_works(client):
         ),
         (
             {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {}}]}]},
-            "messages[0].tool_calls[0]",
+            "messages[0].tool_calls[0].function.name",
         ),
     ],
 )

@@ -20,6 +20,7 @@ from loraplex.gateway.domains.chat.body import CompletionBody, convert_body
 from loraplex.gateway.domains.chat.schemas import (
     CONTEXT_LENGTH_EXCEEDED,
     ChatRequest,
+    check_token_ids,
     generation_fields,
     utf8_len,
 )
@@ -30,7 +31,12 @@ DEFAULT_MAX_TOKENS = 16
 
 
 def parse_completion_request(
-    body: bytes, *, max_tokens_limit: int, max_n: int, max_parts: int = 1 << 20
+    body: bytes,
+    *,
+    max_tokens_limit: int,
+    max_n: int,
+    max_parts: int = 1 << 20,
+    vocab_size: int = 0,
 ) -> ChatRequest:
     """Parse and check a Completions body.
 
@@ -39,13 +45,16 @@ def parse_completion_request(
         max_tokens_limit: Largest ``max_tokens`` a request may ask for.
         max_n: Largest ``n``.
         max_parts: The model length: a token-id prompt must be shorter.
+        vocab_size: Token ids (a token-id ``prompt``, ``stop_token_ids``, ``logit_bias``)
+            must be below it (0: unknown, only below ``2**63``).
 
     Raises:
-        APIError: 400 naming the field at fault.
+        APIError: 400 naming the field at fault (``prompt`` for a token id outside the
+            vocabulary, however large).
     """
     data = decode_object(body)
     req: CompletionBody = convert_body(data, CompletionBody)
-    prompt = _prompt(req.prompt, max_parts)
+    prompt = _prompt(req.prompt, max_parts, vocab_size)
     n = 1 if req.n is None else req.n
     if req.best_of is not None and req.best_of not in (1, n):
         raise bad_request(
@@ -60,7 +69,7 @@ def parse_completion_request(
             "compute",
             param="echo",
         )
-    common = generation_fields(req, data, ("max_tokens",), max_tokens_limit, max_n)
+    common = generation_fields(req, data, ("max_tokens",), max_tokens_limit, max_n, vocab_size)
     if common["max_tokens"] is None:
         common["max_tokens"] = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
     return ChatRequest(
@@ -76,8 +85,13 @@ def parse_completion_request(
     )
 
 
-def _prompt(value: Any, max_len: int) -> str | list[int]:
-    """The one prompt ``value`` holds: text, or token ids shorter than the model length."""
+def _prompt(value: Any, max_len: int, vocab_size: int) -> str | list[int]:
+    """The one prompt ``value`` holds: text, or token ids shorter than the model length.
+
+    Raises:
+        APIError: 400 naming ``prompt``: empty, several prompts, too long, or a token id
+            outside ``[0, vocab_size)`` (:func:`check_token_ids`).
+    """
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]
     if isinstance(value, str):
@@ -93,8 +107,7 @@ def _prompt(value: Any, max_len: int) -> str | list[int]:
                 param="prompt",
                 code=CONTEXT_LENGTH_EXCEEDED,
             )
-        if any(t < 0 for t in value):
-            raise bad_request("'prompt' token ids must be non-negative", param="prompt")
+        check_token_ids(value, vocab_size, "prompt")
         return list(value)
     raise bad_request(
         "'prompt' must be a string or a list of token ids: one prompt per request",

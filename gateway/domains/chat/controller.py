@@ -143,6 +143,7 @@ async def _generate(request: Request, id_prefix: str, parse: Any) -> Response:
             max_tokens_limit=state.config.max_tokens_limit,
             max_n=state.config.max_n,
             max_parts=state.engine.max_model_len,
+            vocab_size=state.engine.input_limits.vocab_size,
         )
         ledger.model = chat.model
         run = await _start(state, principal, chat, ledger, response_id)
@@ -208,7 +209,7 @@ async def _prompt(
     """The prompt's token ids (and images).
 
     The chat template over the messages, or a Completions prompt tokenized as it is (token-id
-    prompts are taken as they are; the engine checks their range).
+    prompts are taken as they are: ``parse_completion_request`` checked their range).
     """
     engine = state.engine
     limits = engine.input_limits

@@ -29,6 +29,12 @@ and a number out of float range such as ``1e999`` is malformed JSON)::
     min_tokens                           integer, 0 .. max_tokens
     stop_token_ids                       at most 64 token ids
 
+Every token id (``stop_token_ids``, ``logit_bias`` keys, a Completions token-id prompt) is in
+``[0, vocab_size)`` (:func:`check_token_ids`), whatever its size, before anything is encoded
+for the engine core. Messages follow OpenAI's rules (:func:`check_message_fields`: the role,
+``content`` required but on an assistant message with ``tool_calls``) and their tool calls
+carry JSON-object ``arguments`` (``gateway.domains.chat.tools.check_tool_messages``).
+
 Cheap bounds run before any expensive step: at most ``max_model_len`` messages and content
 parts (a chat template spends at least one token on each), and :meth:`ChatRequest.check_size`
 refuses a prompt whose text is too long for the model before it is tokenized (each token stands
@@ -42,6 +48,7 @@ the model length is checked later by :meth:`ChatRequest.sampling_params`.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +68,8 @@ from loraplex.gateway.server.json_body import decode_object
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 MAX_CACHE_SALT_CHARS = 256
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's, less the deprecated one
+TOKEN_ID_LIMIT = 2**63  # token ids cross to the engine core as int64 (msgpack) at most
 
 
 @dataclass(frozen=True)
@@ -183,7 +192,12 @@ class ChatRequest:
 
 
 def parse_chat_request(
-    body: bytes, *, max_tokens_limit: int, max_n: int, max_parts: int = 1 << 20
+    body: bytes,
+    *,
+    max_tokens_limit: int,
+    max_n: int,
+    max_parts: int = 1 << 20,
+    vocab_size: int = 0,
 ) -> ChatRequest:
     """Parse and check a request body.
 
@@ -193,6 +207,8 @@ def parse_chat_request(
         max_n: Largest ``n``.
         max_parts: Most messages, and most content parts in all, a request may hold (the
             model length: a chat template spends at least one token on each).
+        vocab_size: Token ids (``stop_token_ids``, ``logit_bias``) must be below it (0:
+            unknown, only below :data:`TOKEN_ID_LIMIT`).
 
     Returns:
         The checked request.
@@ -227,7 +243,7 @@ def parse_chat_request(
             f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", param="top_logprobs"
         )
     common = generation_fields(
-        req, data, ("max_completion_tokens", "max_tokens"), max_tokens_limit, max_n
+        req, data, ("max_completion_tokens", "max_tokens"), max_tokens_limit, max_n, vocab_size
     )
     tools = parse_tools(req, common["sampling"].get("structured_output") is not None)
     if tools is not None:
@@ -256,6 +272,7 @@ def generation_fields(
     max_tokens_names: tuple[str, ...],
     max_tokens_limit: int,
     max_n: int,
+    vocab_size: int = 0,
 ) -> dict[str, Any]:
     """The :class:`ChatRequest` fields both Chat Completions and Completions bodies set.
 
@@ -265,6 +282,8 @@ def generation_fields(
         max_tokens_names: The fields that may set ``max_tokens``, the preferred one first.
         max_tokens_limit: Largest ``max_tokens`` a request may ask for.
         max_n: Largest ``n``.
+        vocab_size: Token ids (``stop_token_ids``, ``logit_bias``) must be below it (0:
+            unknown, only below :data:`TOKEN_ID_LIMIT`).
 
     Raises:
         APIError: 400 naming the field at fault.
@@ -316,7 +335,9 @@ def generation_fields(
         "skip_special_tokens": _or(req.skip_special_tokens, True),
     }
     # range checks now, not after processing (min_tokens is checked against max_tokens later)
-    _sampling(max_tokens=max(1, sampling["min_tokens"]), logprobs=None, **sampling)
+    checked = _sampling(max_tokens=max(1, sampling["min_tokens"]), logprobs=None, **sampling)
+    check_token_ids(checked.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(checked.logit_bias or (), vocab_size, "logit_bias")
     structured, structured_param = parse_structured_output(data)
     if structured is not None:
         sampling["structured_output"] = structured
@@ -359,6 +380,7 @@ def check_messages(messages: list[Any], *, max_parts: int = 1 << 20) -> tuple[in
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request(f"{where} must be an object with a string 'role'", param=where)
+        check_message_fields(message, where)
         text_bytes += sum(utf8_len(v) for v in message.values() if isinstance(v, str))
         content = message.get("content")
         if content is None or isinstance(content, str):
@@ -411,6 +433,83 @@ def check_messages(messages: list[Any], *, max_parts: int = 1 << 20) -> tuple[in
                     f"{at} must be a part of type 'text' or 'image_url'", param=f"{at}.type"
                 )
     return images, text_bytes
+
+
+def check_message_fields(message: dict[str, Any], where: str) -> None:
+    """Check one message's ``role``, whether it may omit ``content``, and its string fields.
+
+    OpenAI's rules: ``role`` is one of :data:`ROLES`; ``content`` may be null or absent only on
+    an assistant message that carries ``tool_calls``; ``name`` and (on a ``tool`` message, where
+    it is required) ``tool_call_id`` are strings. The legacy ``role: "function"`` and an
+    assistant's ``function_call`` belong to the deprecated ``functions`` API, which this server
+    refuses (use ``tools``, ``tool_calls`` and ``role: "tool"``).
+
+    Args:
+        message: One element of ``messages`` (a dict with a string ``role``).
+        where: Its path, ``messages[i]``.
+
+    Raises:
+        APIError: 400 naming the field at fault (``messages[i].role``, ``.content``, ...).
+    """
+    role = message["role"]
+    if role not in ROLES:
+        if role == "function":
+            raise bad_request(
+                f"{where}.role 'function' belongs to the deprecated 'functions' API, which this "
+                "server does not support: use 'tools' and role 'tool'",
+                param=f"{where}.role",
+            )
+        raise bad_request(
+            f"{where}.role must be one of {', '.join(repr(r) for r in ROLES)}, not {role[:32]!r}",
+            param=f"{where}.role",
+        )
+    if message.get("function_call") is not None:
+        raise bad_request(
+            f"{where}.function_call is deprecated and not supported: use 'tool_calls'",
+            param=f"{where}.function_call",
+        )
+    if message.get("content") is None and not (role == "assistant" and message.get("tool_calls")):
+        which = f"a '{role}' message"
+        if role == "assistant":
+            which = "an assistant message without 'tool_calls'"
+        raise bad_request(
+            f"{where}.content is required (a string or an array of parts) on {which}",
+            param=f"{where}.content",
+        )
+    for name in ("name", "tool_call_id"):
+        value = message.get(name)
+        if value is not None and not isinstance(value, str):
+            raise bad_request(f"{where}.{name} must be a string", param=f"{where}.{name}")
+    if role == "tool" and message.get("tool_call_id") is None:
+        raise bad_request(
+            f"{where}.tool_call_id is required on a 'tool' message: the id of the call it answers",
+            param=f"{where}.tool_call_id",
+        )
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """Refuse token ids outside the vocabulary before anything is sent to the engine.
+
+    Args:
+        ids: Integer token ids (any size: JSON numbers arrive as Python ints).
+        vocab_size: Ids must be in ``[0, vocab_size)``; 0 (unknown) means
+            ``[0, TOKEN_ID_LIMIT)``, what an engine core can receive (int64).
+        param: The field named by the error (``prompt``, ``stop_token_ids``, ``logit_bias``).
+
+    Raises:
+        APIError: 400 naming ``param`` for the first id out of range (negative, at or past the
+            vocabulary, 2**63, 2**64 or a number of thousands of digits alike).
+    """
+    limit = vocab_size if 0 < vocab_size <= TOKEN_ID_LIMIT else TOKEN_ID_LIMIT
+    for k, t in enumerate(ids):
+        if not 0 <= t < limit:
+            shown = str(t) if t.bit_length() <= 128 else f"of {t.bit_length()} bits"
+            what = "this model's vocabulary" if limit == vocab_size else "int64"
+            raise bad_request(
+                f"'{param}' holds a token id {shown} (item {k}): token ids must be in "
+                f"[0, {limit}) ({what})",
+                param=param,
+            )
 
 
 def utf8_len(text: str) -> int:

@@ -157,10 +157,16 @@ def parse_tools(req: ChatCompletionBody, structured: bool) -> ToolRequest | None
 
 
 def check_tool_messages(messages: list[Any]) -> int:
-    """Check assistant ``tool_calls`` and ``tool`` messages; their text's UTF-8 bytes.
+    """Check assistant ``tool_calls``; their text's UTF-8 bytes.
+
+    Each call is ``{"id": str, "type": "function", "function": {"name": str, "arguments":
+    str}}`` (``id`` and ``type`` may be left out), with ``arguments`` a string holding a JSON
+    object, as OpenAI's answers carry it (vLLM parses it for the chat template too).
 
     Raises:
-        APIError: 400 naming the message part at fault.
+        APIError: 400 naming the part at fault: ``messages[i].tool_calls`` (not a list, or on
+            another role), ``messages[i].tool_calls[j]`` (not an object), ``...id``,
+            ``...type``, ``...function``, ``...function.name`` or ``...function.arguments``.
     """
     size = 0
     for i, message in enumerate(messages):
@@ -171,16 +177,45 @@ def check_tool_messages(messages: list[Any]) -> int:
         if message.get("role") != "assistant" or not isinstance(calls, list):
             raise bad_request(f"'{where}' must be a list on an assistant message", param=where)
         for j, call in enumerate(calls):
-            fn = call.get("function") if isinstance(call, dict) else None
-            if (
-                not isinstance(fn, dict)
-                or not isinstance(fn.get("name"), str)
-                or not isinstance(fn.get("arguments"), str)
-            ):
-                raise bad_request(
-                    f"'{where}[{j}]' must be {{id, type: 'function', function: {{name, "
-                    "arguments}}}} with string name and arguments",
-                    param=f"{where}[{j}]",
-                )
-            size += len(fn["name"].encode()) + len(fn["arguments"].encode())
+            size += _check_call(call, f"{where}[{j}]")
     return size
+
+
+def _check_call(call: Any, at: str) -> int:
+    """Check one ``tool_calls`` element at path ``at``; its name's and arguments' bytes.
+
+    Raises:
+        APIError: 400 naming the field at fault (see :func:`check_tool_messages`).
+    """
+    if not isinstance(call, dict):
+        raise bad_request(
+            f"'{at}' must be {{id, type: 'function', function: {{name, arguments}}}}", param=at
+        )
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise bad_request(f"'{at}.id' must be a string", param=f"{at}.id")
+    if call.get("type", "function") != "function":
+        raise bad_request(f"'{at}.type' must be 'function'", param=f"{at}.type")
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise bad_request(
+            f"'{at}.function' must be an object {{name, arguments}}", param=f"{at}.function"
+        )
+    name, arguments = fn.get("name"), fn.get("arguments")
+    if not isinstance(name, str):
+        raise bad_request(f"'{at}.function.name' must be a string", param=f"{at}.function.name")
+    where = f"{at}.function.arguments"
+    if not isinstance(arguments, str):
+        raise bad_request(f"'{where}' must be a string holding a JSON object", param=where)
+    try:
+        parsed = msgspec.json.decode(arguments)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise bad_request(
+            f"'{where}' must be a string holding a JSON object (the call's arguments), "
+            f"got {arguments[:40]!r}",
+            param=where,
+        )
+    return len(name.encode("utf-8", "surrogatepass")) + len(
+        arguments.encode("utf-8", "surrogatepass")
+    )

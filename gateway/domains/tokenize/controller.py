@@ -28,6 +28,7 @@ from litestar.di import Provide
 from loraplex.gateway.domains.chat.body import convert_body
 from loraplex.gateway.domains.chat.schemas import CONTEXT_LENGTH_EXCEEDED, check_messages, utf8_len
 from loraplex.gateway.domains.chat.service import UsageLedger, admit_rate, resolve_model
+from loraplex.gateway.domains.chat.tools import check_tool_messages
 from loraplex.gateway.server.auth import TenantPrincipal
 from loraplex.gateway.server.errors import APIError, bad_request, pool_busy
 from loraplex.gateway.server.fair_pool import PoolBusyError
@@ -145,6 +146,7 @@ async def _tokenize(
             if not req.messages:
                 raise bad_request("'messages' must be a non-empty array", param="messages")
             images, text_bytes = check_messages(req.messages, max_parts=engine.max_model_len)
+            text_bytes += check_tool_messages(req.messages)  # the same 400s as chat's
             _check_size(text_bytes, images, "messages", engine.max_model_len, limits)
             try:
                 ids = (await engine.process(req.messages, tenant=tenant)).prompt_token_ids
