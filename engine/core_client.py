@@ -45,6 +45,7 @@ from loraplex.engine import core_wire as wire
 from loraplex.engine.core_launch import ProcessLauncher
 from loraplex.engine.errors import EngineDeadError, rejection_error
 from loraplex.engine.output_processor import OutputProcessor
+from loraplex.engine.quarantine import Quarantine, Suspect, request_digest
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.streams import StreamState, put_all, read_outputs, settle
 
@@ -65,6 +66,9 @@ class CoreProcessClient:
             :meth:`set_tokenizer`, before the first request.
         launcher: Where cores run (``engine.core_launch``): a child process (the default)
             or a Ray actor.
+        quarantine: What deaths this client and its peers (the other replicas, the other
+            gateways of the data directory) have seen (``engine.quarantine``); a new one in
+            memory when None.
 
     Raises:
         RuntimeError: (from :meth:`start`) the first core exited or did not become ready.
@@ -76,15 +80,20 @@ class CoreProcessClient:
         store_root: str | None,
         tokenizer: Any = None,
         launcher: Any = None,
+        quarantine: Quarantine | None = None,
     ) -> None:
         self.config = config
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.launcher = launcher if launcher is not None else ProcessLauncher()
         self.store_root = store_root
         self.output_processor = OutputProcessor(tokenizer)
         self.info: wire.CoreInfo | None = None
         self.failed = False  # gave up restarting
         self.restarts = 0
-        self._restart_times: list[float] = []
+        self._deaths: list[tuple[float, str]] = []  # (monotonic time, quarantine key)
+        # digest, tenant and monotonic send time of each request in flight (death suspects)
+        self._sent: dict[str, tuple[str, str | None, float]] = {}
+        self._outputs_at: collections.deque[float] = collections.deque([0.0] * 3, maxlen=3)
         self._running = False
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # output processor, streams, calls, the push socket
@@ -231,9 +240,14 @@ class CoreProcessClient:
                 output it cannot enforce).
             RequestFailedError: a fault admitting it.
             EngineDeadError: no core is running, or the core died while it ran.
+            QueryOfDeathError: the request (its content) was in flight at repeated core
+                deaths (a ValueError).
+            TenantThrottledError: the tenant's requests keep being in flight at core deaths.
         """
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
+        digest = request_digest(request)
+        self.quarantine.check(digest, request.tenant)
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
@@ -242,6 +256,7 @@ class CoreProcessClient:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self.output_processor.add_request(request)
             self._streams[rid] = (loop, stream)
+            self._sent[rid] = (digest, request.tenant, time.monotonic())
             self._send(wire.AddRequest(request))
         state = StreamState()
         try:
@@ -250,6 +265,7 @@ class CoreProcessClient:
         finally:
             with self._lock:
                 self._streams.pop(rid, None)
+                self._sent.pop(rid, None)
                 if not state.finished:
                     self.output_processor.abort(rid)
                     self._send(wire.Abort(rid))
@@ -341,6 +357,7 @@ class CoreProcessClient:
             if isinstance(msg, wire.Heartbeat):
                 self._step_s = msg.step_s
             elif isinstance(msg, wire.Outputs):
+                self._outputs_at.append(self._last_heard)
                 self._stats = msg.stats
                 if msg.events:
                     self._kv_events.extend(msg.events)  # a deque: safe across threads
@@ -427,35 +444,56 @@ class CoreProcessClient:
     def _on_death(self) -> None:
         with self._lock:
             self._running = False
+            suspects = self._suspects()
+            self._sent.clear()
         self._proc.join(1)
         logger.error(
             "the engine core (pid %s) died with status %s; failing its requests and restarting it",
             self._proc.pid,
             self._proc.exitcode,
         )
+        key = self.quarantine.record_death(suspects)
+        self._deaths.append((time.monotonic(), key))
         self._fail_all(EngineDeadError("the engine core died; retry the request"))
 
+    def _suspects(self) -> list[Suspect]:
+        """The requests a death is blamed on (caller holds ``_lock``; ``engine.quarantine``).
+
+        Those sent since the third-latest ``Outputs`` arrived (the core took them in its last
+        two loops: a request that kills it at admission or in its first step is among them),
+        else every request in flight.
+        """
+        since = self._outputs_at[0]
+        fresh = [(d, t) for d, t, sent in self._sent.values() if sent > since]
+        chosen = fresh or [(d, t) for d, t, _ in self._sent.values()]
+        return [Suspect(d, t) for d, t in chosen]
+
     def _restart(self) -> bool:
-        """Start a new core with back-off; False when giving up (or shutting down)."""
+        """Start a new core with back-off; False when giving up (or shutting down).
+
+        Only deaths not explained by a quarantined request count towards giving up and the
+        back-off: a query of death is refused from now on, so it cannot keep killing cores.
+        """
         now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
-        if len(self._restart_times) >= MAX_RESTARTS:
+        self._deaths = [(t, k) for t, k in self._deaths if now - t < RESTART_WINDOW_S]
+        unexplained = [t for t, k in self._deaths if not self.quarantine.explained(k)]
+        if len(unexplained) > MAX_RESTARTS:
             self.failed = True
             logger.critical(
                 "the engine core died %d times within %.0f s; giving up (the server stays "
                 "unhealthy until restarted)",
-                MAX_RESTARTS + 1,
+                len(unexplained),
                 RESTART_WINDOW_S,
             )
             return False
-        delay = min(8.0, 0.5 * 2 ** len(self._restart_times))
-        self._restart_times.append(now)
+        delay = min(8.0, 0.5 * 2 ** max(0, len(unexplained) - 1))
         if self._stopping.wait(delay):
             return False
         try:
             self.info = self._spawn()
         except RuntimeError:
             logger.exception("restarting the engine core failed")
+            self._deaths.append((time.monotonic(), ""))  # a failed start counts as a death
             return self._restart()
         self.restarts += 1
         with self._lock:

@@ -418,12 +418,15 @@ def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
     gateway_config = gateway_config_from_args(args, served_name(engine_config))
     gateway_config = gateway_config.replace(port=port)
     admin_key, admin_path, created = load_or_create_admin_key(directory, args.admin_key)
+    from loraplex.engine.quarantine import Quarantine
+
     client = start_engine(
         engine_config,
         gateway_config.store_location,
         in_process=not args.engine_process,
         replicas=args.replicas,
         ray_address=args.ray_address,
+        quarantine=Quarantine(directory / "quarantine.jsonl"),  # shared by its gateways
     )
     try:
         _report_engine(client, gateway_config.served_model_name, time.monotonic() - t0)

@@ -32,6 +32,7 @@ def start_engine(
     in_process: bool = True,
     replicas: int = 1,
     ray_address: str | None = None,
+    quarantine: Any = None,
 ) -> EngineClient:
     """Load the model and start the engine, reading tenant adapters from the store.
 
@@ -44,6 +45,9 @@ def start_engine(
             KV events in every core, and on a CPU splits the automatic KV share between them.
         ray_address: Place the cores as Ray actors on this cluster (``"auto"``, an address,
             or ``"local"`` for a new local instance) instead of child processes.
+        quarantine: Core deaths and quarantined requests (``engine.quarantine.Quarantine``),
+            one for every replica; ``serve`` keeps it in the data directory. None: a new one in
+            memory. An engine in this process has none: a native fault ends the process.
 
     Raises:
         ValueError: the model or config is unusable (in process), or ``replicas < 1``.
@@ -52,11 +56,15 @@ def start_engine(
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
     if replicas > 1 or ray_address is not None:
-        return _start_replicas(engine_config, store_root, in_process, replicas, ray_address)
+        return _start_replicas(
+            engine_config, store_root, in_process, replicas, ray_address, quarantine
+        )
     if not in_process:
         from loraplex.gateway.server.process_client import ProcessEngineClient
 
-        return ProcessEngineClient(engine_config, str(store_root), served_name(engine_config))
+        return ProcessEngineClient(
+            engine_config, str(store_root), served_name(engine_config), quarantine=quarantine
+        )
     from loraplex.adapters.object_store import open_store
     from loraplex.engine.async_llm import AsyncLLM
     from loraplex.engine.llm_engine import LLMEngine
@@ -85,9 +93,13 @@ def _start_replicas(
     in_process: bool,
     replicas: int,
     ray_address: str | None,
+    quarantine: Any = None,
 ) -> EngineClient:
     """``replicas`` cores (child processes, Ray actors, or in process) behind a router."""
+    from loraplex.engine.quarantine import Quarantine
     from loraplex.gateway.routing import ReplicaSetClient, RoutingPolicy
+
+    quarantine = quarantine if quarantine is not None else Quarantine()  # one for all
 
     config = engine_config.replace(enable_kv_events=True)
     if config.device == "cpu" and ray_address is None:  # one machine's memory and cores
@@ -113,7 +125,11 @@ def _start_replicas(
 
             launcher = ray or ProcessLauncher(_replica_env(config, i))
             clients[f"replica-{i}"] = ProcessEngineClient(
-                config, str(store_root), served_name(config), launcher=launcher
+                config,
+                str(store_root),
+                served_name(config),
+                launcher=launcher,
+                quarantine=quarantine,
             )
     except BaseException:
         for client in clients.values():

@@ -31,16 +31,25 @@ class ProcessEngineClient:
         store_root: The adapter store the core reads adapters from.
         model_name: Name of the base model in the API.
         launcher: Where the core runs (``engine.core_launch``; a child process by default).
+        quarantine: The deaths and quarantined requests shared with the other replicas and
+            gateways (``engine.quarantine``); a new one in memory when None.
 
     Raises:
         RuntimeError: the core exited or timed out before it was ready.
         ValueError: the model directory has no usable tokenizer or processor.
     """
 
-    def __init__(self, config: Any, store_root: str, model_name: str, launcher: Any = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        store_root: str,
+        model_name: str,
+        launcher: Any = None,
+        quarantine: Any = None,
+    ) -> None:
         self.model_name = model_name
         self.core: CoreProcessClient | None = None
-        core = CoreProcessClient(config, store_root, launcher=launcher)
+        core = CoreProcessClient(config, store_root, launcher=launcher, quarantine=quarantine)
         info = core.start()
         self.core = core
         try:

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.async_llm import EngineDeadError, RequestFailedError
+from loraplex.engine.quarantine import QueryOfDeathError, TenantThrottledError
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.structured_output import StructuredOutputError
 from loraplex.gateway.db.types import utcnow
@@ -401,6 +403,19 @@ class ChatRun:
             self._put(APIError(503, "the engine is not running", code="engine_unavailable"))
         except RequestFailedError:  # a fault admitting it; logged by the engine
             self._put(APIError(500, "an internal error ended this request", code="internal_error"))
+        except QueryOfDeathError as exc:  # in flight at repeated core deaths (engine.quarantine)
+            ledger.forget_outputs()
+            error_type = "request_quarantined"
+            self._put(APIError(400, str(exc), code="request_quarantined"))
+        except TenantThrottledError as exc:
+            ledger.forget_outputs()
+            error_type = "too_many_engine_faults"
+            seconds = str(max(1, math.ceil(exc.retry_after)))
+            self._put(
+                APIError(
+                    429, str(exc), code="too_many_engine_faults", headers={"Retry-After": seconds}
+                )
+            )
         except ValueError as exc:  # refused at admission: nothing ran, nothing to count
             ledger.forget_outputs()
             error_type = "invalid_request_error"

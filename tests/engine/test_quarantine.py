@@ -1,0 +1,155 @@
+"""Query-of-death bookkeeping (issue 27 item 2; engine/quarantine.py): a request present at two
+core deaths is refused from then on, in every process sharing the file; a tenant whose requests
+keep being there is throttled, bystanders are not; deaths a quarantined request explains are
+known as such."""
+
+import json
+import threading
+
+import pytest
+
+from loraplex.engine.quarantine import (
+    COMPACT_LINES,
+    Quarantine,
+    QuarantinePolicy,
+    QueryOfDeathError,
+    Suspect,
+    TenantThrottledError,
+    request_digest,
+)
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
+from loraplex.engine.structured_output import StructuredOutputSpec
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_digest_is_the_content_not_the_id_or_tenant():
+    a = EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=5), tenant="t1")
+    b = EngineRequest("b", [1, 2, 3], SamplingParams(max_tokens=5), tenant="t2", cache_salt="x")
+    assert request_digest(a) == request_digest(b)
+    for other in (
+        EngineRequest("c", [1, 2, 4], SamplingParams(max_tokens=5)),
+        EngineRequest("c", [1, 2, 3], SamplingParams(max_tokens=6)),
+        EngineRequest("c", [1, 2, 3], SamplingParams(max_tokens=5, seed=1)),
+        EngineRequest("c", [1, 2, 3], SamplingParams(max_tokens=5), lora_digest="ab"),
+        EngineRequest(
+            "c",
+            [1, 2, 3],
+            SamplingParams(max_tokens=5, structured_output=StructuredOutputSpec("regex", "a")),
+        ),
+    ):
+        assert request_digest(other) != request_digest(a)
+
+
+def test_present_at_two_deaths_is_quarantined(tmp_path):
+    q = Quarantine(tmp_path / "q.jsonl")
+    killer, bystander = Suspect("k" * 64, "evil"), Suspect("b" * 64, "good")
+    first = q.record_death([killer, bystander])
+    q.check(killer.digest, "evil")  # once is not enough
+    assert not q.explained(first)
+    second = q.record_death([killer])
+    with pytest.raises(QueryOfDeathError):
+        q.check(killer.digest, "someone else")  # the body is refused whoever sends it
+    q.check(bystander.digest, "good")
+    assert q.explained(first) and q.explained(second)
+    assert q.stats() == {
+        "quarantined_requests": 1,
+        "engine_deaths_recorded": 2,
+        "quarantine_refusals": 1,
+    }
+
+
+def test_shared_across_processes_and_restarts(tmp_path):
+    path = tmp_path / "q.jsonl"
+    a, b = Quarantine(path), Quarantine(path)  # two gateways (or replicas) on one data dir
+    a.record_death([Suspect("x" * 64, "t")])
+    b.record_death([Suspect("x" * 64, "t")])  # b read a's death first: this is the second
+    for q in (a, b, Quarantine(path)):  # and a server started afterwards
+        assert q.is_quarantined("x" * 64)
+    assert len(path.read_text().splitlines()) == 3  # two deaths, one quarantine
+
+
+def test_a_malformed_line_is_skipped(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"quarantine": {"digest": "d1", "tenant": null, "time": 1}}\nnot json\n{}\n')
+    q = Quarantine(path)
+    assert q.is_quarantined("d1")
+    path.open("a").write('{"quarantine": {"digest": "d2"')  # a line still being written
+    assert not q.is_quarantined("d2")
+    path.open("a").write(', "tenant": "t", "time": 2}}\n')
+    assert q.is_quarantined("d2")
+
+
+def test_a_tenant_whose_requests_keep_dying_is_throttled(tmp_path):
+    clock = Clock()
+    policy = QuarantinePolicy(tenant_deaths=3, throttle_s=60, window_s=3600)
+    q = Quarantine(tmp_path / "q.jsonl", policy, clock)
+    for i in range(3):  # a new body each time: none is quarantined
+        q.check(f"body{i}", "evil")
+        q.record_death([Suspect(f"body{i}", "evil"), Suspect(f"calm{i}", "busy")])
+        clock.now += 10
+    with pytest.raises(TenantThrottledError) as info:
+        q.check("body9", "evil")
+    assert info.value.retry_after == pytest.approx(50)  # 60 s from the last death, 10 s ago
+    # a bystander with requests in flight at the same unexplained deaths: the same count
+    with pytest.raises(TenantThrottledError):
+        q.check("calm9", "busy")
+    clock.now += 60
+    q.check("body9", "evil")  # the throttle ran out
+    q.record_death([Suspect("body9", "evil")])
+    with pytest.raises(TenantThrottledError) as info:
+        q.check("body10", "evil")
+    assert info.value.retry_after == pytest.approx(120)  # doubled per further death
+    clock.now += 3601 + 120
+    q.check("body10", "evil")  # the deaths left the window
+
+
+def test_deaths_explained_by_a_quarantined_request_blame_its_tenant_only(tmp_path):
+    clock = Clock()
+    q = Quarantine(tmp_path / "q.jsonl", QuarantinePolicy(tenant_deaths=2), clock)
+    for _ in range(2):  # the same body twice: quarantined, both deaths explained by it
+        q.record_death([Suspect("qod", "evil"), Suspect("b1", "good"), Suspect("b2", "good")])
+    q.check("anything", "good")  # not throttled: those deaths were evil's query
+    with pytest.raises(TenantThrottledError):
+        q.check("anything", "evil")
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = tmp_path / "q.jsonl"
+    writers = [Quarantine(path) for _ in range(4)]
+
+    def die(q, i):
+        for j in range(25):
+            q.record_death([Suspect(f"w{i}-{j}", None)])
+
+    threads = [threading.Thread(target=die, args=(q, i)) for i, q in enumerate(writers)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert Quarantine(path).stats()["engine_deaths_recorded"] == 100
+    for line in path.read_text().splitlines():
+        json.loads(line)
+
+
+def test_the_file_is_compacted(tmp_path):
+    path = tmp_path / "q.jsonl"
+    q = Quarantine(path, QuarantinePolicy(max_deaths=10))
+    q.record_death([Suspect("qod", "t")])
+    q.record_death([Suspect("qod", "t")])
+    other = Quarantine(path)
+    for i in range(COMPACT_LINES + 5):
+        q.record_death([Suspect(f"x{i}", "t")])
+    # rewritten once past COMPACT_LINES: the quarantine and the last 10 deaths, then appends
+    assert len(path.read_text().splitlines()) < 30
+    assert Quarantine(path).is_quarantined("qod")
+    assert other.is_quarantined("qod")  # a reader of the old file follows the new one
+    other.record_death([Suspect("late", "t")])
+    fresh = Quarantine(path, QuarantinePolicy(max_deaths=10))
+    assert fresh.stats()["engine_deaths_recorded"] == 10
+    assert "late" in path.read_text()
