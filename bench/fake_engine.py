@@ -60,6 +60,10 @@ class InstantEngine:
         max_model_len: Reported model length (the gateway checks prompt + max_tokens by it).
         gate: When given, each request pauses after its first output until the gate is set
             (a ``threading.Event``: tests set it from another thread than the server's).
+        token_text: The text of every generated token (a long one makes large answers: the
+            transport tests' readers that never read).
+        token_seconds: Seconds between two tokens of a request (0: all at once), so that a
+            stream is written in many writes, as a real engine's is.
 
     Attributes:
         requests: Requests ``generate`` was called for.
@@ -73,8 +77,12 @@ class InstantEngine:
         completion_tokens: int = 16,
         max_model_len: int = 8192,
         gate: threading.Event | None = None,
+        token_text: str = TOKEN_TEXT,
+        token_seconds: float = 0.0,
     ) -> None:
         self.model_name = model_name
+        self.token_text = token_text
+        self.token_seconds = token_seconds
         self.max_model_len = max_model_len
         self.completion_tokens = completion_tokens
         self.adapter_limits = AdapterLimits(
@@ -127,6 +135,8 @@ class InstantEngine:
             if step == 2 and self.gate is not None:
                 while not self.gate.is_set():
                     await asyncio.sleep(0.005)
+            if step > 1 and self.token_seconds > 0:
+                await asyncio.sleep(self.token_seconds)
             last = step == steps
             if final_only and not last:
                 continue
@@ -134,7 +144,7 @@ class InstantEngine:
             outputs = [
                 CompletionOutput(
                     index=i,
-                    text=TOKEN_TEXT * count,
+                    text=self.token_text * count,
                     token_ids=[TOKEN_ID] * count,
                     finish_reason="length" if last else None,
                     num_tokens=step,
@@ -153,8 +163,8 @@ class InstantEngine:
             )
 
     def token_bytes(self, token_ids: list[int]) -> list[bytes]:
-        """Every token is :data:`TOKEN_TEXT`."""
-        return [TOKEN_TEXT.encode() for _ in token_ids]
+        """Every token is ``token_text``."""
+        return [self.token_text.encode() for _ in token_ids]
 
     async def tokenize(
         self, text: str, *, add_special_tokens: bool = True, tenant: str = ""
@@ -163,8 +173,8 @@ class InstantEngine:
         return [1] * max(1, len(text) // 4)
 
     async def detokenize(self, token_ids: list[int], *, tenant: str = "") -> str:
-        """Every token is :data:`TOKEN_TEXT`."""
-        return TOKEN_TEXT * len(token_ids)
+        """Every token is ``token_text``."""
+        return self.token_text * len(token_ids)
 
     async def add_lora(self, adapter: Any) -> None:
         """Accepted and forgotten (the fake runs no adapters)."""

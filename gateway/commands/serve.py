@@ -231,7 +231,30 @@ def add_transport_args(p: argparse.ArgumentParser, d: GatewayConfig) -> None:
         type=int,
         default=d.max_connections,
         help="open client connections at most: past it the longest-waiting idle one is "
-        "closed, or the newcomer gets 503 (default %(default)s)",
+        "closed, else the longest-stalled writer is reset, else the newcomer gets 503 "
+        "(default %(default)s)",
+    )
+    t.add_argument(
+        "--max-connections-per-key",
+        type=int,
+        default=d.max_connections_per_key,
+        help="open connections one API key may hold; past it its idle one is closed, else "
+        "429 (default: a quarter of --max-connections)",
+    )
+    t.add_argument(
+        "--write-timeout",
+        type=float,
+        default=d.write_timeout_seconds,
+        help="seconds a response may wait for a client that stopped reading, plus the bytes "
+        "it reads meanwhile over --write-min-rate; the connection is reset beyond and the "
+        "request billed aborted (default %(default)s)",
+    )
+    t.add_argument(
+        "--write-min-rate",
+        type=int,
+        default=d.write_min_bytes_per_second,
+        help="bytes per second a reading client takes that keep extending its write "
+        "deadline; 0: a fixed --write-timeout (default %(default)s)",
     )
     t.add_argument(
         "--auth-max-failures",
@@ -317,11 +340,14 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         "header_timeout",
         "body_timeout",
         "max_connections",
+        "write_timeout",
         "auth_failure_window",
     ):
         if not getattr(args, flag) > 0:  # NaN included
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")
-    for flag in ("body_min_rate", "auth_max_failures"):
+    if args.max_connections_per_key is not None and not args.max_connections_per_key > 0:
+        raise ValueError("--max-connections-per-key must be positive")
+    for flag in ("body_min_rate", "write_min_rate", "auth_max_failures"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must not be negative")
     return GatewayConfig(
@@ -348,6 +374,9 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         body_timeout_seconds=args.body_timeout,
         body_min_bytes_per_second=args.body_min_rate,
         max_connections=args.max_connections,
+        max_connections_per_key=args.max_connections_per_key,
+        write_timeout_seconds=args.write_timeout,
+        write_min_bytes_per_second=args.write_min_rate,
         auth_max_failures=args.auth_max_failures,
         auth_failure_window_seconds=args.auth_failure_window,
         forwarded_allow_ips=args.forwarded_allow_ips,

@@ -32,6 +32,7 @@ from loraplex.gateway.auth.secrets_store import verify_admin_key
 from loraplex.gateway.db.errors import is_unreachable
 from loraplex.gateway.server.auth_throttle import client_group
 from loraplex.gateway.server.errors import APIError
+from loraplex.gateway.server.http_protocol import exchange_of
 from loraplex.gateway.services.keys import authenticate
 from loraplex.gateway.services.tenants import TenantLimits, limits_of
 
@@ -277,4 +278,32 @@ class KeyAuthMiddleware(AbstractAuthenticationMiddleware):
             raise APIError(401, "invalid API key (unknown or revoked)")
         if admin_route:
             raise APIError(403, "this route needs the admin key", code="admin_only")
+        claim_connection(connection, state, principal)
         return AuthenticationResult(user=principal, auth=None)
+
+
+def claim_connection(
+    connection: ASGIConnection, state: GatewayState, principal: TenantPrincipal
+) -> None:
+    """Count the request's connection as serving the principal's key (issue 27).
+
+    One key holds at most its share of the server's connection table
+    (``--max-connections-per-key``; ``gateway.server.transport.ConnectionTable.claim``), so
+    that one key's parked connections cannot fill it for every other tenant. Does nothing
+    outside ``LimitedHttpProtocol`` (no ``Exchange`` in the scope).
+
+    Raises:
+        APIError: 429 ``too_many_connections`` with ``Retry-After: 1`` and ``Connection:
+            close`` when the key holds its share and none of its connections is idle
+            (counted in ``loraplex_rate_limited_requests`` as ``max_connections_per_key``).
+    """
+    exchange = exchange_of(connection.scope)
+    if exchange is None or exchange.serve_key(principal.key_id):
+        return
+    state.metrics.rate_limited.labels(principal.tenant_id, "max_connections_per_key").inc()
+    raise APIError(
+        429,
+        "too many open connections for this API key; close idle ones or retry later",
+        code="too_many_connections",
+        headers={"Retry-After": "1", "Connection": "close"},
+    )

@@ -58,7 +58,16 @@ class GatewayConfig:
         body_min_bytes_per_second: The body rate that keeps extending its deadline (0: the
             deadline is ``body_timeout_seconds`` whatever arrives).
         max_connections: Open client connections at most; past it the one waiting longest
-            without a running request is closed, or the newcomer gets 503 when all are busy.
+            without a running request is closed, else the writer whose client stopped reading
+            longest is reset, else the newcomer gets 503.
+        write_timeout_seconds: Seconds a response write may wait for a client that stopped
+            reading, plus ``bytes it takes meanwhile / write_min_bytes_per_second``; the
+            connection is reset beyond and a chat request billed ``aborted`` (nginx's
+            ``send_timeout``; :mod:`gateway.server.transport`).
+        write_min_bytes_per_second: The reading rate that keeps extending the write deadline
+            (0: ``write_timeout_seconds`` per pause whatever the client takes).
+        max_connections_per_key: Open connections one API key may hold; None: a quarter of
+            ``max_connections``. Past it the key's idle connection is closed, else 429.
         auth_max_failures: Failed authentications (401) one client address may make per window
             before it gets 429 with ``Retry-After`` (0: no throttle;
             :mod:`gateway.server.auth_throttle`).
@@ -116,6 +125,9 @@ class GatewayConfig:
     body_timeout_seconds: float = 20.0
     body_min_bytes_per_second: int = 16 * 1024
     max_connections: int = 1024
+    write_timeout_seconds: float = 30.0
+    write_min_bytes_per_second: int = 1024
+    max_connections_per_key: int | None = None
     auth_max_failures: int = 20
     auth_failure_window_seconds: float = 60.0
     auth_throttle_max_clients: int = 65536

@@ -2,15 +2,24 @@
 
 :class:`LimitedHttpProtocol` hooks uvicorn's own parser callbacks and protocol methods, each
 calling uvicorn's implementation; :class:`PauseClock` is uvicorn's flow control, timing the
-pauses that must not count against a client's deadlines. The limits, the connection table and
-uvicorn's configuration live in :mod:`gateway.server.transport`.
+pauses that must not count against a client's deadlines. Each request's :class:`Exchange`
+rides in its ASGI scope (``scope["extensions"]["loraplex.exchange"]``, :func:`exchange_of`):
+through it the app names the key a connection serves and learns when its response has been
+written or cut. The limits, the connection table and uvicorn's configuration live in
+:mod:`gateway.server.transport`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
-from collections.abc import Callable
+import logging
+import socket
+import struct
+import termios
+from collections import deque
+from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import httptools
@@ -23,6 +32,10 @@ if TYPE_CHECKING:
     from loraplex.gateway.server.transport import ConnectionTable, TransportLimits
 
 _IDLE, _HEAD, _BODY = 0, 1, 2  # between requests; reading a head; reading a body
+EXCHANGE = "loraplex.exchange"  # the key of a request's Exchange in scope["extensions"]
+_LINGER_ZERO = struct.pack("ii", 1, 0)
+_OUTQ = getattr(termios, "TIOCOUTQ", None)  # Linux's SIOCOUTQ: a socket's unacknowledged bytes
+logger = logging.getLogger("loraplex.transport")
 
 
 class PauseClock(FlowControl):
@@ -58,6 +71,89 @@ class PauseClock(FlowControl):
         return self._paused_total
 
 
+class Exchange:
+    """One request and its response on a :class:`LimitedHttpProtocol` connection.
+
+    The protocol puts it in the request's ASGI scope (:func:`exchange_of`); the app uses it to
+    tell the connection table which API key the connection serves (:meth:`serve_key`), to run
+    code once the response has been written or the connection cut (:meth:`on_written`: the
+    chat controller gives its key's concurrency slot back there), and to wait until the client
+    takes writes again (:meth:`writable`).
+
+    A response counts as **written** once its last byte has been handed to the transport and
+    the transport's buffer is below its high-water mark (uvicorn's flow control: at most
+    64 KiB still in this process), or, when writing was paused then, once it drained below the
+    low-water mark; it is **cut** when the connection is lost first (closed by the client,
+    reset at the write deadline, evicted).
+    """
+
+    __slots__ = ("_protocol", "_callbacks", "done", "lost", "cut_reason")
+
+    def __init__(self, protocol: LimitedHttpProtocol) -> None:
+        self._protocol: LimitedHttpProtocol | None = protocol
+        self._callbacks: list[Callable[[], None]] = []
+        self.done = False  # written or cut
+        self.lost = False  # cut: the connection was lost first
+        self.cut_reason: str | None = None  # "write_timeout", "evicted_stalled", ...; see lost
+
+    def serve_key(self, key_id: str) -> bool:
+        """Count the connection as serving ``key_id`` (``ConnectionTable.claim``).
+
+        Returns:
+            False when the key already holds its share of the connection table and none of
+            its connections is idle (the app answers 429); True otherwise (also once done).
+        """
+        protocol = self._protocol
+        if protocol is None:
+            return True
+        return protocol.table.claim(protocol, key_id, protocol.loop.time())
+
+    def on_written(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the response is written or cut (at once if it already is).
+
+        Callbacks run on the event loop, in the order given; one that raises is logged.
+        """
+        if self.done:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    async def writable(self) -> bool:
+        """Wait until the transport takes writes (not paused by flow control).
+
+        Returns:
+            True when the next write goes out at once; False when the connection is gone or
+            closing (the response will never be read whole).
+        """
+        protocol = self._protocol
+        if protocol is None or self.lost:
+            return not self.lost
+        await protocol.flow.drain()
+        return not self.lost and not protocol.transport.is_closing()
+
+    def finish(self, lost: bool) -> None:
+        """The response is written (``lost`` False) or cut: run the callbacks, once."""
+        if self.done:
+            return
+        self.done = True
+        self.lost = lost
+        protocol, self._protocol = self._protocol, None  # no cycle through the scope
+        if lost and protocol is not None:
+            self.cut_reason = protocol.cut_reason
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # one callback's bug must not keep the others from running
+                logger.exception("a callback of a finished response failed")
+
+
+def exchange_of(scope: MutableMapping[str, Any]) -> Exchange | None:
+    """The :class:`Exchange` of a request's ASGI scope; None when the server is not ours."""
+    extensions = scope.get("extensions")
+    return None if extensions is None else extensions.get(EXCHANGE)
+
+
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing a request that is refused."""
 
@@ -67,6 +163,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     Use the subclass :func:`gateway.server.transport.limited_protocol` makes: it binds
     ``limits`` and one server's ``table``.
+
+    Attributes:
+        key_id: The API key the connection last served (``Exchange.serve_key``), or None.
+        cut_reason: Why the server cut the connection (``write_timeout``, ``evicted``,
+            ``evicted_stalled``), or None.
     """
 
     limits: ClassVar[TransportLimits]
@@ -85,6 +186,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._refusal: tuple[int, str, str] | None = None  # status, message, reason
         self._counted = False  # in table.open
+        self._exchanges: deque[Exchange] = deque()  # requests whose response is not complete
+        self._flushing: list[Exchange] = []  # complete, waiting for the buffer to drain
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._write_paused_at = 0.0  # loop time writing was paused (flow control)
+        self._write_paused_size = 0  # the transport's buffered bytes then
+        self.key_id: str | None = None
+        self.cut_reason: str | None = None
 
     # ------------------------------------------------------------------ connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -94,13 +202,17 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         table = self.table
         now = self.loop.time()
         if table.open >= table.max_connections:
+            reason = "evicted"
             victim = table.oldest_waiting()
+            if victim is None:  # then a writer the client has left unread the longest
+                reason = "evicted_stalled"
+                victim = table.oldest_stalled(now - self.limits.stalled_after)
             if victim is None:
                 table.record("connection_limit", now)
                 self._answer(503, "too many open connections; retry later", "connection_limit")
                 return
-            table.record("evicted", now)
-            victim._drop()
+            table.record(reason, now)
+            victim._drop(reason)
         table.open += 1
         self._counted = True
         table.wait(self)
@@ -109,28 +221,129 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._timer = self.loop.call_at(now + self.limits.header_timeout, self._timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """Forget the connection and its timer."""
+        """Forget the connection and its timers; every response not yet written is cut."""
         self._drop_accounting()
         super().connection_lost(exc)
+        cut = [*self._flushing, *self._exchanges]
+        self._flushing.clear()
+        self._exchanges.clear()
+        for exchange in cut:
+            exchange.finish(lost=True)
 
     def _drop_accounting(self) -> None:
         self._cancel_timer()
-        self.table.busy(self)
+        self._cancel_write_timer()
+        table = self.table
+        table.busy(self)
+        table.unstall(self)
+        table.unkey(self)
         if self._counted:
             self._counted = False
-            self.table.open -= 1
+            table.open -= 1
 
-    def _drop(self) -> None:
-        """Close (evicted for a newcomer): no request runs on it."""
+    def _drop(self, reason: str = "evicted") -> None:
+        """Close (evicted for a newcomer): idle, or a writer its client has stopped reading.
+
+        A connection with bytes still unsent is reset (:meth:`_reset`), not closed: a close
+        would wait for the client to read them.
+        """
         self._drop_accounting()
-        self._refusal = (0, "", "evicted")
-        if not self.transport.is_closing():
+        self._refusal = (0, "", reason)
+        self.cut_reason = reason
+        if self.flow.write_paused or self.transport.get_write_buffer_size():
+            self._reset()
+        elif not self.transport.is_closing():
             self.transport.close()
+
+    def _reset(self) -> None:
+        """Drop the connection now with a TCP reset, discarding what the client has not read.
+
+        ``SO_LINGER`` 0 before closing, as nginx's ``reset_timedout_connection``: the kernel
+        frees the socket and its send buffer at once instead of keeping an orphan that waits
+        on a client which never reads. The app sees the client gone (``http.disconnect``).
+        """
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ZERO)
+            except OSError:  # already closed, or not a TCP socket: a plain abort then
+                pass
+        self.transport.abort()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    # ----------------------------------------------------------------------- writes
+    def pause_writing(self) -> None:
+        """As uvicorn's (its sends wait), and the write deadline starts; a stalled writer now.
+
+        The transport calls it when its buffer passes the high-water mark (64 KiB): the
+        client is not taking the response as fast as it is written.
+        """
+        super().pause_writing()
+        now = self.loop.time()
+        self._write_paused_at = now
+        self._write_paused_size = self._unsent()
+        if self._counted:
+            self.table.stall(self, now)
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_at(
+                now + self.limits.write_timeout, self._write_timed_out
+            )
+
+    def resume_writing(self) -> None:
+        """As uvicorn's; the deadline is off, and responses complete meanwhile are written."""
+        super().resume_writing()
+        self._cancel_write_timer()
+        self.table.unstall(self)
+        flushing, self._flushing = self._flushing, []
+        for exchange in flushing:
+            exchange.finish(lost=False)
+
+    def _unsent(self) -> int:
+        """Bytes written and not yet taken by the client.
+
+        The transport's buffer, plus (Linux) the kernel's send queue, whose bytes leave it as
+        the client acknowledges them. The transport's buffer alone moves in steps of up to a third of the kernel's send
+        buffer (the kernel wakes a writer only when that much is free; several MB on
+        loopback), so a client reading steadily could look stalled.
+        """
+        unsent = self.transport.get_write_buffer_size()
+        if _OUTQ is not None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    raw = fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0")
+                    unsent += struct.unpack("i", raw)[0]
+                except (OSError, ValueError):  # closed, or not a TCP socket
+                    pass
+        return unsent
+
+    def _write_deadline(self) -> float:
+        """When a paused write is cut: ``write_timeout`` plus the bytes taken / min rate."""
+        limits = self.limits
+        taken = max(0, self._write_paused_size - self._unsent())
+        extra = taken / limits.write_min_rate if limits.write_min_rate > 0 else 0.0
+        return self._write_paused_at + limits.write_timeout + extra
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        if not self.flow.write_paused or self.cut_reason is not None:
+            return
+        deadline = self._write_deadline()
+        if self.loop.time() < deadline:  # the client took bytes meanwhile, at the min rate
+            self._write_timer = self.loop.call_at(deadline, self._write_timed_out)
+            return
+        self.cut_reason = "write_timeout"
+        self.table.record("write_timeout", self.loop.time())
+        self._reset()
 
     # ------------------------------------------------------------------------ reads
     def data_received(self, data: bytes) -> None:
@@ -210,8 +423,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         raise _Refused
 
     def on_headers_complete(self) -> None:
-        """The head is in: checked, its clock stops, the body's starts, the app runs (uvicorn's)."""
+        """The head is in: checked, its clock stops, the body's starts, the app runs (uvicorn's).
+
+        The request's :class:`Exchange` joins its scope here.
+        """
         self._check_head()
+        exchange = Exchange(self)
+        self._exchanges.append(exchange)
+        self.scope.setdefault("extensions", {})[EXCHANGE] = exchange  # type: ignore[typeddict-item]
         self._head_begun = False
         self._cancel_timer()
         self.table.busy(self)
@@ -234,7 +453,16 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        """As uvicorn's; a connection with no request left running may be evicted again."""
+        """As uvicorn's; the response is written (or waits for the buffer to drain).
+
+        A connection with no request left running may be evicted again.
+        """
+        if self._exchanges:  # responses complete in their requests' order (HTTP/1.1)
+            exchange = self._exchanges.popleft()
+            if self.flow.write_paused:
+                self._flushing.append(exchange)
+            else:
+                exchange.finish(lost=False)
         super().on_response_complete()
         if (
             self._counted

@@ -59,6 +59,13 @@ class _KeyState:
 class Ticket:
     """An admitted request; :meth:`release` it exactly once, with the tokens it used.
 
+    The concurrency slot (and the charge of the tokens) is given back to the limiter once the
+    request has been released **and** every :meth:`hold` let go: the chat controller holds
+    the ticket until the response has been written to the client or the connection cut
+    (``gateway.server.http_protocol.Exchange.on_written``), so a client that stops reading
+    keeps its slot taken instead of the engine's end freeing it (issue 27). Both limiters,
+    in process and in Redis (:mod:`gateway.server.ratelimit_shared`), hand out this ticket.
+
     Args:
         release: The limiter's own release of this request, given the tokens it used.
     """
@@ -66,13 +73,51 @@ class Ticket:
     def __init__(self, release: Callable[[int], None]) -> None:
         self._release = release
         self._released = False
+        self._holds = 0
+        self._tokens: int | None = None  # set by release(); the limiter is told when unheld
 
     def release(self, tokens_used: int) -> None:
-        """End the request: free its concurrency slot, charge its tokens. Idempotent."""
+        """End the request: free its concurrency slot, charge its tokens. Idempotent.
+
+        While a :meth:`hold` is on, the limiter hears of it when the last hold is let go.
+        """
+        if self._tokens is not None:
+            return
+        self._tokens = max(0, tokens_used)
+        if self._holds == 0:
+            self._give_back()
+
+    def hold(self) -> Callable[[], None]:
+        """Keep the slot taken past :meth:`release` until the returned function is called.
+
+        Returns:
+            Lets this hold go (idempotent); the last one let go after :meth:`release` gives
+            the slot back.
+        """
+        self._holds += 1
+        held = True
+
+        def let_go() -> None:
+            nonlocal held
+            if not held:
+                return
+            held = False
+            self._holds -= 1
+            if self._holds == 0 and self._tokens is not None:
+                self._give_back()
+
+        return let_go
+
+    @property
+    def released(self) -> bool:
+        """True once the limiter has the slot back."""
+        return self._released
+
+    def _give_back(self) -> None:
         if self._released:
             return
         self._released = True
-        self._release(max(0, tokens_used))
+        self._release(self._tokens or 0)
 
 
 class RateLimiter:

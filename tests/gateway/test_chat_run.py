@@ -32,12 +32,13 @@ class Recorder:
         self.requests.append(args)
 
 
-def make_run(gate=None, tokens=4):
+def make_run(gate=None, tokens=4, deliver=False):
     recorder = Recorder()
     engine = InstantEngine(completion_tokens=tokens, gate=gate)
     state = SimpleNamespace(engine=engine, in_flight=set(), usage=recorder, metrics=recorder)
+    state.limiter = RateLimiter()
     principal = TenantPrincipal("t1", "acme", "k1", LIMITS)
-    ticket = RateLimiter().admit("k1", LIMITS)
+    ticket = state.limiter.admit("k1", LIMITS)
     ledger = UsageLedger(state, principal, ticket, "usage-1")
     request = EngineRequest(
         request_id="chatcmpl-1",
@@ -45,7 +46,7 @@ def make_run(gate=None, tokens=4):
         sampling=SamplingParams(max_tokens=tokens, temperature=0.0),
         cache_salt="t1",
     )
-    return ChatRun(state, request, ledger), state, recorder
+    return ChatRun(state, request, ledger, deliver=deliver), state, recorder
 
 
 async def never_disconnects():
@@ -140,3 +141,86 @@ def test_a_finished_run_leaves_no_reference_cycles():
         gc.garbage.clear()
         gc.enable()
     assert leftovers == []
+
+
+class Admission:
+    def __init__(self):
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
+def test_a_delivered_run_records_ok_when_its_last_bytes_go_out_not_when_the_engine_ends():
+    """``deliver``: the ``ok`` row waits for the HTTP side's last write; admission control's
+    share is free as soon as the engine is done."""
+
+    async def main():
+        run, state, recorder = make_run(tokens=3, deliver=True)
+        admission = run.ledger.admission = Admission()
+        hold = run.ledger.ticket.hold()  # as the connection holds it until written
+        run.watch_client(never_disconnects)
+        out = await run.final()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        seen = (list(recorder.records), admission.released, run.task.done())
+        run.delivered()
+        run.delivered()  # once
+        run.cancel("client_disconnected")  # too late: a no-op
+        in_flight = state.limiter.in_flight("k1")
+        hold()
+        return out, seen, recorder, in_flight, state.limiter.in_flight("k1")
+
+    out, seen, recorder, held, released = asyncio.run(main())
+    assert out.finished
+    assert seen == ([], 1, True)  # engine done, admission freed, no row yet
+    (record,) = recorder.records
+    assert (record.status, record.completion_tokens) == ("ok", 3)
+    assert (held, released) == (1, 0)  # the slot waits for the hold, not for the row
+
+
+def test_a_finished_run_cut_before_its_last_write_is_aborted_with_the_cuts_reason():
+    async def main():
+        run, state, recorder = make_run(tokens=3, deliver=True)
+        run.watch_client(never_disconnects, reason=lambda: "write_timeout")
+        await run.final()
+        await asyncio.sleep(0)
+        run.client_gone()  # the connection was reset at the write deadline
+        run.delivered()  # the stream gets there afterwards: nothing changes
+        return run, state, recorder
+
+    run, state, recorder = asyncio.run(main())
+    (record,) = recorder.records
+    assert (record.status, record.error_type) == ("aborted", "write_timeout")
+    assert record.completion_tokens == 3  # every token the engine made
+    assert run.client_left and state.limiter.in_flight("k1") == 0
+
+
+def test_a_deferred_run_that_fails_is_recorded_at_once():
+    """Only an ``ok`` finish waits for delivery: an error is the engine's to record."""
+
+    async def body():
+        recorder = Recorder()
+        engine = InstantEngine(completion_tokens=3)
+
+        async def failing(request):
+            raise RuntimeError("boom")
+            yield  # pragma: no cover - an async generator
+
+        engine.generate = failing
+        state = SimpleNamespace(engine=engine, in_flight=set(), usage=recorder, metrics=recorder)
+        ticket = RateLimiter().admit("k1", LIMITS)
+        ledger = UsageLedger(state, TenantPrincipal("t1", "acme", "k1", LIMITS), ticket, "u")
+        request = EngineRequest(
+            request_id="chatcmpl-2",
+            prompt_token_ids=[1],
+            sampling=SamplingParams(max_tokens=3),
+            cache_salt="t1",
+        )
+        run = ChatRun(state, request, ledger, deliver=True)
+        with pytest.raises(APIError):
+            await run.final()
+        return recorder
+
+    (record,) = asyncio.run(body()).records
+    assert (record.status, record.error_type) == ("error", "internal_error")

@@ -112,6 +112,27 @@ def test_release_is_idempotent(limiter, clock):
     assert refused(limiter, "k", limits).retry_after == pytest.approx(2.0)
 
 
+def test_a_held_ticket_keeps_its_slot_until_released_and_let_go(limiter, clock):
+    """The connection holds the key's slot until the response is written or cut (issue 27):
+    released first or let go first, the slot comes back (and the tokens are charged) once."""
+    limits = TenantLimits(tokens_per_minute=60, max_concurrent_requests=1)
+    ticket = limiter.admit("k", limits)
+    let_go = ticket.hold()
+    ticket.release(30)  # the engine is done, the usage row written
+    assert limiter.in_flight("k") == 1 and not ticket.released
+    assert refused(limiter, "k", limits).limit == "max_concurrent_requests"
+    let_go()  # the response is written
+    let_go()
+    assert limiter.in_flight("k") == 0 and ticket.released
+    other = limiter.admit("k", limits)  # 60 - 30: admitted, the tokens charged once
+    let_go = other.hold()
+    let_go()  # cut before the request ended: the slot waits for its release
+    assert limiter.in_flight("k") == 1
+    other.release(31)
+    assert limiter.in_flight("k") == 0
+    assert refused(limiter, "k", limits).limit == "tokens_per_minute"  # 30 - 31 < 0
+
+
 def test_none_is_unlimited(limiter):
     limits = TenantLimits()
     tickets = [limiter.admit("k", limits) for _ in range(1000)]

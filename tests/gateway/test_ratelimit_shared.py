@@ -132,6 +132,29 @@ def test_a_crashed_gateways_leases_expire_and_a_live_ones_are_renewed(redis_url,
     run(body)
 
 
+def test_a_held_ticket_keeps_its_lease_until_let_go(redis_url, key):
+    """The connection holds the key's slot until the response is written or cut (issue 27),
+    across gateways as in one."""
+
+    async def body():
+        a, b = await gateways(redis_url)
+        limits = TenantLimits(max_concurrent_requests=1)
+        ticket = await a.acquire(key, limits)
+        let_go = ticket.hold()
+        ticket.release(5)  # the engine is done; the answer is not written yet
+        await a.drain()
+        assert await b.in_flight(key) == 1
+        assert (await refused(b, key, limits)).limit == "max_concurrent_requests"
+        let_go()
+        await a.drain()
+        assert await b.in_flight(key) == 0
+        (await b.acquire(key, limits)).release(0)
+        for limiter in (a, b):
+            await limiter.close()
+
+    run(body)
+
+
 def test_without_redis_each_gateway_limits_on_its_own(caplog):
     import socket
 

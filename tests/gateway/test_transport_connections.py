@@ -41,7 +41,8 @@ def test_at_the_connection_cap_the_longest_idle_connection_makes_room(tmp_path):
 def test_when_every_connection_runs_a_request_a_newcomer_gets_503(tmp_path):
     gate = threading.Event()
     engine = InstantEngine("instant", gate=gate)
-    with LiveGateway(engine, tmp_path / "data", max_connections=2) as gw:
+    limits = {"max_connections": 2, "max_connections_per_key": 2}  # one key on both
+    with LiveGateway(engine, tmp_path / "data", **limits) as gw:
         _, key = create_key(gw, "busy")
         statuses = []
 

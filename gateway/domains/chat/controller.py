@@ -25,6 +25,12 @@ client ``cache_salt`` can only split the tenant's own cache further.
 The client is watched while the engine works (``ChatRun.watch_client``, one task per request):
 one that disconnects (before the answer, or mid-stream) gets its engine request aborted and its
 usage recorded as ``aborted``.
+
+Served by ``LimitedHttpProtocol`` (``serve``), the request's ``Exchange`` (in its scope) holds
+the key's rate-limit ticket until the response is written or the connection cut (a client that
+stops reading keeps its slot taken until the write deadline cuts it), and a stream's ``ok`` row
+waits for its last write (``ChatRun.deliver``): cut before it, the row says ``aborted`` with the
+cut's reason (``write_timeout``, ``evicted_stalled``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from loraplex.gateway.server.errors import (
     pool_busy,
 )
 from loraplex.gateway.server.fair_pool import PoolBusyError
+from loraplex.gateway.server.http_protocol import Exchange, exchange_of
 
 if TYPE_CHECKING:
     from loraplex.gateway.server.state import GatewayState
@@ -120,6 +127,9 @@ async def _generate(request: Request, id_prefix: str, parse: Any) -> Response:
     state.usage.admit()
     body = await request.body()  # first: a slowly sent body holds no concurrency slot
     ticket = await admit_rate(state, principal)
+    exchange = exchange_of(request.scope)
+    if exchange is not None:  # the slot is held until the response is written or cut
+        exchange.on_written(ticket.hold())
     try:
         admission = state.admission.admit(principal.tenant_id)
     except OverloadedError as exc:
@@ -146,10 +156,15 @@ async def _generate(request: Request, id_prefix: str, parse: Any) -> Response:
             vocab_size=state.engine.input_limits.vocab_size,
         )
         ledger.model = chat.model
-        run = await _start(state, principal, chat, ledger, response_id)
-        run.watch_client(request.receive)
+        run = await _start(state, principal, chat, ledger, response_id, exchange)
+        if exchange is not None:
+            run.watch_client(request.receive, _cut_reason(exchange))
+            exchange.on_written(_ended(run, exchange))
+        else:
+            run.watch_client(request.receive)
         if chat.stream:
-            return await _stream(state, run, chat, response_id)
+            writable = None if exchange is None else exchange.writable
+            return await _stream(state, run, chat, response_id, writable)
         return await _complete(state, run, chat, response_id)
     except BaseException as exc:
         if isinstance(exc, asyncio.CancelledError):
@@ -172,8 +187,12 @@ async def _start(
     chat: ChatRequest,
     ledger: UsageLedger,
     response_id: str,
+    exchange: Exchange | None = None,
 ) -> ChatRun:
-    """Resolve the model, process the messages, check lengths, and start the engine run."""
+    """Resolve the model, process the messages, check lengths, and start the engine run.
+
+    A stream with an ``exchange`` defers its ``ok`` row to its last write (``ChatRun.deliver``).
+    """
     engine = state.engine
     ledger.adapter_digest = await resolve_model(state, principal.tenant_id, chat.model)
     prompt = await _prompt(state, principal, chat)
@@ -200,7 +219,8 @@ async def _start(
         raise overloaded(str(exc), exc.retry_after) from None
     adapter = None if ledger.adapter_digest is None else chat.model
     ledger.measure(state.metrics.latency.for_model(principal.tenant_id, adapter))
-    return ChatRun(state, engine_request, ledger, chat.structured_param)
+    deliver = chat.stream and exchange is not None
+    return ChatRun(state, engine_request, ledger, chat.structured_param, deliver=deliver)
 
 
 async def _prompt(
@@ -280,9 +300,16 @@ async def _complete(
 
 
 async def _stream(
-    state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
+    state: GatewayState,
+    run: ChatRun,
+    chat: ChatRequest,
+    response_id: str,
+    writable: Callable[[], Any] | None = None,
 ) -> Response:
-    """Wait for the first output (so refusals are still plain HTTP errors), then stream."""
+    """Wait for the first output (so refusals are still plain HTTP errors), then stream.
+
+    ``writable``: the connection's ``Exchange.writable``, awaited before the last write.
+    """
     first = await _unless_client_left(run, run.next())
     meta = StreamMeta(
         response_id=response_id,
@@ -297,7 +324,28 @@ async def _stream(
         text_completion=chat.prompt is not None,
         echo=await _echo(state, chat, run.request.prompt_token_ids),
     )
-    return EventStream(chunk_stream(run, first, meta), headers=HEADERS)
+    return EventStream(chunk_stream(run, first, meta, writable), headers=HEADERS)
+
+
+def _cut_reason(exchange: Exchange) -> Callable[[], str | None]:
+    """Why the server cut the request's connection, once it did (None while it did not)."""
+    return lambda: exchange.cut_reason
+
+
+def _ended(run: ChatRun, exchange: Exchange) -> Callable[[], None]:
+    """What the response's end does to the run (``Exchange.on_written``).
+
+    Nothing once its row is recorded (always, when the answer went out whole); else the row
+    says ``aborted`` (cut: with the cut's reason).
+    """
+
+    def ended() -> None:
+        if exchange.lost:
+            run.client_gone()
+        else:
+            run.cancel("client_disconnected")
+
+    return ended
 
 
 async def _echo(state: GatewayState, chat: ChatRequest, prompt_ids: list[int]) -> str:

@@ -12,6 +12,8 @@ Life of an admitted request (the controller drives it)::
                                              error event mid-stream; others run on
            cancelled (client gone, shutdown) -> engine request aborted, row "aborted",
                                                 the tokens generated so far
+           a stream finished "ok" whose client is cut before its last write (the write
+           deadline, eviction, a disconnect)  -> row "aborted", every token (``deliver``)
 
 The run lives in its own task so that the HTTP side (JSON or SSE) only reads a queue: a client
 that disconnects cancels the run, which closes the engine's stream, which aborts the engine
@@ -21,7 +23,10 @@ same tasks.
 The usage row is submitted when the run ends (``UsageLedger.close``) and becomes durable a
 moment later (the usage spool's group commit); the HTTP side awaits :meth:`ChatRun.durable`
 before it sends the response's last bytes, so a client never holds a whole answer whose row a
-crash could lose.
+crash could lose. A stream served by ``LimitedHttpProtocol`` is ``ok`` only once its last
+write goes out (:meth:`ChatRun.delivered`): one whose client stopped reading and was cut is
+``aborted``. The key's concurrency slot is held until the response is written or cut
+(``Ticket.hold``, released by the connection), not only until the engine finishes.
 """
 
 from __future__ import annotations
@@ -181,6 +186,12 @@ class UsageLedger:
         self._tokens.clear()
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
 
+    def release_admission(self) -> None:
+        """The engine is done with the request: its share of admission control is free."""
+        admission, self.admission = self.admission, None
+        if admission is not None:
+            admission.release()
+
     def _take_counts(self) -> None:
         if self._observed:
             self.completion_tokens = sum(self._tokens.values())
@@ -229,8 +240,7 @@ class UsageLedger:
             logger.exception("could not record usage of %s", self.usage_id)
         finally:
             self.ticket.release(self.prompt_tokens + self.completion_tokens)
-            if self.admission is not None:
-                self.admission.release()
+            self.release_admission()
 
     async def wait_durable(self, strict: bool = True) -> None:
         """Return once the row is durable (at once if it was never queued).
@@ -268,6 +278,12 @@ class ChatRun:
         ledger: Its usage; the run closes it when it ends, whatever the way.
         structured_param: The body field that asked for structured output: a spec the engine
             refuses is a 400 naming it.
+        deliver: When the engine finishes the request ``ok``, the usage row waits for
+            :meth:`delivered` (the HTTP side is about to hand its last bytes over) or for
+            :meth:`cancel` (the client was cut first: ``aborted``). Admission control's share
+            is freed when the engine finishes all the same. A reader that never calls either
+            must not use it; the chat controller passes it for streams whose connection
+            reports its end (``Exchange.on_written``), which calls :meth:`cancel`.
     """
 
     def __init__(
@@ -276,13 +292,17 @@ class ChatRun:
         request: EngineRequest,
         ledger: UsageLedger,
         structured_param: str = "",
+        deliver: bool = False,
     ) -> None:
         self.state = state
         self.request = request
         self.structured_param = structured_param
         self.ledger = ledger
+        self.deliver = deliver
         self.cancel_reason = "shutdown"  # what a cancel from outside (app shutdown) means
         self.client_left = False
+        self._delivery: tuple[str, str | None] | None = None  # finished, awaiting delivered()
+        self._left_reason: Callable[[], str | None] = _no_reason
         self._outputs: deque[Any] = deque()  # outputs (or a failure) not read yet
         self._reader: asyncio.Future[None] | None = None  # set while next() waits
         self._watcher: asyncio.Future[None] | None = None
@@ -290,14 +310,31 @@ class ChatRun:
         state.in_flight.add(self.task)
         self.task.add_done_callback(self._done)
 
-    def watch_client(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    def watch_client(
+        self,
+        receive: Callable[[], Awaitable[dict[str, Any]]],
+        reason: Callable[[], str | None] | None = None,
+    ) -> None:
         """Cancel the run (usage: aborted, ``client_disconnected``) if the client disconnects.
 
         One watcher task for the whole run, ended with it: ``receive`` is the request's ASGI
         receive, whose body has been read, so only ``http.disconnect`` can still arrive.
+
+        Args:
+            receive: The request's ASGI receive.
+            reason: Why the client is gone when the server cut it (``write_timeout``,
+                ``evicted_stalled``: ``Exchange.cut_reason``), recorded as the row's
+                ``error_type`` instead of ``client_disconnected``; None when it left itself.
         """
+        if reason is not None:
+            self._left_reason = reason
         if self._watcher is None and not self.task.done():
             self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    def client_gone(self) -> None:
+        """The client is gone (the connection was cut or closed): cancel with its reason."""
+        self.client_left = True
+        self.cancel(self._left_reason() or "client_disconnected")
 
     async def _watch(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         try:
@@ -306,8 +343,7 @@ class ChatRun:
         except Exception:  # the server cannot tell us any more: nothing left to watch
             logger.debug("watching the client of %s failed", self.request.request_id, exc_info=True)
             return
-        self.client_left = True
-        self.cancel("client_disconnected")
+        self.client_gone()
 
     async def next(self) -> RequestOutput:
         """The next engine output; the last one has ``finished`` set.
@@ -379,10 +415,28 @@ class ChatRun:
         await self.ledger.wait_durable(strict)
 
     def cancel(self, reason: str) -> None:
-        """Stop the run (the engine request is aborted); its usage row says ``aborted``."""
-        if not self.task.done() and not self.ledger.closed:
+        """Stop the run (the engine request is aborted); its usage row says ``aborted``.
+
+        Also for a run the engine finished that awaits :meth:`delivered`: the client did not
+        get its last bytes.
+        """
+        if self.ledger.closed:
+            return
+        if not self.task.done():
             self.cancel_reason = reason
             self.task.cancel()
+        elif self._delivery is not None:
+            self._delivery = None
+            self.ledger.close("aborted", reason)
+
+    def delivered(self) -> None:
+        """The last bytes of the answer go out now: record the finished run (``deliver``).
+
+        Does nothing when the run was not deferred, or already recorded.
+        """
+        delivery, self._delivery = self._delivery, None
+        if delivery is not None:
+            self.ledger.close(*delivery)
 
     async def _pump(self) -> None:
         ledger = self.ledger
@@ -392,9 +446,14 @@ class ChatRun:
                 ledger.observe(out)
                 if out.finished:  # recorded before anyone can see it: a late cancel is moot
                     status, error_type = _final_status(out)
-                    ledger.close(status, error_type)
+                    if self.deliver and status == "ok":  # unless the answer is not delivered
+                        self._delivery = (status, error_type)
+                        ledger.release_admission()
+                    else:
+                        ledger.close(status, error_type)
                 self._put(out)
         except asyncio.CancelledError:
+            self._delivery = None  # cancelled before delivery: aborted
             status, error_type = "aborted", self.cancel_reason
             self._put(_Cancelled())
             raise
@@ -429,7 +488,8 @@ class ChatRun:
             logger.exception("chat request %s failed", self.request.request_id)
             self._put(APIError(500, "internal server error"))
         finally:
-            ledger.close(status, error_type)
+            if self._delivery is None:
+                ledger.close(status, error_type)
 
     def _done(self, task: asyncio.Task) -> None:
         """Leave ``in_flight``; a task cancelled before it ever ran still closes its ledger."""
@@ -437,9 +497,13 @@ class ChatRun:
         watcher, self._watcher = self._watcher, None
         if watcher is not None:  # dropped: its CancelledError's traceback holds our frame
             watcher.cancel()
-        if not self.ledger.closed:
+        if not self.ledger.closed and self._delivery is None:
             self._put(_Cancelled())
             self.ledger.close("aborted", self.cancel_reason)
+
+
+def _no_reason() -> str | None:
+    return None
 
 
 _ENGINE_CHECKED = ("logit_bias", "stop_token_ids", "prompt")  # fields only the engine can check

@@ -21,12 +21,18 @@ When the client goes away, the run's client watcher (``ChatRun.watch_client``) c
 which aborts the engine request and records the usage as ``aborted``; the generator then ends
 with the error event, which nobody reads. If the generator is closed early (the server shutting
 down), its ``finally`` cancels the run the same way.
+
+Over ``LimitedHttpProtocol`` (``serve``), the run defers its ``ok`` row (``ChatRun.deliver``):
+before the last write the stream waits until the connection takes writes again
+(``Exchange.writable``), then records the row (``ChatRun.delivered``). A client that stopped
+reading is cut at the write deadline meanwhile, and its row says ``aborted``
+(``write_timeout``) with every token generated: it never got the end of the answer.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,7 +197,10 @@ class ChunkEncoder:
 
 
 async def chunk_stream(
-    run: ChatRun, first: RequestOutput, meta: StreamMeta
+    run: ChatRun,
+    first: RequestOutput,
+    meta: StreamMeta,
+    writable: Callable[[], Awaitable[bool]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request whose first output is ``first``.
 
@@ -200,6 +209,14 @@ async def chunk_stream(
     the same events.
 
     The last write, with the finish chunks and ``data: [DONE]``, waits for ``run.durable()``.
+
+    Args:
+        run: The chat run.
+        first: Its first output.
+        meta: What every chunk repeats.
+        writable: Waits until the connection takes writes; False when the client is gone
+            (``Exchange.writable``). Given, the finished run is recorded (``run.delivered``)
+            only once it returns True, just before the last write; else ``aborted``.
 
     Yields:
         Encoded ``data:`` events (one or more per chunk), ending with ``data: [DONE]``.
@@ -248,6 +265,11 @@ async def chunk_stream(
                 pending.clear()
                 ready = await run.next()
             out = ready
+        if writable is not None:  # the run's "ok" row waits for this (ChatRun.deliver)
+            if await writable():
+                run.delivered()
+            else:
+                run.client_gone()  # cut before the last write: aborted, not delivered
         if meta.include_usage:
             body = chunk_body(meta, [])  # the ledger closed before the last output came
             body["usage"] = usage_body(
