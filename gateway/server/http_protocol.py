@@ -311,9 +311,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         """Bytes written and not yet taken by the client.
 
         The transport's buffer, plus (Linux) the kernel's send queue, whose bytes leave it as
-        the client acknowledges them. The transport's buffer alone moves in steps of up to a third of the kernel's send
-        buffer (the kernel wakes a writer only when that much is free; several MB on
-        loopback), so a client reading steadily could look stalled.
+        the client acknowledges them (``SIOCOUTQ``). The transport's buffer alone moves in
+        steps of up to a third of the kernel's send buffer (the kernel wakes a writer only
+        when that much is free; several MB on loopback), so a client reading steadily would
+        look stalled.
         """
         unsent = self.transport.get_write_buffer_size()
         if _OUTQ is not None:
