@@ -156,7 +156,8 @@ def itl_buckets(base_url: str) -> dict[float, float]:
     """
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}  # /metrics takes the admin key
+    text = httpx.get(f"{base_url}/metrics", headers=auth, timeout=30).text
     counts: dict[float, float] = {}
     for family in text_string_to_metric_families(text):
         if family.name != "loraplex_inter_token_latency_seconds":

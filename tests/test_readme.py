@@ -251,6 +251,9 @@ def check_what_the_session_did(workdir, url, blocks, outputs, keys_held) -> None
     assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] >= 1
     printed = block_output(blocks, outputs, "data.coffee()")
     assert int(re.search(r"completion_tokens=(\d+)", printed).group(1)) >= 1
+    # /metrics, read with the admin key (the API port serves it to no other key)
+    metrics = block_output(blocks, outputs, "localhost:8000/metrics")
+    assert "loraplex_kv_blocks_total " in metrics and "loraplex_tenant_requests_total{" in metrics
     # /docs: the schema was fetched with the key and lists the routes
     paths = block_output(blocks, outputs, "/docs/openapi.json").split()
     assert {"/v1/chat/completions", "/v1/adapters", "/v1/models"} <= set(paths)

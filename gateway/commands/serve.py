@@ -131,7 +131,23 @@ def register(subparsers) -> None:
         default=d.metrics_max_adapter_labels,
         help="adapters that get a model_name label of their own in /metrics (TENANT_ID/NAME; the "
         "first to be used, at most a quarter per tenant; the rest share '(other)'); 0 shows no "
-        "adapter name on /metrics, which needs no key (default %(default)s)",
+        "adapter name on /metrics (default %(default)s)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=d.metrics_port,
+        metavar="PORT",
+        help="also listen on this port (0: any free one) for GET /metrics without a key, and "
+        "nothing else; on the API port /metrics takes the admin key (default: no metrics "
+        "listener)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=d.metrics_host,
+        metavar="HOST",
+        help="address of the --metrics-port listener; anyone who reaches it reads every "
+        "tenant's counters (default %(default)s)",
     )
     p.add_argument(
         "--engine-process",
@@ -368,6 +384,8 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         usage_spool_fsync=args.usage_fsync,
         usage_backlog_limit=args.usage_backlog_limit,
         metrics_max_adapter_labels=args.metrics_max_adapter_labels,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
         max_header_bytes=args.max_header_bytes,
         max_headers=args.max_headers,
         header_timeout_seconds=args.header_timeout,
@@ -413,14 +431,54 @@ def run(args: argparse.Namespace) -> int:
         "until the server is ready)"
     )
     try:
-        return _serve(args, sockets, port)
+        try:
+            metrics_port = _bind_metrics(args, port, sockets)
+        except OSError as exc:
+            print(
+                f"loraplex serve: error: cannot listen on {args.metrics_host}:"
+                f"{args.metrics_port} for metrics: {exc.strerror or exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        return _serve(args, sockets, port, metrics_port)
     finally:
         for sock in sockets:
             sock.close()
 
 
-def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
-    """Everything after the bind: model, engine, database, then uvicorn on ``sockets``."""
+def _bind_metrics(args: argparse.Namespace, port: int, sockets: list) -> int | None:
+    """Bind the metrics listener (``--metrics-port``) and add its sockets to ``sockets``.
+
+    Returns:
+        Its port as bound; None without ``--metrics-port``.
+
+    Raises:
+        OSError: a port out of range or the API's own, or the address cannot be bound.
+    """
+    import errno
+
+    from loraplex.gateway.server.startup import bind_listeners, progress, url_of
+
+    if args.metrics_port is None:
+        return None
+    if not 0 <= args.metrics_port <= 65535 or args.metrics_port == args.port != 0:
+        raise OSError(errno.EINVAL, "the port must be 0 to 65535 and differ from --port")
+    bound = bind_listeners(args.metrics_host, args.metrics_port)
+    sockets.extend(bound)
+    metrics_port = bound[0].getsockname()[1]
+    if metrics_port == port:  # two hosts, one port: requests could not be told apart
+        raise OSError(errno.EADDRINUSE, "the API listens on the same port")
+    url = url_of(args.metrics_host, metrics_port)
+    progress(f"metrics listener {url}/metrics is ours (GET /metrics without a key, nothing else)")
+    return metrics_port
+
+
+def _serve(args: argparse.Namespace, sockets: list, port: int, metrics_port: int | None) -> int:
+    """Everything after the bind: model, engine, database, then uvicorn on ``sockets``.
+
+    ``sockets`` holds the metrics listener's too when ``metrics_port`` is not None.
+    """
     import time
 
     from loraplex.gateway.auth.redact import RedactingFilter
@@ -445,7 +503,7 @@ def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
     from loraplex.gateway.server.build import build_gateway, served_name, start_engine
 
     gateway_config = gateway_config_from_args(args, served_name(engine_config))
-    gateway_config = gateway_config.replace(port=port)
+    gateway_config = gateway_config.replace(port=port, metrics_port=metrics_port)
     admin_key, admin_path, created = load_or_create_admin_key(directory, args.admin_key)
     from loraplex.engine.quarantine import Quarantine
 
@@ -472,15 +530,17 @@ def _serve(args: argparse.Namespace, sockets: list, port: int) -> int:
 
     from loraplex.gateway.server.access_log import AccessLog
     from loraplex.gateway.server.graceful import GracefulServer
+    from loraplex.gateway.server.metrics_listener import split_listeners
     from loraplex.gateway.server.transport import uvicorn_config
 
+    served = split_listeners(app, state)  # the metrics listener's requests, if any, apart
     access = None
     if not args.no_access_log and args.log_level in ("debug", "info"):
-        access = AccessLog(app)  # instead of uvicorn's: a tenth of the server's CPU per request
+        access = AccessLog(served)  # instead of uvicorn's: a tenth of the server's CPU per request
     url = url_of(gateway_config.host, port)
     server = GracefulServer(
         uvicorn_config(  # httptools with the connection limits
-            access or app,
+            access or served,
             gateway_config,
             log_level=args.log_level,
             access_log=False,

@@ -1,13 +1,13 @@
 """Authentication (Litestar's authentication middleware) and which keys each route takes.
 
 Every route needs ``Authorization: Bearer <key>`` except those marked ``exclude_from_auth``
-(``/health``, ``/metrics``). The middleware resolves the key to a :class:`TenantPrincipal`
+(``/health``, ``/version``). The middleware resolves the key to a :class:`TenantPrincipal`
 (a tenant key, ``lpx-...``, looked up by its HMAC in the database) or :class:`AdminPrincipal`
 (the admin key, compared in constant time) and puts it on ``request.user``. It then keeps the
-admin key on routes marked ``opt=ADMIN_ONLY`` (``/admin/*``) and tenant keys off them (403
-either way); every other route takes tenant keys only. The check is the route handler's ``opt``
-read in the middleware rather than a Litestar guard, which would copy the handler on every
-request (``BaseRouteHandler.authorize_connection``). Verified tenant keys
+admin key on routes marked ``opt=ADMIN_ONLY`` (``/admin/*``, ``/metrics``) and tenant keys off
+them (403 either way); every other route takes tenant keys only. The check is the route
+handler's ``opt`` read in the middleware rather than a Litestar guard, which would copy the
+handler on every request (``BaseRouteHandler.authorize_connection``). Verified tenant keys
 are cached for ``auth_cache_seconds`` (a database read saved per request; see :class:`KeyCache`);
 revoking a key through the admin API drops it from the cache at once. Keys never reach a log:
 only the key id does. A client address with too many failed attempts (401) gets 429 with
@@ -256,7 +256,9 @@ class KeyAuthMiddleware(AbstractAuthenticationMiddleware):
         if verify_admin_key(token, state.admin_key):
             if not admin_route:
                 raise APIError(
-                    403, "the admin key serves /admin/* only; use a tenant key", code="tenant_only"
+                    403,
+                    "the admin key serves /admin/* and /metrics only; use a tenant key",
+                    code="tenant_only",
                 )
             return AuthenticationResult(user=AdminPrincipal(), auth=None)
         key_hash = hash_key(token, state.secret)

@@ -92,9 +92,13 @@ class GatewayConfig:
         metrics_max_adapter_labels: Adapters that get a ``model_name`` label of their own in
             ``/metrics`` (``TENANT_ID/NAME``), the first to answer a request since start, at
             most a quarter of them per tenant; the others share ``(other)``. 0: no adapter
-            name is shown (``/metrics`` needs no key; ``docs/metrics.md``).
+            name is shown (``docs/metrics.md``).
         rate_limit_url: A Redis URL where the per-key limits live, shared by every gateway
             that names it (``gateway.server.ratelimit_shared``); None: in this process.
+        metrics_host: Bind address of the metrics listener (loopback unless told otherwise).
+        metrics_port: Its port: a listener that answers ``GET /metrics`` without a key and
+            nothing else (:mod:`gateway.server.metrics_listener`); None: no such listener
+            (``/metrics`` on the API port takes the admin key either way).
     """
 
     data_dir: Path
@@ -139,6 +143,8 @@ class GatewayConfig:
     auth_stale_if_error_seconds: float = 300.0
     metrics_max_adapter_labels: int = 32
     rate_limit_url: str | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
 
     @property
     def store_dir(self) -> Path:

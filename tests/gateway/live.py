@@ -23,6 +23,8 @@ import uvicorn
 from loraplex.gateway.db.session import db_url
 from loraplex.gateway.server.build import build_gateway
 from loraplex.gateway.server.config import GatewayConfig
+from loraplex.gateway.server.metrics_listener import split_listeners
+from loraplex.gateway.server.startup import bind_listeners
 from loraplex.gateway.server.transport import uvicorn_config
 
 ADMIN_KEY = "lpx-admin-test-key-0123456789abcdef0123456789"
@@ -41,6 +43,8 @@ class LiveGateway:
         base_url: ``http://127.0.0.1:<port>``.
         state: The app's :class:`GatewayState` (engine, store, usage writer, ...).
         admin_key: The admin key.
+        metrics_url: ``http://127.0.0.1:<port>`` of the metrics listener
+            (``metrics_listener=True``; ``serve --metrics-port``), else None.
         protocol: The server's HTTP protocol class (``protocol.table``: its connections and
             refusals).
     """
@@ -52,9 +56,18 @@ class LiveGateway:
         *,
         db: str | None = None,
         owns_engine: bool = False,
+        metrics_listener: bool = False,
         **config_overrides,
     ) -> None:
-        self.port = free_port()
+        self._sockets = None
+        self.metrics_url = None
+        if metrics_listener:  # both listeners bound now, as ``serve`` binds them
+            self._sockets = bind_listeners("127.0.0.1", 0) + bind_listeners("127.0.0.1", 0)
+            self.port = self._sockets[0].getsockname()[1]
+            config_overrides["metrics_port"] = self._sockets[1].getsockname()[1]
+            self.metrics_url = f"http://127.0.0.1:{config_overrides['metrics_port']}"
+        else:
+            self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.admin_key = ADMIN_KEY
         config = GatewayConfig(
@@ -69,7 +82,7 @@ class LiveGateway:
         )
         self._server = uvicorn.Server(
             uvicorn_config(
-                self.app,
+                split_listeners(self.app, self.state),
                 config,
                 log_level="warning",
                 lifespan="on",
@@ -81,7 +94,7 @@ class LiveGateway:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        asyncio.run(self._server.serve())
+        asyncio.run(self._server.serve(self._sockets))
 
     def start(self) -> LiveGateway:
         self._thread.start()
@@ -96,6 +109,8 @@ class LiveGateway:
         self.state.draining = True  # as GracefulServer does on SIGINT / SIGTERM
         self._server.should_exit = True
         self._thread.join(30)
+        for sock in self._sockets or ():
+            sock.close()
 
     def __enter__(self) -> LiveGateway:
         return self.start()
@@ -110,6 +125,13 @@ class LiveGateway:
 
     def admin(self) -> httpx.Client:
         return self.client(self.admin_key)
+
+    def metrics(self) -> str:
+        """``GET /metrics`` with the admin key (the API port serves it to no other key)."""
+        with self.admin() as c:
+            r = c.get("/metrics")
+        assert r.status_code == 200, r.text
+        return r.text
 
     def create_tenant(self, name: str) -> dict:
         """``POST /admin/tenants`` -> ``{"id", "name", "api_key", "key_id"}``."""

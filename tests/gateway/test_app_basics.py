@@ -15,10 +15,11 @@ def assert_openai_error(response, status, code=None):
     return err
 
 
-def test_health_and_metrics_need_no_key(live):
+def test_health_needs_no_key_and_metrics_the_admin_key(live):
     with live.client() as c:
         assert c.get("/health").json() == {"status": "ok"}
-        text = c.get("/metrics").text
+        assert_openai_error(c.get("/metrics"), 401)  # tests/gateway/test_metrics_access.py
+    text = live.metrics()
     for name in (
         "loraplex_kv_blocks_total",
         "loraplex_kv_blocks_in_use",
@@ -99,7 +100,8 @@ def test_admin_routes(live):
 
 
 def test_every_route_takes_one_kind_of_key(live):
-    """Admin key on /admin/* only, tenant keys everywhere else: each route, the wrong key is 403.
+    """Admin key on /admin/* and /metrics only, tenant keys everywhere else: each route, the
+    wrong key is 403.
 
     Walks the app's own route table, so a route added later is checked too.
     """
@@ -112,7 +114,7 @@ def test_every_route_takes_one_kind_of_key(live):
             if handler.opt.get("exclude_from_auth"):
                 continue
             path = re.sub(r"\{[^}]+\}", "x", route.path)
-            admin_route = path.startswith("/admin")
+            admin_route = path.startswith("/admin") or path == "/metrics"
             wrong_key = tenant["api_key"] if admin_route else ADMIN_KEY
             for method in sorted(handler.http_methods - {"HEAD", "OPTIONS"}):
                 with live.client(wrong_key) as c:

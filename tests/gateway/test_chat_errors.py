@@ -260,8 +260,7 @@ def test_rate_limits_are_429_with_retry_after_and_no_usage_row(live):
     with pytest.raises(openai.RateLimitError):
         live.openai(key).chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
     assert len(usage_events(live, key)) == 2
-    with live.client() as c:
-        metrics = c.get("/metrics").text
+    metrics = live.metrics()
     line = (
         f'loraplex_rate_limited_requests_total{{limit="requests_per_minute",'
         f'tenant="{tenant["id"]}"}} 2.0'
@@ -333,8 +332,7 @@ def test_engine_abort_mid_stream_is_an_error_event_then_done(live, engine_client
     row = _aborted_row(live, key)
     assert (row.status, row.error_type) == ("error", "engine_abort")
     assert 1 <= row.completion_tokens < 3000
-    with live.client() as c:
-        metrics = c.get("/metrics").text
+    metrics = live.metrics()
     assert (
         f'loraplex_tenant_requests_total{{status="error",tenant="{tenant["id"]}"}} 1.0' in metrics
     )

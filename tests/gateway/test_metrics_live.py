@@ -29,8 +29,7 @@ VLLM_BUCKETS = {
 
 def histograms(live) -> dict[str, dict[str, dict]]:
     """``{family: {model_name: {"count", "sum", "buckets": [(le, cumulative count)]}}}``."""
-    with live.client() as c:
-        text = c.get("/metrics").text
+    text = live.metrics()
     found: dict[str, dict[str, dict]] = {}
     for fam in text_string_to_metric_families(text):
         if fam.name not in VLLM_BUCKETS:

@@ -49,7 +49,7 @@ def test_completions_match_plain_decoding_and_metrics_count_proposals(
             want = plain.generate([plain.make_request(messages, params)])[0].outputs[0]
             assert got.choices[0].message.content == want.text
             assert got.usage.completion_tokens == 60 == len(got.choices[0].logprobs.content)
-        text = gw.client().get("/metrics").text
+        text = gw.metrics()
     counts = {
         name: float(value)
         for name, value in re.findall(r"^loraplex_(spec_decode_\w+?)_total (\S+)$", text, re.M)

@@ -139,7 +139,7 @@ def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_
                     r = c.post("/v1/chat/completions", json=plain, headers=auth)
                     assert r.status_code == 200, r.text
                 assert wait_for(lambda: victim.is_running and victim.pid != old_pid, timeout=120)
-                text = c.get("/metrics").text
+                text = live.metrics()
             assert "\nloraplex_replicas 2.0\n" in text
             assert "\nloraplex_replicas_running 2.0\n" in text
             routed = {

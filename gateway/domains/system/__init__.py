@@ -1,4 +1,4 @@
-"""``/health`` and ``/metrics`` (no authentication)."""
+"""``/health`` (no key) and ``/metrics`` (the admin key)."""
 
 from loraplex.gateway.domains.system.controller import health, metrics
 

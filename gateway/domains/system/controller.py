@@ -1,9 +1,10 @@
-"""``GET /health`` and ``GET /metrics``."""
+"""``GET /health`` (no key) and ``GET /metrics`` (the admin key; ``docs/metrics.md``)."""
 
 from __future__ import annotations
 
 from litestar import Request, Response, get
 
+from loraplex.gateway.server.auth import ADMIN_ONLY
 from loraplex.gateway.server.errors import error_response
 from loraplex.gateway.server.metrics import CONTENT_TYPE
 
@@ -19,8 +20,13 @@ def health(request: Request) -> Response:
     return Response({"status": "ok"}, media_type="application/json")
 
 
-@get("/metrics", exclude_from_auth=True, sync_to_thread=False)
+@get("/metrics", opt=ADMIN_ONLY, sync_to_thread=False)
 def metrics(request: Request) -> Response:
-    """Prometheus text exposition (CONTRACT.md names the required series)."""
+    """Prometheus text exposition (CONTRACT.md names the required series); the admin key only.
+
+    It shows every tenant's id and counters, so a tenant key gets 403 and no key 401 (counted
+    by the failed-authentication throttle). A scraper without the admin key reads the metrics
+    listener (``serve --metrics-port``; :mod:`gateway.server.metrics_listener`).
+    """
     body = request.app.state.gateway.metrics.render()
     return Response(body, media_type=CONTENT_TYPE)
