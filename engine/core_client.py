@@ -90,6 +90,8 @@ class CoreProcessClient:
         self.info: wire.CoreInfo | None = None
         self.failed = False  # gave up restarting
         self.restarts = 0
+        self.deaths = 0  # cores that died under this client
+        self.quarantine_refusals = 0  # requests refused by the quarantine
         self._deaths: list[tuple[float, str]] = []  # (monotonic time, quarantine key)
         # digest, tenant and monotonic send time of each request in flight (death suspects)
         self._sent: dict[str, tuple[str, str | None, float]] = {}
@@ -247,17 +249,23 @@ class CoreProcessClient:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         digest = request_digest(request)
-        self.quarantine.check(digest, request.tenant)
+        try:
+            self.quarantine.check(digest, request.tenant)
+        except (ValueError, RuntimeError):
+            self.quarantine_refusals += 1
+            raise
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
+        frame = self._enc.encode(wire.AddRequest(request))  # an unencodable one leaves no trace
         with self._lock:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self.output_processor.add_request(request)
             self._streams[rid] = (loop, stream)
             self._sent[rid] = (digest, request.tenant, time.monotonic())
-            self._send(wire.AddRequest(request))
+            if self._running and self._push is not None:
+                self._push.send(frame)
         state = StreamState()
         try:
             async for item in read_outputs(stream, state):
@@ -301,8 +309,15 @@ class CoreProcessClient:
         return await future
 
     def stats(self) -> dict[str, Any]:
-        """The core's statistics after its latest step (refreshed at least every 0.25 s)."""
-        return dict(self._stats)
+        """The core's statistics after its latest step (refreshed at least every 0.25 s).
+
+        With this client's own ``engine_core_deaths`` and ``quarantine_refusals``.
+        """
+        return {
+            **self._stats,
+            "engine_core_deaths": self.deaths,
+            "quarantine_refusals": self.quarantine_refusals,
+        }
 
     def drain_kv_events(self) -> list[Any]:
         """The core's KV events received since the last call, oldest first.
@@ -454,6 +469,7 @@ class CoreProcessClient:
         )
         key = self.quarantine.record_death(suspects)
         self._deaths.append((time.monotonic(), key))
+        self.deaths += 1
         self._fail_all(EngineDeadError("the engine core died; retry the request"))
 
     def _suspects(self) -> list[Suspect]:

@@ -63,6 +63,26 @@ class _EngineCollector(Collector):
         )
         yield from _spec_decode_counters(s)
         yield from _replica_series(s)
+        yield from _hardening_series(s)
+
+
+def _hardening_series(s: dict[str, Any]) -> Iterator[Any]:
+    """The grammar sandbox and the query-of-death quarantine (docs/hardening.md)."""
+    yield GaugeMetricFamily(
+        "loraplex_requests_waiting_for_grammar",
+        "Requests whose structured-output grammar is being vetted or compiled",
+        value=float(s.get("requests_waiting_for_grammar", 0)),
+    )
+    counters = (
+        ("grammar_vetted", "Grammars compiled in the sandbox (cache misses), refused or not"),
+        ("grammar_refused", "Grammars the sandbox refused (error, no token, crash, time, memory)"),
+        ("grammar_worker_deaths", "Sandbox workers killed by a grammar (crash, time limit)"),
+        ("grammar_compiled", "Grammars compiled by the engine core after the sandbox"),
+        ("engine_core_deaths", "Engine core processes that died (and were restarted)"),
+        ("quarantine_refusals", "Requests refused as queries of death or throttled tenants'"),
+    )
+    for key, doc in counters:
+        yield CounterMetricFamily(f"loraplex_{key}", doc, value=float(s.get(key, 0)))
 
 
 def _replica_series(s: dict[str, Any]) -> Iterator[Any]:

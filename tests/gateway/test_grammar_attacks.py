@@ -120,3 +120,4 @@ def test_a_schema_that_allows_no_token_is_refused_by_the_sandbox_and_cached(gate
     assert chat(c, guided_json=schema).status_code == 400
     time.sleep(2 * STATS_EVERY_S)
     assert client.stats()["grammar_vetted"] == before + 1  # the refusal was cached
+    assert client.stats()["grammar_refused"] >= 2  # {"$ref": "#"} of the attacks, and this one

@@ -105,6 +105,9 @@ def test_ten_queries_of_death_cost_two_deaths(setup):
             assert chat(c, evil, "An innocent question").status_code == 429
             assert chat(c, good, "Tell me a story").status_code == 200  # not the bystander
         assert core.restarts == 3 and not core.failed
+        metrics = live.metrics()
+        assert "loraplex_engine_core_deaths_total 3.0" in metrics
+        assert "loraplex_quarantine_refusals_total 10.0" in metrics  # 8 bodies, 2 throttled
         # towards giving up (5 deaths in 300 s), only the varied body's death counts
         assert [quarantine.explained(k) for _, k in core._deaths] == [True, True, False]
 
