@@ -10,21 +10,25 @@ Starts ``loraplex serve`` (the built-in tiny LLaVA, SQLite) on loopback in its o
    ``--quick``; ``fair_share_ttft_ratio``);
 4. three concurrent hostile adapter uploads (``peak_rss_mb_hostile_uploads``, :mod:`.uploads`)
    and slowloris heads and dribbled bodies (:mod:`.transport`) against the same server;
+   then never-read streams (:mod:`.never_read`, issue 27) against a second server with the
+   finding's ``--max-connections 32``, started alongside the first
+   (``connection_table_capture``, ``never_read_bystander_*_ratio``);
 5. hostile adapter-config patterns, validated in process (``max_pattern_ms``, :mod:`.patterns`);
 6. full run only: usage rows lost when a server is SIGKILLed at random moments of a load, and
    when its PostgreSQL goes away (``usage_rows_lost_sigkill``, ``usage_rows_lost_db_outage``,
    :mod:`.usage`; the outage needs ``LORAPLEX_BENCH_PG_URL`` or ``LORAPLEX_TEST_PG_URL``).
 
 The hostile tenant gets limits an operator would give a big customer (no rate limit, 10,000
-concurrent requests), and the server admits up to 4,096 outstanding requests with no per-tenant
-share, so what is measured is the engine's and the gateway's own fairness. Prints a table, then
-one JSON line with every figure.
+concurrent requests, the whole connection table for its key), and the server admits up to 4,096
+outstanding requests with no per-tenant share, so what is measured is the engine's and the
+gateway's own fairness. Prints a table, then one JSON line with every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import random
 import resource
@@ -34,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.hostile import attacks, latency, patterns, transport, uploads, usage
+from bench.hostile import attacks, latency, never_read, patterns, transport, uploads, usage
 from bench.hostile.live import ADMIN_KEY, LiveServer, init_tiny
 
 MODEL = "tiny-llava"
@@ -93,10 +97,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="loraplex-hostile-"))
     model = init_tiny(work / "model")
     flags = ["--served-model-name", MODEL, "--max-outstanding-requests", "4096"]
-    flags += ["--tenant-share", "1"]
+    flags += ["--tenant-share", "1", "--max-connections-per-key", "1024"]  # 1,000 streams
     if args.quick:  # the transport part waits for the server's deadlines
         flags += ["--header-timeout", "4", "--body-timeout", "4"]
     results: dict[str, Any] = {}
+    parked = LiveServer(
+        work / "never-read", model, never_read.server_flags(8 if args.quick else None)
+    ).spawn()  # loads its model while the first server loads its own
+    atexit.register(parked.stop)  # also if a part before it fails
     with LiveServer(work / "server", model, flags) as server:
         hostile = server.create_tenant("hostile")
         bystander = server.create_tenant("bystander")
@@ -152,6 +160,11 @@ def main() -> None:
             alive = alive and c.get("/health").status_code == 200
         results["engine_survived"] = results["engine_survived"] and alive
         rss, peak = server.rss_mb()
+    parked.wait_healthy()
+    key = parked.create_tenant("bystander")["api_key"]
+    samples = 4 if args.quick else never_read.SAMPLES
+    results.update(timed("never_read", never_read.run, parked, key, samples=samples))
+    parked.stop()
     results.update(timed("patterns", patterns.run))
     if args.quick:
         note = "full run only (python -m bench.hostile): each round restarts a server"

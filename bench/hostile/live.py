@@ -72,6 +72,13 @@ class LiveServer:
         Raises:
             RuntimeError: the process exited or did not become healthy in ``timeout`` s.
         """
+        return self.spawn().wait_healthy(timeout)
+
+    def spawn(self) -> LiveServer:
+        """Start the process without waiting for it (then :meth:`wait_healthy`).
+
+        So that two servers load their models at once.
+        """
         self.data_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
         env.update(self.extra_env)
@@ -81,6 +88,15 @@ class LiveServer:
         log = open(self.log_path, "a")  # noqa: SIM115 (the child holds it)
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
+        return self
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT) -> LiveServer:
+        """Wait until ``/health`` answers 200 (after :meth:`spawn`).
+
+        Raises:
+            RuntimeError: the process exited or did not become healthy in ``timeout`` s.
+        """
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -159,6 +175,18 @@ class LiveServer:
         if r.status_code != 201:
             raise RuntimeError(f"creating tenant {name}: {r.status_code} {r.text}")
         return r.json()
+
+    def create_key(self, tenant_id: str) -> str:
+        """``POST /admin/tenants/{id}/keys``: another key of the tenant.
+
+        Raises:
+            RuntimeError: the server refused it.
+        """
+        with self.client(ADMIN_KEY) as c:
+            r = c.post(f"/admin/tenants/{tenant_id}/keys")
+        if r.status_code != 201:
+            raise RuntimeError(f"creating a key: {r.status_code} {r.text}")
+        return r.json()["api_key"]
 
     def set_limits(self, tenant_id: str, **limits: int | None) -> None:
         """``PUT /admin/tenants/{id}/limits`` (``requests_per_minute`` ...; None lifts one)."""

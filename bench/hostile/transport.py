@@ -14,8 +14,13 @@ each one is either answered 408 or closed).
 key; it reads the server's ``--header-timeout`` / ``--body-timeout`` from its flags (else the
 defaults) to know how long to wait. Bounded: about ``max(header, body timeout) + 15`` s.
 
-Run alone: ``python -m bench.hostile.transport [--quick]`` starts its own server (the built-in
-tiny model, default limits; ``--quick``: 6 s deadlines, K = 50), prints a table and one JSON
+The never-read-streams case (issue 27: streams whose sockets are never read, which held the
+connection table) is :mod:`bench.hostile.never_read`, against a second server with the
+finding's ``--max-connections 32``.
+
+Run alone: ``python -m bench.hostile.transport [--quick] [--never-read-keys N]`` starts both
+servers at once (the built-in tiny model, default limits but the never-read server's table;
+``--quick``: 6 s deadlines, K = 50, a 10 s ``--write-timeout``), prints a table and one JSON
 line.
 """
 
@@ -34,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from bench.hostile import never_read
 from bench.hostile.live import LiveServer, init_tiny
 from loraplex.gateway.server.config import GatewayConfig
 
@@ -247,13 +253,21 @@ def run(server: LiveServer, key: str, k: int = K, samples: int = SAMPLES) -> dic
 
 
 def main() -> None:
-    """Start a server (default limits), run, print a table and the JSON line."""
+    """Start the two servers, run both parts, print a table and the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--quick", action="store_true", help="K = 50, 10 samples, 6 s header and body deadlines"
+        "--quick",
+        action="store_true",
+        help="K = 50, 10 samples, 6 s header and body deadlines, 10 s write deadline",
     )
     parser.add_argument(
         "-k", type=int, default=None, help=f"hostile connections of each kind ({K})"
+    )
+    parser.add_argument(
+        "--never-read-keys",
+        type=int,
+        default=1,
+        help="keys of the tenant parking never-read streams (default 1, the issue's attack)",
     )
     args = parser.parse_args()
     k = args.k or (50 if args.quick else K)
@@ -261,9 +275,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny(Path(tmp) / "tiny")
         flags = ["--header-timeout", "6", "--body-timeout", "6"] if args.quick else []
-        with LiveServer(Path(tmp) / "data", model, flags) as server:
+        server = LiveServer(Path(tmp) / "data", model, flags)
+        parked = LiveServer(
+            Path(tmp) / "never-read", model, never_read.server_flags(10 if args.quick else None)
+        )
+        try:
+            for s in (server.spawn(), parked.spawn()):
+                s.wait_healthy()
             key = server.create_tenant("bystander")["api_key"]
             figures = run(server, key, k=k, samples=samples)
+            server.stop()  # not to share the CPU with the next part
+            key = parked.create_tenant("bystander")["api_key"]
+            parked_figures = never_read.run(parked, key, samples=samples, keys=args.never_read_keys)
+        finally:
+            server.stop()
+            parked.stop()
     rows = [
         (
             "hostile connections",
@@ -291,10 +317,11 @@ def main() -> None:
         ),
         ("server RSS", f"{figures['rss_mb_idle']} -> {figures['rss_mb_hostile']} MiB"),
     ]
+    rows += never_read.rows(parked_figures)
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    print(json.dumps(figures))
+    print(json.dumps({**figures, **parked_figures}))
 
 
 if __name__ == "__main__":

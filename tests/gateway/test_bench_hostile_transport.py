@@ -34,3 +34,33 @@ def test_server_deadlines_come_from_the_flags_else_the_defaults(tmp_path):
     flags = ["--header-timeout", "3", "--body-timeout", "4.5"]
     assert server_deadlines(LiveServer(tmp_path, Path("m"), flags)) == (3.0, 4.5)
     assert server_deadlines(LiveServer(tmp_path, Path("m"))) == (10.0, 20.0)
+
+
+def test_never_read_streams_past_the_key_share_are_refused_and_the_rest_cut(tmp_path):
+    """bench.hostile.never_read's driver against a live gateway: a table of 8 (a key's share:
+    2), answers of ~6 MB that its sockets never read, a 1 s write deadline."""
+    from bench.hostile.never_read import Parked
+    from tests.gateway.transport_support import wait_for
+
+    engine = InstantEngine(
+        "instant", completion_tokens=150, token_text="x" * 5000, token_seconds=0.002
+    )
+    limits = {"max_connections": 8, "write_timeout_seconds": 1.0, "write_min_bytes_per_second": 0}
+    with LiveGateway(engine, tmp_path / "data", **limits) as gw:
+        key = gw.create_tenant("attacker")["api_key"]
+        parked = Parked(gw.port, [key], "instant", 4).start()
+        assert sorted(parked.statuses) == ["200", "200", "429", "429"]
+        table = gw.protocol.table
+        assert wait_for(lambda: table.totals.get("write_timeout") == 2)
+        assert parked.finish() == ["cut", "cut"]
+        assert table.totals["key_connection_limit"] == 2
+
+
+def test_the_never_read_servers_flags_and_write_deadline(tmp_path):
+    from bench.hostile.never_read import server_flags, write_timeout_of
+
+    assert server_flags() == ["--max-connections", "32"]
+    flags = server_flags(8)
+    assert flags == ["--max-connections", "32", "--write-timeout", "8"]
+    assert write_timeout_of(LiveServer(tmp_path, Path("m"), flags)) == 8.0
+    assert write_timeout_of(LiveServer(tmp_path, Path("m"))) == 30.0
