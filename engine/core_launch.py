@@ -37,9 +37,14 @@ class ProcessLauncher:
 
     def launch(self, config: Any, store_root: str | None, in_addr: str, out_addr: str) -> Any:
         """Start ``run_core`` in a child process; its ``multiprocessing.Process``."""
+        import os
+
+        from loraplex.engine.core_proc import PARENT_PID_ENV
+
+        env = {**self.env, PARENT_PID_ENV: str(os.getpid())}  # the child exits when we are gone
         proc = multiprocessing.get_context("spawn").Process(
             target=run_core_with_env,
-            args=(self.env, config, store_root, in_addr, out_addr),
+            args=(env, config, store_root, in_addr, out_addr),
             name="loraplex-engine-core",
             daemon=True,
         )

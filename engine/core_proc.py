@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 STATS_EVERY_S = 0.25  # statistics ride on outputs, and go alone at least this often when idle
 HEARTBEAT_EVERY_S = 0.1
+PARENT_PID_ENV = "LORAPLEX_CORE_PARENT_PID"
+"""Set by ``engine.core_launch.ProcessLauncher``: the heartbeat thread ends the core within
+:data:`HEARTBEAT_EVERY_S` once that process is gone (a SIGKILLed gateway leaves no orphan core
+holding memory, the model and the grammar sandbox's workers)."""
 CRASH_ON_TOKENS_ENV = "LORAPLEX_TEST_CRASH_ON_TOKENS"
 """Fault injection for tests: comma-separated token ids; a request whose prompt holds them in a
 row kills this process with SIGSEGV when it is admitted, as a native fault would (the
@@ -147,8 +151,12 @@ def _beat(ctx: Any, out_addr: str, step_started: list[float], stop: threading.Ev
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 10)  # a client that is gone must not make this queue grow
     sock.connect(out_addr)
+    parent = int(os.environ.get(PARENT_PID_ENV, "0"))
     try:
         while not stop.wait(HEARTBEAT_EVERY_S):
+            if parent and os.getppid() != parent:  # the gateway died without shutting us down
+                logger.error("the engine core's parent (pid %d) is gone; exiting", parent)
+                os._exit(1)
             started = step_started[0]
             step_s = time.monotonic() - started if started else 0.0
             try:

@@ -124,3 +124,36 @@ def test_a_killed_core_fails_its_requests_and_comes_back(proc, tmp_path):
         rows = usage_events(live, key)
         assert [row.status for row in rows][:1] == ["aborted"]
         assert rows[0].error_type == "engine_unavailable" and rows[-1].status == "ok"
+
+
+def test_a_core_whose_gateway_is_killed_exits(tiny_text_dir, tmp_path):
+    """A SIGKILLed gateway leaves no orphan core (nor its grammar sandbox) behind."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time\n"
+        "from loraplex.engine.config import EngineConfig\n"
+        "from loraplex.gateway.server.build import start_engine\n"
+        f"c = start_engine(EngineConfig(model={str(tiny_text_dir)!r}, num_kv_blocks=32),"
+        f" {str(tmp_path / 'store')!r}, in_process=False)\n"
+        "print(c.core.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    gateway = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(gateway.stdout.readline())
+        os.kill(core_pid, 0)  # running
+        gateway.kill()
+        gateway.wait()
+
+        def gone():
+            try:
+                os.kill(core_pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        assert wait_for(gone, timeout=10)
+    finally:
+        gateway.kill()
