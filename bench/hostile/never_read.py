@@ -202,7 +202,12 @@ def _still_held(sock: socket.socket, seconds: float = 1.0) -> str:
 
 
 def _bystander(client: httpx.Client, model: str, n: int) -> dict[str, list]:
-    """``n`` rounds of ``/health``, a 4-token chat and ``/metrics``: ms each, and statuses."""
+    """``n`` rounds of ``/health``, a 4-token chat and ``/metrics``.
+
+    Returns:
+        Per kind, the ms of each answered 200 (a refusal's time is no latency), and under
+        ``"statuses"`` every status (or the client's error name).
+    """
     out: dict[str, list] = {"health": [], "chat": [], "metrics": [], "statuses": []}
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -217,7 +222,8 @@ def _bystander(client: httpx.Client, model: str, n: int) -> dict[str, list]:
                 status = call().status_code
             except httpx.HTTPError as exc:
                 status = type(exc).__name__
-            out[kind].append((time.perf_counter() - t) * 1e3)
+            if status == 200:
+                out[kind].append((time.perf_counter() - t) * 1e3)
             out["statuses"].append(status)
     return out
 
@@ -315,12 +321,13 @@ def run(
             1 for s in before["statuses"] + after["statuses"] if s != 200
         ),
     }
-    for kind in ("health", "chat", "metrics"):
-        idle_p50 = statistics.median(idle[kind])
-        parked_p50 = statistics.median(during[kind])
-        figures[f"never_read_bystander_{kind}_p50_ms_idle"] = round(idle_p50, 2)
-        figures[f"never_read_bystander_{kind}_p50_ms_parked"] = round(parked_p50, 2)
-        figures[f"never_read_bystander_{kind}_ratio"] = round(parked_p50 / idle_p50, 2)
+    for kind in ("health", "chat", "metrics"):  # None: not one answer (all refused)
+        idle_p50 = statistics.median(idle[kind]) if idle[kind] else None
+        parked_p50 = statistics.median(during[kind]) if during[kind] else None
+        ratio = None if idle_p50 is None or parked_p50 is None else parked_p50 / idle_p50
+        figures[f"never_read_bystander_{kind}_p50_ms_idle"] = _round(idle_p50)
+        figures[f"never_read_bystander_{kind}_p50_ms_parked"] = _round(parked_p50)
+        figures[f"never_read_bystander_{kind}_ratio"] = _round(ratio)
     figures.update(
         never_read_held_after_deadline=outcomes.count("open"),
         never_read_cut=outcomes.count("cut"),
@@ -329,6 +336,10 @@ def run(
         never_read_seconds=round(time.monotonic() - started, 1),
     )
     return figures
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 def rows(figures: dict[str, Any]) -> list[tuple[str, str]]:
