@@ -85,6 +85,10 @@ class Exchange:
     64 KiB still in this process), or, when writing was paused then, once it drained below the
     low-water mark; it is **cut** when the connection is lost first (closed by the client,
     reset at the write deadline, evicted).
+
+    ``scope["extensions"]`` is where the ASGI specification lets a server hand an app what
+    the protocol does not carry (as ``http.response.trailers`` or ``http.response.pathsend``
+    are advertised there).
     """
 
     __slots__ = ("_protocol", "_callbacks", "done", "lost", "cut_reason")

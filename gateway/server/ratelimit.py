@@ -90,6 +90,9 @@ class Ticket:
     def hold(self) -> Callable[[], None]:
         """Keep the slot taken past :meth:`release` until the returned function is called.
 
+        A reference count on the release: the slot goes back when the request has ended and
+        every holder has let go, in whichever order.
+
         Returns:
             Lets this hold go (idempotent); the last one let go after :meth:`release` gives
             the slot back.

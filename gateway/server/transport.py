@@ -209,7 +209,12 @@ class ConnectionTable:
         self._stalled.pop(conn, None)
 
     def oldest_stalled(self, before: float) -> LimitedHttpProtocol | None:
-        """The writer paused longest, if since ``before`` or earlier, taken off the table."""
+        """The writer paused longest, taken off the table; None if none is, or since ``before``.
+
+        ``before`` is loop time (s): a writer paused later is not stalled yet. The eviction of
+        idle connections for a newcomer, extended to connections whose client has stopped
+        reading: they hold the table as surely as an idle one, and cost more.
+        """
         for conn, since in self._stalled.items():
             if since > before:
                 return None
@@ -226,7 +231,9 @@ class ConnectionTable:
 
         At the key's share, the key's connection idle longest is closed to make room
         (counted as ``evicted``); when none of them is idle, the claim is refused (counted as
-        ``key_connection_limit``) and ``conn`` keeps its old key, if any.
+        ``key_connection_limit``) and ``conn`` keeps its old key, if any. nginx's
+        ``limit_conn`` caps connections per key the same way (its key a variable such as the
+        client address; here the API key, known once the request is authenticated).
 
         Returns:
             True when ``conn`` now counts for ``key_id``.
