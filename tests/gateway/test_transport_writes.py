@@ -181,11 +181,11 @@ def test_a_client_that_keeps_reading_is_never_cut(tmp_path):
         sock = never_read(gw, key, small=False)
         received, stalls = bytearray(), 0
         while not received.endswith(b"\r\n0\r\n\r\n"):  # the last chunk of the body
-            chunk = sock.recv(64 * 1024)
+            chunk = sock.recv(32 * 1024)
             assert chunk, "the server closed a connection whose client was reading"
             received += chunk
             stalls += table.stalled()
-            time.sleep(0.01)  # ~6 MB/s at most: the server's writes keep pausing
+            time.sleep(0.01)  # ~3 MB/s at most: the server's writes keep pausing
         sock.close()
         assert stalls > 0  # the writes did pause
         assert "write_timeout" not in table.totals
