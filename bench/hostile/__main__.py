@@ -3,7 +3,10 @@
 Starts ``loraplex serve`` (the built-in tiny LLaVA, SQLite) on loopback in its own process, then:
 
 1. sends every hostile request of :mod:`bench.hostile.attacks` and counts 500s; checks the engine
-   still serves afterwards (``status_500_count``, ``engine_survived``);
+   still serves afterwards (``status_500_count``, ``engine_survived``); then schema attacks
+   (:mod:`.schemas`, issue 27) while a bystander streams: engine-core deaths and the
+   bystander's decode rate against idle (``schema_engine_deaths``,
+   ``schema_bystander_decode_ratio``);
 2. measures a bystander tenant's chat latency idle and while another tenant sends the most
    expensive requests the API accepts (``bystander_latency_ratio``, :mod:`.latency`);
 3. measures the bystander's TTFT idle and while another tenant holds 1,000 streams (100 with
@@ -38,7 +41,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.hostile import attacks, latency, never_read, patterns, transport, uploads, usage
+from bench.hostile import (
+    attacks,
+    latency,
+    never_read,
+    patterns,
+    schemas,
+    transport,
+    uploads,
+    usage,
+)
 from bench.hostile.live import ADMIN_KEY, LiveServer, init_tiny
 
 MODEL = "tiny-llava"
@@ -115,6 +127,16 @@ def main() -> None:
         print("hostile requests (status per request):")
         for name, status in r["statuses"].items():
             print(f"  {status:>4}  {name}")
+        results.update(
+            timed(
+                "schemas",
+                schemas.run,
+                server,
+                bystander["api_key"],
+                hostile["api_key"],
+                quick=args.quick,
+            )
+        )
         prompt = long_prompt(model, max_model_len - 64)
         bodies = latency.expensive_bodies(prompt, max_images=8)
         host, port = "127.0.0.1", server.port

@@ -1,4 +1,4 @@
-"""The hostile requests issue 13 found harmful, sent to a live server, and what came back.
+"""The hostile requests issues 13 and 27 found harmful, sent to a live server, and what came back.
 
 Each attack is one HTTP request a stranger can send with a valid tenant key (or none). None may
 be answered with a 500, none may stop the engine: after the whole catalog ``/health`` must
@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 from PIL import Image
+
+from bench.hostile.schemas import chain
 
 MODEL = "tiny-llava"
 
@@ -102,6 +104,28 @@ def catalog(max_model_len: int) -> Iterator[tuple[str, dict[str, Any]]]:
         "remote image URL",
         {"json": chat(messages=images("http://169.254.169.254/latest/meta-data", 1))},
     )
+    # issue 27: token ids past int64, malformed messages, grammars that crash or never match
+    completions = {"model": MODEL, "prompt": [2**64], "max_tokens": 1}
+    yield "token id 2**64 in a completions prompt", {"path": "/v1/completions", "json": completions}
+    yield "unknown role", {"json": chat(messages=[{"role": "wizard", "content": "hi"}])}
+    yield "content null on a user message", {"json": chat(messages=[{"role": "user"}])}
+    bad_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not"}}
+    yield (
+        "tool call arguments that are not JSON",
+        {
+            "json": chat(
+                messages=[
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, "tool_calls": [bad_call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+                ]
+            )
+        },
+    )
+    yield "1,050-link $defs chain (SIGSEGV before)", {"json": chat(guided_json=chain(1050))}
+    yield 'schema {"$ref": "#"} (allows no token)', {"json": chat(guided_json={"$ref": "#"})}
+    yield "guided_regex a{1000000}", {"json": chat(guided_regex="a{1000000}")}
+    yield "/metrics with a tenant key", {"path": "/metrics", "method": "GET"}
     yield "admin route, tenant key", {"path": "/admin/tenants", "json": {"name": "x"}}
     yield "admin limits 2**63", {"path": "/admin/tenants/x/limits", "method": "PUT", "admin": True}
 

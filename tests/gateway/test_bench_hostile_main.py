@@ -1,10 +1,10 @@
 """bench.hostile's own parts against a real ``loraplex serve``: every hostile request of the
-catalog gets its 4xx (never a 500) and the engine still serves afterwards; the latency parts
-produce their figures."""
+catalog gets its 4xx (never a 500) and the engine still serves afterwards; the latency and
+schema-attack parts produce their figures (and the schema attacks kill no engine core)."""
 
 import asyncio
 
-from bench.hostile import attacks, latency
+from bench.hostile import attacks, latency, schemas
 from bench.hostile.__main__ import BIG_CUSTOMER, MODEL
 from bench.hostile.live import ADMIN_KEY, LiveServer
 
@@ -29,6 +29,14 @@ EXPECTED = {
     "remote image URL": 400,
     "admin route, tenant key": 403,
     "admin limits 2**63": 400,
+    "token id 2**64 in a completions prompt": 400,
+    "unknown role": 400,
+    "content null on a user message": 400,
+    "tool call arguments that are not JSON": 400,
+    "1,050-link $defs chain (SIGSEGV before)": 400,
+    'schema {"$ref": "#"} (allows no token)': 400,
+    "guided_regex a{1000000}": 400,
+    "/metrics with a tenant key": 403,
 }
 
 
@@ -65,4 +73,9 @@ def test_the_hostile_catalog_gets_no_500_and_the_latency_parts_run(llava_dir, tm
             )
         )
         assert fair["loaded"]["n"] == 2 and fair["fair_share_ttft_ratio"] > 0
+        figures = schemas.run(server, bystander["api_key"], hostile["api_key"], quick=True)
+        assert figures["schema_engine_deaths"] == 0 and figures["schema_engine_healthy"]
+        assert figures["schema_status_500_count"] == 0
+        assert figures["schema_bystander_decode_ratio"] > 0
+        assert figures["schema_served_heavy"] > 0  # the costly but bounded schemas are served
         assert server.alive
