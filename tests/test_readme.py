@@ -38,6 +38,8 @@ import pytest
 
 from tests.gateway.live import free_port
 
+pytestmark = pytest.mark.slow
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 START = "## A session with the server"
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```[ \t]*$", re.S | re.M)

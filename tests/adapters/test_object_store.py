@@ -14,6 +14,8 @@ from tests.adapters.conftest import make_adapter
 from tests.adapters.test_store import ATTN, files
 from tests.s3_server import s3_server
 
+pytestmark = pytest.mark.service
+
 
 @pytest.fixture(scope="module")
 def bucket():

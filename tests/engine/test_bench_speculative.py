@@ -1,7 +1,11 @@
 """``bench.speculative --quick`` runs: every method's outputs equal plain decoding's (the bench
 asserts it) and the acceptance figures are consistent."""
 
+import pytest
+
 from tests.bench_run import run_bench
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_speculative_quick(tmp_path):

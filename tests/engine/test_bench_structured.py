@@ -1,8 +1,12 @@
 """``bench.structured --quick`` runs: both batches produce the same tokens, every constrained
 output is a valid prefix of its schema (the bench asserts it), compile times are reported."""
 
+import pytest
+
 from bench.structured import valid_prefix
 from tests.bench_run import run_bench
+
+pytestmark = pytest.mark.slow
 
 
 def test_valid_prefix_is_strict():

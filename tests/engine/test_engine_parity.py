@@ -19,6 +19,8 @@ from loraplex.engine.sampling.params import SamplingParams
 
 from .conftest import long_text, photo, spec_used, user
 
+pytestmark = pytest.mark.slow
+
 
 def to_hf_messages(messages):
     """image_url data URLs -> the template's image parts with the decoded PIL image."""

@@ -15,6 +15,8 @@ from loraplex.engine.sampling.params import SamplingParams
 from .conftest import long_text, photo, spec_used, user
 from .test_engine_parity import hf_greedy
 
+pytestmark = pytest.mark.slow
+
 LM = r".*language_model.*\."
 ADAPTERS = {
     "attn-r4": dict(r=4, lora_alpha=8, target_modules=LM + r"(q_proj|k_proj|v_proj|o_proj)"),

@@ -103,6 +103,7 @@ def run(model_dir, adapter_dirs, backend):
     return first + later
 
 
+@pytest.mark.slow
 def test_triton_backend_matches_torch_greedy(tiny_text_dir, adapters):
     t0 = time.perf_counter()
     expected = run(tiny_text_dir, adapters, "torch")

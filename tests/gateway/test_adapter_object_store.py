@@ -17,6 +17,8 @@ from tests.gateway.test_adapters_api import upload_dir
 from tests.media import data_url, photo
 from tests.s3_server import s3_server
 
+pytestmark = pytest.mark.service
+
 
 @pytest.fixture
 def bucket(monkeypatch):

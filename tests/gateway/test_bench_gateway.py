@@ -10,6 +10,8 @@ from bench.gateway import MAX_TOKENS, gateway_call, health_call, open_client
 from bench.http_client import LeanHTTPClient
 from tests.gateway.live import instant_gateway
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def gw(tmp_path):

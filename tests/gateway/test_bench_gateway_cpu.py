@@ -7,6 +7,8 @@ import pytest
 
 from bench.gateway_cpu import InProcessClient, build, chat_body, measure
 
+pytestmark = pytest.mark.slow
+
 
 def test_in_process_client_gets_real_answers_and_refusals(tmp_path):
     app, _ = build(str(tmp_path))

@@ -4,9 +4,13 @@ schema-attack parts produce their figures (and the schema attacks kill no engine
 
 import asyncio
 
+import pytest
+
 from bench.hostile import attacks, latency, schemas
 from bench.hostile.__main__ import BIG_CUSTOMER, MODEL
 from bench.hostile.live import ADMIN_KEY, LiveServer
+
+pytestmark = pytest.mark.slow
 
 EXPECTED = {
     "top_k 2**63": 400,

@@ -3,10 +3,14 @@
 import time
 from pathlib import Path
 
+import pytest
+
 from bench.fake_engine import InstantEngine
 from bench.hostile.live import LiveServer
 from bench.hostile.transport import Hostile, server_deadlines
 from tests.gateway.live import LiveGateway
+
+pytestmark = pytest.mark.slow
 
 
 def test_every_hostile_connection_is_cut_off_and_a_bystander_is_served(tmp_path):

@@ -7,6 +7,8 @@ import pytest
 
 from tests.bench_run import run_bench
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="no redis-server (.ci/run installs it)"

@@ -1,8 +1,12 @@
 """``bench.serving_latency --quick`` runs end to end: a real ``loraplex serve`` (engine core in its
 own process) and a direct engine client, the same streams through both, figures for both."""
 
+import pytest
+
 from bench.serving_latency import bucket_quantile, percentile, summary
 from tests.bench_run import run_bench
+
+pytestmark = pytest.mark.slow
 
 
 def test_percentile_and_summary():

@@ -174,6 +174,7 @@ def test_env_data_dir_and_db_url(tmp_path, capsys, monkeypatch):
     assert tenant["id"]
 
 
+@pytest.mark.slow
 def test_installed_cli_when_registered(tmp_path):
     from loraplex.gateway.cli import build_parser
 

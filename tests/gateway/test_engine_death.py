@@ -5,6 +5,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 
 from loraplex.engine.config import EngineConfig
@@ -14,6 +15,8 @@ from loraplex.gateway.server.build import build_gateway, start_engine
 from loraplex.gateway.server.config import GatewayConfig
 from loraplex.gateway.server.graceful import GracefulServer
 from tests.gateway.live import ADMIN_KEY, free_port
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_dead_engine_fails_health_and_the_server_exits_non_zero(tiny_text_dir, tmp_path):

@@ -25,6 +25,8 @@ from tests.gateway.chat_support import (
 )
 from tests.gateway.live import LiveGateway
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def proc(tiny_text_dir, tmp_path_factory):

@@ -11,6 +11,8 @@ import pytest
 
 from tests.gateway.chat_support import usage_events
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llava"
 STREAMS = 20
 

@@ -13,6 +13,8 @@ from loraplex.engine.core_proc import STATS_EVERY_S
 from loraplex.gateway.server.build import start_engine
 from tests.gateway.live import LiveGateway
 
+pytestmark = pytest.mark.slow
+
 
 def chain(links: int, link: str) -> dict:
     defs = {}

@@ -385,6 +385,7 @@ def assert_not_a_server_error(response):
         assert_openai_error(response, response.status_code)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(messages=MESSAGES, extra=EXTRAS)
 def test_no_message_list_or_tool_call_is_a_server_error(live, tenant_key, sent, messages, extra):
@@ -402,6 +403,7 @@ PROMPTS = st.one_of(
 )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(prompt=PROMPTS, extra=EXTRAS)
 def test_no_completions_prompt_is_a_server_error(live, tenant_key, sent, prompt, extra):
@@ -420,6 +422,7 @@ def core_process(tiny_text_dir, tmp_path_factory):
     client.shutdown()
 
 
+@pytest.mark.slow
 def test_a_core_process_gets_no_out_of_range_id(core_process, tmp_path):
     """What the issue saw: 2**64 in a token-id prompt was a msgpack overflow, a 500."""
     assert core_process.input_limits.vocab_size == VOCAB

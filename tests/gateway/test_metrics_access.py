@@ -25,6 +25,8 @@ from tests.gateway.live import NO_LIMITS, LiveGateway, free_port
 from tests.gateway.test_app_basics import assert_openai_error
 from tests.gateway.transport_support import client_from, small_limits_gateway, wait_for
 
+pytestmark = pytest.mark.slow
+
 CHAT = {"model": "instant", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 TENANT_SERIES = "loraplex_tenant_requests_total"
 

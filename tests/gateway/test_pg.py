@@ -16,7 +16,10 @@ from tests.gateway.test_usage_writer import *  # noqa: F403
 
 PG_URL = os.environ.get("LORAPLEX_TEST_PG_URL")
 
-pytestmark = pytest.mark.skipif(not PG_URL, reason="LORAPLEX_TEST_PG_URL is not set")
+pytestmark = [
+    pytest.mark.service,
+    pytest.mark.skipif(not PG_URL, reason="LORAPLEX_TEST_PG_URL is not set"),
+]
 
 
 @pytest.fixture

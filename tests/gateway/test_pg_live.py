@@ -21,7 +21,10 @@ from tests.gateway.test_app_basics import assert_openai_error
 
 PG_URL = os.environ.get("LORAPLEX_TEST_PG_URL")
 
-pytestmark = pytest.mark.skipif(not PG_URL, reason="LORAPLEX_TEST_PG_URL is not set")
+pytestmark = [
+    pytest.mark.service,
+    pytest.mark.skipif(not PG_URL, reason="LORAPLEX_TEST_PG_URL is not set"),
+]
 
 MODEL = "tiny-llava"
 HI = [{"role": "user", "content": "Say hello."}]

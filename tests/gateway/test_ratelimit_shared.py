@@ -17,6 +17,8 @@ from loraplex.gateway.services.tenants import TenantLimits
 from tests.gateway.live import NO_LIMITS, LiveGateway
 from tests.redis_server import redis_server
 
+pytestmark = pytest.mark.service
+
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):

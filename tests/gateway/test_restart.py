@@ -8,9 +8,13 @@ of SIGINT / SIGTERM for ``loraplex serve``) flushed them.
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.gateway.chat_support import data_url, image_part, photo, user
 from tests.gateway.conftest import adapter_store_dir
 from tests.gateway.live import LiveGateway
+
+pytestmark = pytest.mark.slow
 
 MODEL = "tiny-llava"
 FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "images")

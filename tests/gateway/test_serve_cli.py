@@ -21,6 +21,8 @@ from loraplex.gateway.db.session import db_url
 from tests.gateway.conftest import with_db
 from tests.gateway.live import free_port
 
+pytestmark = pytest.mark.slow
+
 START_TIMEOUT = 90
 EXIT_TIMEOUT = 10
 

@@ -11,6 +11,8 @@ from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.server.build import start_engine
 from tests.gateway.live import NO_LIMITS, LiveGateway
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def spec_engine(tiny_text_dir, tmp_path_factory):

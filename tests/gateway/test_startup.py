@@ -12,7 +12,11 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.gateway.live import free_port
+
+pytestmark = pytest.mark.slow
 
 START_TIMEOUT = 120  # a hang guard, not a timing assertion
 

@@ -29,6 +29,8 @@ from tests.gateway.transport_support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def gw(tmp_path):

@@ -20,6 +20,8 @@ from tests.gateway.transport_support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow
+
 
 # ---------------------------------------------------------------------------- open connections
 def test_at_the_connection_cap_the_longest_idle_connection_makes_room(tmp_path):

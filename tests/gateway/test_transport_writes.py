@@ -30,6 +30,8 @@ from tests.gateway.transport_support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.slow
+
 TOKENS = 200
 TOKEN_CHARS = 5000
 TOKEN_SECONDS = 0.002

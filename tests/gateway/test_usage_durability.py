@@ -5,7 +5,11 @@ The load, the kill and the comparison are ``bench.hostile.usage.sigkill_loss`` (
 ``usage_rows_lost_sigkill`` of ``python -m bench.hostile.usage``), with one kill.
 """
 
+import pytest
+
 from bench.hostile.usage import sigkill_loss
+
+pytestmark = pytest.mark.slow
 
 
 def test_no_received_response_loses_its_row_to_a_sigkill(llava_dir, tmp_path):

@@ -11,10 +11,13 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.gateway.live import instant_gateway
 from tests.gateway.test_app_basics import assert_openai_error
 from tests.gateway.test_db_unavailable import DeadSessions
+
+pytestmark = pytest.mark.slow
 
 HI = [{"role": "user", "content": "hi"}]
 

@@ -18,6 +18,8 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.inputs import InputProcessor
 from loraplex.hashing.image_keys import exact_image_key, image_key
 
+pytestmark = pytest.mark.slow
+
 
 def encode(image: Image.Image, fmt: str = "PNG", **params) -> bytes:
     out = io.BytesIO()

@@ -80,6 +80,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_kernels_lower_to_triton_ir_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(

@@ -1,7 +1,11 @@
 """``bench.scale --quick`` runs end to end: four configurations over child-process replicas,
 the same workload for each, the figures the issue asks for."""
 
+import pytest
+
 from tests.bench_run import run_bench
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_scale_quick(tmp_path):

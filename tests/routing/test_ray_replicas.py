@@ -14,6 +14,8 @@ from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.server.build import start_engine
 from tests.media import long_text
 
+pytestmark = pytest.mark.service
+
 ray = pytest.importorskip("ray")
 
 

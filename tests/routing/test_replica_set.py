@@ -15,6 +15,8 @@ from loraplex.gateway.routing import ReplicaSetClient, RoutingPolicy
 from loraplex.gateway.server.build import start_engine
 from tests.media import long_text
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def replica_set(tiny_text_dir, tmp_path):

@@ -1,6 +1,10 @@
 """``bench.penalties --quick`` runs and reports both timings from the same run."""
 
+import pytest
+
 from tests.bench_run import run_bench
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_penalties_quick():
