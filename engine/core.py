@@ -26,7 +26,7 @@ from loraplex.adapters.manager import LoRAManager
 from loraplex.adapters.registry import AdapterLimits, AdapterRegistry
 from loraplex.engine.attention import get_attention_backend
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.grammar_sandbox import SandboxLimits
+from loraplex.engine.grammar_sandbox import GrammarSandboxBusyError, SandboxLimits
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.kv_events import KVEvent, KVEventLog
 from loraplex.engine.loading import (
@@ -264,6 +264,8 @@ class EngineCore:
                 self._queue(request, grammar.result())
             elif isinstance(error, StructuredOutputError):
                 self._rejected.append((rid, str(error), "structured"))
+            elif isinstance(error, GrammarSandboxBusyError):
+                self._rejected.append((rid, str(error), "overloaded"))
             else:
                 logger.error("preparing the grammar of request %s failed: %s", rid, error)
                 self._rejected.append((rid, type(error).__name__, "fault"))
@@ -272,8 +274,8 @@ class EngineCore:
         """Requests refused since the last call: ``(request_id, message, kind)``.
 
         ``kind`` is ``"structured"`` (a spec the sandbox or the compiler refused: the
-        client's 400) or ``"fault"`` (the sandbox could not run: a 500). The core has
-        forgotten them.
+        client's 400), ``"overloaded"`` (the sandbox could not judge it in time: a 503) or
+        ``"fault"`` (the sandbox could not run: a 500). The core has forgotten them.
         """
         rejected, self._rejected = self._rejected, []
         return rejected

@@ -19,8 +19,10 @@ margin. ``docs/structured_output.md`` lists them with the 400 each gives.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urljoin
 
 # Keywords whose value is one subschema, a list of them, or a name -> subschema map.
 _ONE = (
@@ -65,6 +67,21 @@ class GrammarBounds:
 
 
 DEFAULT_BOUNDS = GrammarBounds()
+
+
+def _subschemas(node: dict[str, Any]) -> list[Any]:
+    """The subschemas directly inside ``node`` (keyword by keyword; refs not followed)."""
+    out: list[Any] = []
+    for name in _ONE:
+        if isinstance(node.get(name), dict):
+            out.append(node[name])
+    for name in _LIST:
+        if isinstance(node.get(name), list):
+            out.extend(node[name])
+    for name in _MAP:
+        if isinstance(node.get(name), dict):
+            out.extend(node[name].values())
+    return out
 
 
 class BoundError(ValueError):
@@ -112,9 +129,32 @@ class _SchemaWalk:
         self.counted: set[int] = set()  # subschemas whose properties/enums were counted
         self.properties = 0
         self.enum_values = 0
+        self.base: dict[int, str] = {}  # id(subschema) -> its base URI
+        self.named: dict[str, Any] = {}  # absolute URI ($id, $id#anchor) -> subschema
 
     def run(self) -> None:
+        self._index()
         self._measure(self.root, 1)
+
+    def _index(self) -> None:
+        """Record every subschema's base URI and every ``$id`` / ``$anchor`` (iteratively)."""
+        stack: list[tuple[Any, str]] = [(self.root, "")]
+        seen: set[int] = set()
+        while stack:
+            node, base = stack.pop()
+            if not isinstance(node, dict) or id(node) in seen:
+                continue
+            seen.add(id(node))
+            for key in ("$id", "id"):
+                if isinstance(node.get(key), str):
+                    base = urljoin(base, node[key])
+                    self.named[base.split("#")[0]] = node
+                    break
+            self.base[id(node)] = base
+            for key in ("$anchor", "$dynamicAnchor"):
+                if isinstance(node.get(key), str):
+                    self.named[base.split("#")[0] + "#" + node[key]] = node
+            stack.extend((child, base) for child in _subschemas(node))
 
     def _measure(self, node: Any, level: int) -> int:
         """Longest chain of subschemas from ``node`` (1 for a leaf); ``level``: its own."""
@@ -133,7 +173,11 @@ class _SchemaWalk:
         self._count(node)
         self.on_chain.add(key)
         below = 0
-        for child in self._children(node):
+        children = _subschemas(node)
+        for name in ("$ref", "$dynamicRef", "$recursiveRef"):
+            if isinstance(node.get(name), str):
+                children.append(self._resolve(node[name], self.base.get(key, "")))
+        for child in children:
             below = max(below, self._measure(child, level + 1))
         self.on_chain.discard(key)
         self.depth[key] = below + 1
@@ -145,44 +189,33 @@ class _SchemaWalk:
             "(counting each $ref followed)"
         )
 
-    def _children(self, node: dict[str, Any]) -> list[Any]:
-        out: list[Any] = []
-        for name in _ONE:
-            if isinstance(node.get(name), dict):
-                out.append(node[name])
-        for name in _LIST:
-            if isinstance(node.get(name), list):
-                out.extend(node[name])
-        for name in _MAP:
-            if isinstance(node.get(name), dict):
-                out.extend(node[name].values())
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            target = self._resolve(ref)
-            if target is not None:
-                out.append(target)
-        return out
+    def _resolve(self, ref: str, base: str) -> Any:
+        """The subschema ``ref`` names, resolved against ``base`` as JSON Schema does.
 
-    def _resolve(self, ref: str) -> Any:
-        """The local subschema a ``#/...`` JSON pointer names, None for any other ref."""
-        if not ref.startswith("#"):
-            return None  # remote refs: the compiler refuses them itself
-        node: Any = self.root
-        pointer = ref[1:]
-        if not pointer:
-            return node
-        if not pointer.startswith("/"):
-            return None  # an anchor: the compiler resolves or refuses it
-        from urllib.parse import unquote
-
-        for part in pointer[1:].split("/"):
-            part = unquote(part).replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
+        Raises:
+            BoundError: ``ref`` names nothing in this schema (a remote document, an unknown
+                anchor): the bounds could not follow it, so it is refused rather than trusted.
+        """
+        target = urljoin(base, ref) if base else ref
+        document, _, fragment = target.partition("#")
+        node = self.named.get(document, self.root if document in ("", base.split("#")[0]) else None)
+        if node is not None and fragment and not fragment.startswith("/"):
+            node = self.named.get(f"{document}#{unquote(fragment)}")
+        elif node is not None and fragment:
+            for part in fragment[1:].split("/"):
+                part = unquote(part).replace("~1", "/").replace("~0", "~")
+                if isinstance(node, dict) and part in node:
+                    node = node[part]
+                elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                    node = node[int(part)]
+                else:
+                    node = None
+                    break
+        if node is None:
+            raise BoundError(
+                f"the JSON schema's $ref {ref[:100]!r} names nothing within the schema (only "
+                "references inside it can be followed)"
+            )
         return node
 
     def _count(self, node: dict[str, Any]) -> None:
@@ -224,59 +257,74 @@ def check_regex_bounds(
     r"""Check the product of nested counted repetitions of a regex (Rust ``regex`` syntax).
 
     A lexer built from a regex unrolls ``{m,n}`` into about ``n`` copies of what it repeats, so
-    ``(x{100}){100}`` costs what ``x{10000}`` does. The scan follows groups and escapes
-    (``\{``, ``\p{L}``, ``\x{7F}``) and skips character classes; a ``{`` that does not open a
-    repetition is left to the compiler.
+    ``(x{100}){100}`` and ``x{100}{100}`` cost what ``x{10000}`` does. One pass, linear in the
+    regex: it follows groups and escapes (``\{``, ``\p{L}``, ``\x{7F}``) and skips character
+    classes; whitespace is skipped, and whitespace inside braces ignored, as the ``x`` flag
+    allows (``(?x)a{1 000 000}``), which can only count more, never less; a ``{`` that does not
+    open a repetition is left to the compiler.
 
     Raises:
         BoundError: the product passes ``bounds.max_regex_repeat``.
     """
     limit = bounds.max_regex_repeat
     stack = [1]  # per open group: the largest repetition product inside it so far
-    last_group = 1  # the product inside the group just closed (for a repetition after it)
-    prev_was_group = False
+    operand = 1  # the product of what a repetition here would repeat (0: nothing)
     i, n = 0, len(regex)
     while i < n:
         c = regex[i]
+        if c.isspace():
+            i += 1
+            continue
+        if c == "{":
+            match = _REPEAT.match(regex, i)
+            if match is not None and operand:
+                product = _count(match.group(1)) * operand
+                if product > limit:
+                    raise BoundError(
+                        f"{what} repeats {product} times (nested and stacked counted "
+                        f"repetitions multiply); at most {limit}"
+                    )
+                stack[-1] = max(stack[-1], product)
+                operand = product  # a repetition of this repetition multiplies again
+                i = match.end()
+                continue
         if c == "\\":
             if i + 2 < n and regex[i + 1] in "pPxu" and regex[i + 2] == "{":
                 close = regex.find("}", i + 3)
                 i = n if close < 0 else close + 1
             else:
                 i += 2
-            prev_was_group = False
-            continue
-        if c == "[":
+        elif c == "[":
             i = _skip_class(regex, i)
-            prev_was_group = False
-            continue
-        if c == "(":
+        elif c == "(":
             stack.append(1)
             i += 1
-            prev_was_group = False
+            operand = 0
             continue
-        if c == ")":
-            last_group = stack.pop() if len(stack) > 1 else 1
+        elif c == ")":
+            inner = stack.pop() if len(stack) > 1 else 1
+            stack[-1] = max(stack[-1], inner)
             i += 1
-            prev_was_group = True
-            if not (i < n and regex[i] == "{"):
-                stack[-1] = max(stack[-1], last_group)
+            operand = inner
             continue
-        if c == "{":
-            count, end = _repetition(regex, i)
-            if count is not None:
-                product = count * (last_group if prev_was_group else 1)
-                if product > limit:
-                    raise BoundError(
-                        f"{what} repeats {product} times (nested counted repetitions "
-                        f"multiply); at most {limit}"
-                    )
-                stack[-1] = max(stack[-1], product)
-                i = end
-                prev_was_group = False
-                continue
-        i += 1
-        prev_was_group = False
+        elif c == "|":
+            i += 1
+            operand = 0
+            continue
+        else:
+            i += 1
+        operand = 1
+
+
+_REPEAT = re.compile(r"\{([\d\s]*(?:,[\d\s]*)?)\}")
+
+
+def _count(body: str) -> int:
+    """The larger bound of a repetition's ``m,n`` (whitespace dropped); 10**10 past 9 digits."""
+    numbers = [p for p in "".join(body.split()).split(",") if p]
+    if not numbers:
+        return 0
+    return max(int(p) if len(p) <= 9 else 10**10 for p in numbers)
 
 
 def _skip_class(regex: str, i: int) -> int:
@@ -299,19 +347,3 @@ def _skip_class(regex: str, i: int) -> int:
                 return j + 1
         j += 1
     return n
-
-
-def _repetition(regex: str, i: int) -> tuple[int | None, int]:
-    """``({m,n} count, index after it)`` for a counted repetition at ``i``; count None if not."""
-    close = regex.find("}", i + 1)
-    if close < 0:
-        return None, i + 1
-    body = regex[i + 1 : close]
-    parts = body.split(",")
-    if len(parts) > 2 or not parts[0].strip().isdigit():
-        return None, i + 1
-    if len(parts) == 2 and parts[1].strip() and not parts[1].strip().isdigit():
-        return None, i + 1
-    # A count of more than 9 digits is past any limit (and int() of 5,000 digits raises).
-    numbers = [int(p) if len(p.strip()) <= 9 else 10**10 for p in parts if p.strip()]
-    return max(numbers), close + 1

@@ -11,12 +11,19 @@ with the same library, tokenizer and parser limits, under
 * a **memory limit** (``RLIMIT_AS`` of the worker), and a lower CPU priority (``nice``), so the
   engine's step threads win the machine's cores over a compile.
 
-A worker that crashes, runs out of memory or time costs that spec a refusal (a 400) and is
-replaced; the core never sees the spec. Only a spec the worker compiled is compiled in the core
-(the same deterministic compiler: it cannot crash there where it did not here). Verdicts are
-cached by the spec's digest, refusals too, so a spec is vetted once; concurrent requests with
-one spec share one job. Jobs are taken from the tenants' queues in turn (round robin), so one
-tenant's stream of new schemas delays no one else's by more than one job per worker.
+A worker that crashes, runs out of memory or CPU time costs that spec a refusal (a 400) and is
+replaced; the core never sees the spec. Only a spec the worker compiled is compiled in the core:
+the same deterministic compiler, on a thread with 8 times the stack the worker's job had, so a
+recursion that fit there fits there. Verdicts are cached by the spec's digest, refusals too, so
+a spec is vetted once; concurrent requests with one spec share one job. What is the machine's
+fault and not the spec's (no CPU before the wall-clock cap, a SIGKILL from outside) is not
+cached and is a 503 to retry (``Verdict.transient``). Jobs are taken from the tenants' queues
+in turn (round robin), so one tenant's stream of new schemas delays no one else's by more than
+one job per worker.
+
+The workers are isolated for faults, not for confidentiality: they run as the same user, with
+an environment cut down to what Python needs (no keys, no ``LORAPLEX_*``), in ``/``, and die
+with the thread that started them (``PR_SET_PDEATHSIG``).
 
 This mirrors what vLLM does for grammars in spirit (compilation off the engine's step, the
 request parked in ``WAITING_FOR_FSM`` until it is ready) and goes further in isolation: vLLM
@@ -45,6 +52,10 @@ from loraplex.engine.grammar_worker import _HEADER, frame
 logger = logging.getLogger(__name__)
 
 WALL_FACTOR = 6.0  # a job may wait this many times its CPU limit in wall time
+# What a worker's environment keeps (the rest, secrets included, stays out): enough to run Python.
+_ENV_KEPT = frozenset(
+    {"PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "SYSTEMROOT"}
+)
 START_TIMEOUT_S = 120.0  # a worker indexing a 150k-token vocabulary on a loaded machine
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -76,15 +87,23 @@ class Verdict:
         ok: The spec compiled within every limit and its grammar allows a first token.
         error: Why not (a message for the client's 400), empty when ``ok``.
         seconds: Wall time of the worker's compilation (0 for a crash or a timeout).
+        transient: Not the spec's fault but the machine's (the worker got no CPU before the
+            wall-clock cap, or something outside the sandbox killed it): not cached, and the
+            client gets a 503 to retry, not a 400.
     """
 
     ok: bool
     error: str = ""
     seconds: float = 0.0
+    transient: bool = False
 
 
 class GrammarSandboxError(RuntimeError):
     """The sandbox cannot vet anything (its worker does not start); not the spec's fault."""
+
+
+class GrammarSandboxBusyError(RuntimeError):
+    """The sandbox could not judge a spec in time on a loaded machine: retry (a 503)."""
 
 
 def spec_digest(kind: str, value: str) -> str:
@@ -172,6 +191,7 @@ class GrammarSandbox:
             self._queues.clear()
             self._cond.notify_all()
         for worker in self._workers:
+            worker.closed = True
             worker.kill()
         for thread in self._threads:
             thread.join(5)
@@ -243,7 +263,7 @@ class GrammarSandbox:
                 error = GrammarSandboxError(f"the grammar sandbox failed: {type(exc).__name__}")
             with self._cond:
                 future = self._inflight.pop(digest, None)
-                if verdict is not None:
+                if verdict is not None and not verdict.transient:
                     self._verdicts[digest] = verdict
                     while len(self._verdicts) > self.limits.max_cached:
                         self._verdicts.popitem(last=False)
@@ -265,6 +285,7 @@ class _Worker:
         self.limits = limits
         self.proc: subprocess.Popen | None = None
         self.deaths = 0
+        self.closed = False  # the sandbox shut down: start nothing more
 
     @property
     def pid(self) -> int | None:
@@ -280,16 +301,22 @@ class _Worker:
                     stream.close()
 
     def _start(self) -> None:
-        env = dict(os.environ)
-        env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+        if self.closed:
+            raise GrammarSandboxError("the grammar sandbox is shut down")
+        env = {k: v for k, v in os.environ.items() if k in _ENV_KEPT or k.startswith("LC_")}
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
         proc = subprocess.Popen(
             [sys.executable, "-m", "loraplex.engine.grammar_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
+            cwd="/",
             close_fds=True,
         )
         self.proc = proc
+        if self.closed:  # shut down while it started
+            self.kill()
+            raise GrammarSandboxError("the grammar sandbox is shut down")
         try:
             proc.stdin.write(self._init_frame())
             proc.stdin.flush()
@@ -314,9 +341,13 @@ class _Worker:
             proc.stdin.write(frame({"kind": kind, "value": value}))
             proc.stdin.flush()
             reply = self._reply(self.limits.cpu_seconds * WALL_FACTOR, self.limits.cpu_seconds)
-        except _TimedOut:
+        except _TimedOut as exc:
             self.kill()
             self.deaths += 1
+            if exc.wall:  # the machine, not the spec: no CPU came before the cap
+                return Verdict(
+                    False, "the grammar sandbox is overloaded; retry the request", transient=True
+                )
             return Verdict(
                 False,
                 f"the {kind} took more than {self.limits.cpu_seconds:g} s of CPU to compile",
@@ -331,6 +362,8 @@ class _Worker:
             self.deaths += 1
             how = _describe_exit(code)
             logger.warning("a grammar sandbox worker %s on a client's %s", how, kind)
+            if code == -signal.SIGKILL or self.closed:  # not the spec: the OOM killer, a shutdown
+                return Verdict(False, f"the grammar sandbox's worker was {how}", transient=True)
             return Verdict(False, f"compiling the {kind} crashed the grammar compiler ({how})")
         return Verdict(bool(reply["ok"]), str(reply.get("error", "")), float(reply["seconds"]))
 
@@ -363,7 +396,7 @@ class _Worker:
             if proc.poll() is not None:
                 raise _Gone("exited")
             if time.monotonic() - start > wall_s:
-                raise _TimedOut(f"no answer in {wall_s:g} s")
+                raise _TimedOut(f"no answer in {wall_s:g} s", wall=True)
             if cpu_limit is not None and _cpu_seconds(proc.pid) - cpu0 > cpu_limit:
                 raise _TimedOut(f"more than {cpu_limit:g} CPU seconds")
 
@@ -373,7 +406,9 @@ class _Gone(Exception):
 
 
 class _TimedOut(Exception):
-    pass
+    def __init__(self, message: str, wall: bool = False) -> None:
+        super().__init__(message)
+        self.wall = wall  # the wall-clock cap, not the CPU limit
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -58,8 +58,9 @@ class StructuredOutputSpec:
         value: The schema (canonical JSON text), regex or grammar; empty for ``json_object``.
 
     Raises:
-        ValueError: an unknown kind, a missing or too long value; ``BoundError`` (a
-            ValueError) for a shape past ``engine.grammar_bounds.DEFAULT_BOUNDS``.
+        ValueError: an unknown kind, a missing or too long value. (The shape is checked by
+            :meth:`check_bounds`, which is not run when a spec is made: it costs milliseconds,
+            and the engine core decodes every request's spec on its own thread.)
     """
 
     kind: str
@@ -76,7 +77,18 @@ class StructuredOutputSpec:
             raise ValueError(
                 f"the {self.kind} is {len(self.value)} characters; at most {MAX_SPEC_CHARS}"
             )
+
+    def check_bounds(self) -> StructuredOutputSpec:
+        """Check the spec's shape (``engine.grammar_bounds``); the spec itself if it passes.
+
+        The gateway runs it on every spec a request carries, and the grammar sandbox's worker
+        on every spec it compiles (offline callers included), never the engine core.
+
+        Raises:
+            BoundError: a shape past ``engine.grammar_bounds.DEFAULT_BOUNDS`` (a ValueError).
+        """
         check_spec_bounds(self.kind, self.value)
+        return self
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutputSpec:
@@ -157,6 +169,7 @@ class GrammarCompiler:
 
         eos = sorted(set(eos_token_ids))
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos)
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=eos or None
         )
@@ -203,6 +216,11 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise StructuredOutputError(f"unsupported {spec.kind}: {matcher.get_error()[:500]}")
+        matcher.compute_bitmask()  # builds the lexer's first states, shared by every copy
+        if matcher.is_error():  # e.g. {"$ref": "#"}: a rule that derives no string at all
+            raise StructuredOutputError(
+                f"the {spec.kind} allows no token: no output can ever match it"
+            )
         with self._lock:
             self._templates[spec] = matcher
             self._templates.move_to_end(spec)

@@ -26,7 +26,13 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from loraplex.engine.grammar_sandbox import GrammarSandbox, SandboxLimits, spec_digest
+from loraplex.engine.grammar_sandbox import (
+    GrammarSandbox,
+    GrammarSandboxBusyError,
+    SandboxLimits,
+    spec_digest,
+)
+from loraplex.engine.grammar_worker import COMPILE_STACK_BYTES
 from loraplex.engine.structured_output import (
     GrammarCompiler,
     StructuredOutputError,
@@ -35,6 +41,8 @@ from loraplex.engine.structured_output import (
 )
 
 logger = logging.getLogger(__name__)
+
+CORE_COMPILE_STACK_BYTES = 8 * COMPILE_STACK_BYTES  # the core's compile thread (see the worker)
 
 
 class StructuredOutputManager:
@@ -67,7 +75,8 @@ class StructuredOutputManager:
         )
         self._nice = limits.nice
         self._compiler: GrammarCompiler | None = None
-        self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()  # held while the tokenizer is read (seconds)
+        self._lock = threading.Lock()  # the in-flight table: held for microseconds
         self._inflight: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
 
@@ -78,7 +87,7 @@ class StructuredOutputManager:
         Raises:
             ValueError: the model has no fast tokenizer.
         """
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
                 tok = self.hf_tokenizer
                 if tok is None:
@@ -92,7 +101,7 @@ class StructuredOutputManager:
 
     def use_tokenizer(self, hf_tokenizer: Any) -> None:
         """Take an already loaded tokenizer instead of reading the model's on first use."""
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
                 self.hf_tokenizer = hf_tokenizer
 
@@ -106,7 +115,9 @@ class StructuredOutputManager:
         Returns:
             A future of the template (``LLMatcher``; give each sequence a ``deep_copy``). Its
             exception is a :class:`StructuredOutputError` for a spec the sandbox or the
-            compiler refuses (a 400), ``GrammarSandboxError`` when the sandbox cannot run.
+            compiler refuses (a 400), ``GrammarSandboxBusyError`` when the sandbox could not
+            judge it in time on a loaded machine (a 503), ``GrammarSandboxError`` when the
+            sandbox cannot run.
         """
         compiler = self._compiler
         if compiler is not None:
@@ -146,6 +157,8 @@ class StructuredOutputManager:
         error = vetted.exception()
         if error is not None:
             self._settle(digest, future, error=error)
+        elif vetted.result().transient:
+            self._settle(digest, future, error=GrammarSandboxBusyError(vetted.result().error))
         elif not vetted.result().ok:
             self._settle(digest, future, error=StructuredOutputError(vetted.result().error))
         else:
@@ -186,6 +199,12 @@ class StructuredOutputManager:
                     initializer=_lower_priority,
                     initargs=(self._nice,),
                 )
+                # Its one thread starts now, with 8x the stack a sandbox job had.
+                old = threading.stack_size(CORE_COMPILE_STACK_BYTES)
+                try:
+                    self._pool.submit(int).result()
+                finally:
+                    threading.stack_size(old)
             return self._pool
 
 

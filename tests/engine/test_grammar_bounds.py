@@ -36,7 +36,7 @@ def test_the_crashing_chains_are_refused_by_depth(link):
     with pytest.raises(BoundError, match="nests more than 64 levels"):
         check_schema_bounds(schema)
     with pytest.raises(ValueError, match="nests more than 64 levels"):
-        StructuredOutputSpec.json_schema(schema)
+        StructuredOutputSpec.json_schema(schema).check_bounds()
     check_schema_bounds(chain(20, link))  # a short chain is an ordinary schema
 
 
@@ -100,13 +100,17 @@ def test_properties_and_enums():
         "x{3}(y{200}){51}",
         "a{99999999999999999999999}",
         "(?:[a-z]{2}){10001}",
+        "a{1000}{1000}",  # stacked repetitions multiply too
+        "(?x)a{1 000 000}",  # the x flag allows whitespace inside the braces
+        "(?x)(b{9999}) {9 9 9 9}",
+        "a {100} {101}",
     ],
 )
 def test_regex_repetitions_past_the_bound(regex):
     with pytest.raises(BoundError, match="at most 10000"):
         check_regex_bounds(regex)
     with pytest.raises(ValueError):
-        StructuredOutputSpec("regex", regex)
+        StructuredOutputSpec("regex", regex).check_bounds()
 
 
 @pytest.mark.parametrize(
@@ -120,10 +124,40 @@ def test_regex_repetitions_past_the_bound(regex):
         "(yes|no)-[0-9]{3}",
         "a{,5}b{",  # not repetitions: the compiler judges them
         r"[\]{]{4}(a){2}",
+        "a{100}|b{100}{100}",
+        # inputs that made the first scanner quadratic (7 s for 64 KB): no repetition in them
+        "{" * 32000 + "," * 32000 + "}",
+        "{," * 32000 + "}",
     ],
+    ids=lambda r: r[:24],
 )
 def test_regexes_within_the_bound(regex):
     check_regex_bounds(regex)
+
+
+def test_id_and_anchor_references_are_followed():
+    # a chain through $id-relative refs (llguidance resolves them; it SIGSEGVed at ~1,050)
+    links = [
+        {"$id": str(i), "anyOf": [{"$ref": str(i + 1)}, {"type": "integer"}]} for i in range(100)
+    ]
+    links.append({"$id": "100", "type": "integer"})
+    schema = {"$id": "http://e/", "$ref": "0", "$defs": {"x": {"anyOf": links}}}
+    with pytest.raises(BoundError, match="nests more than 64 levels"):
+        check_schema_bounds(schema)
+    short = {"$id": "http://e/", "$ref": "0", "$defs": {"x": {"anyOf": links[-20:]}}}
+    short["$ref"] = "81"
+    check_schema_bounds(short)
+    anchored = {
+        "$defs": {"node": {"$anchor": "node", "type": "array", "items": {"$ref": "#node"}}},
+        "$ref": "#node",
+    }
+    check_schema_bounds(anchored)  # recursion through an anchor
+
+
+def test_a_reference_the_bounds_cannot_follow_is_refused():
+    for ref in ("http://elsewhere/schema.json", "#nowhere", "#/$defs/missing", "other.json#/x"):
+        with pytest.raises(BoundError, match="names nothing within the schema"):
+            check_schema_bounds({"$ref": ref})
 
 
 def test_a_schema_pattern_is_a_regex_too():

@@ -2,8 +2,11 @@
 long, costs its own request a refusal in a worker process, never the engine; verdicts are cached
 (refusals too) and shared by concurrent requests; tenants take turns."""
 
+import contextlib
 import json
 import os
+import signal
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -132,3 +135,55 @@ def test_allows_any():
     assert allows_any(b"\x00\x00\x40", 23)
     assert allows_any(b"\x01", 1)
     assert not allows_any(b"", 100)
+
+
+def test_a_grammar_that_fails_at_its_second_token_is_refused(sandbox):
+    # compiles, and its first mask allows "a"; llguidance's lexer gives up on the next one
+    verdict = sandbox.vet("grammar", "start: /(a{1000}){1000}/").result(60)
+    assert not verdict.ok and "past its first token" in verdict.error, verdict
+    assert sandbox.vet("regex", "(yes|no)-[0-9]{3}").result(30).ok
+
+
+def test_what_is_the_machines_fault_is_not_cached(tokenizer):
+    box = sandbox_for(tokenizer, cpu_seconds=0.3)  # a 1.8 s wall-clock cap
+    try:
+        assert box.vet("regex", "warm up").result(30).ok
+        slow = "start: /a{900000}/"
+        (pid,) = box.worker_pids
+        future = box.vet("grammar", slow)
+        os.kill(pid, signal.SIGSTOP)  # the worker gets no CPU: only the wall clock runs
+        try:
+            verdict = future.result(60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert verdict.transient and not verdict.ok
+        assert "overloaded" in verdict.error
+        again = box.vet("grammar", slow)
+        assert not again.done()  # not cached: judged again, by a new worker
+        verdict = again.result(60)
+        assert not verdict.ok and not verdict.transient  # this time judged on the spec itself
+        # a worker killed from outside (the OOM killer) is not the spec's fault either
+        other = box.vet("grammar", "start: /b{900000}/")
+        deadline = time.monotonic() + 30
+        while not box.worker_pids and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(box.worker_pids[0], signal.SIGKILL)
+        assert other.result(60).transient
+    finally:
+        box.shutdown()
+
+
+def test_workers_get_no_secrets(tokenizer, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_ADMIN_KEY", "lpx-admin-secret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "shh")
+    box = sandbox_for(tokenizer)
+    try:
+        assert box.vet("regex", "a").result(30).ok
+        (pid,) = box.worker_pids
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+        assert b"lpx-admin-secret" not in environ and b"shh" not in environ
+        assert os.readlink(f"/proc/{pid}/cwd") == "/"
+    finally:
+        box.shutdown()

@@ -14,7 +14,9 @@ text), ``guided_regex`` (the whole output matches it), ``guided_choice`` (the ou
 the strings). At most one of these, ``response_format`` included, may ask for a constraint.
 
 Everything else (another ``type``, a missing ``schema``, a ``name`` that is not a string) is a
-400 naming the field. Whether the schema itself can be enforced is decided by the engine's
+400 naming the field, and so is a spec past the structural bounds (``engine.grammar_bounds``:
+depth, properties, enums, regex repetition), checked here before the request goes further.
+Whether the schema itself can be enforced is decided by the grammar sandbox and the engine's
 compiler (``engine.structured_output``), whose refusal is also a 400 naming this field.
 """
 
@@ -55,15 +57,17 @@ def parse_structured_output(data: dict[str, Any]) -> tuple[StructuredOutputSpec 
     value = data[name]
     try:
         if name == "response_format":
-            return _response_format(value), name
-        if name == "guided_json":
-            return _schema(value, name), name
-        if name == "guided_regex":
+            spec = _response_format(value)
+        elif name == "guided_json":
+            spec = _schema(value, name)
+        elif name == "guided_regex":
             if not isinstance(value, str) or not value:
                 raise bad_request("'guided_regex' must be a non-empty string", param=name)
-            return StructuredOutputSpec("regex", value), name
-        return _choice(value), name
-    except ValueError as exc:  # the spec's own checks (length)
+            spec = StructuredOutputSpec("regex", value)
+        else:
+            spec = _choice(value)
+        return spec.check_bounds(), name  # its shape (engine.grammar_bounds), linear
+    except ValueError as exc:  # the spec's own checks (length, shape)
         raise bad_request(str(exc), param=name) from None
 
 
@@ -106,8 +110,10 @@ def _schema(schema: Any, where: str) -> StructuredOutputSpec:
             raise bad_request(f"'{where}' is longer than {MAX_SPEC_CHARS} characters", param=where)
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError:
-            raise bad_request(f"'{where}' is not valid JSON", param=where) from None
+        except (json.JSONDecodeError, RecursionError):
+            raise bad_request(
+                f"'{where}' is not valid JSON (or nests too deeply)", param=where
+            ) from None
     if not isinstance(schema, dict):
         raise bad_request(f"'{where}' must be a JSON schema object", param=where)
     return StructuredOutputSpec.json_schema(schema)

@@ -250,6 +250,8 @@ def parse_chat_request(
         text_bytes += len(msgspec.json.encode(tools.tools))  # the template renders them
         try:
             forced = tools.structured_output()
+            if forced is not None:
+                forced.check_bounds()  # the tools' schemas' shape (engine.grammar_bounds)
         except ValueError as exc:
             raise bad_request(str(exc), param="tools") from None
         if forced is not None:

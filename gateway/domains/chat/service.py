@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.async_llm import EngineDeadError, RequestFailedError
+from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.quarantine import QueryOfDeathError, TenantThrottledError
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.structured_output import StructuredOutputError
@@ -460,6 +461,10 @@ class ChatRun:
         except EngineDeadError:  # the engine (core process) died under it: not the client's
             status, error_type = "aborted", "engine_unavailable"
             self._put(APIError(503, "the engine is not running", code="engine_unavailable"))
+        except EngineOverloadedError as exc:  # the grammar sandbox had no time: retry
+            ledger.forget_outputs()
+            status, error_type = "aborted", "overloaded"
+            self._put(APIError(503, str(exc), code="overloaded", headers={"Retry-After": "1"}))
         except RequestFailedError:  # a fault admitting it; logged by the engine
             self._put(APIError(500, "an internal error ended this request", code="internal_error"))
         except QueryOfDeathError as exc:  # in flight at repeated core deaths (engine.quarantine)
