@@ -25,6 +25,7 @@ import torch
 from loraplex.adapters.manager import LoRAManager
 from loraplex.adapters.registry import AdapterLimits, AdapterRegistry
 from loraplex.engine.attention import get_attention_backend
+from loraplex.engine.breadcrumb import STEP, Breadcrumb
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.grammar_sandbox import GrammarSandboxBusyError, SandboxLimits
 from loraplex.engine.kv_cache import KVCacheManager
@@ -73,6 +74,9 @@ class EngineCore:
         adapter_loader: ``digest -> LoraAdapter`` for adapters the engine was not handed
             directly (the gateway's store); adapters added with :meth:`add_lora_dir` are
             reloaded from their directory when the CPU tier evicted them.
+        breadcrumb: Where the core says which request it runs native code for
+            (``engine.breadcrumb``; its process's client reads it after a crash); none in
+            process.
 
     Raises:
         ValueError: an unreadable model directory, an unsupported architecture, or a config
@@ -80,10 +84,15 @@ class EngineCore:
     """
 
     def __init__(
-        self, config: EngineConfig, *, adapter_loader: Callable[[str], Any] | None = None
+        self,
+        config: EngineConfig,
+        *,
+        adapter_loader: Callable[[str], Any] | None = None,
+        breadcrumb: Breadcrumb | None = None,
     ) -> None:
         if config.num_cpu_threads is not None:
             torch.set_num_threads(config.num_cpu_threads)
+        self.breadcrumb = breadcrumb if breadcrumb is not None else Breadcrumb()
         loaded = load_engine_model(config)
         self.model = loaded.model
         self.hf_config = loaded.hf_config
@@ -125,6 +134,7 @@ class EngineCore:
                 cpu_seconds=config.grammar_cpu_seconds,
                 memory_bytes=config.grammar_memory_bytes,
             ),
+            breadcrumb=self.breadcrumb,
         )
         # Requests waiting for their grammar (vLLM's WAITING_FOR_FSM), and those refused since.
         self._awaiting_grammar: dict[str, tuple[EngineRequest, Future]] = {}
@@ -164,6 +174,7 @@ class EngineCore:
             lora_manager=self.lora_manager,
             num_speculative_tokens=config.spec_k,
             draft_model=draft_model is not None,
+            breadcrumb=self.breadcrumb,
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(
@@ -233,7 +244,7 @@ class EngineCore:
         if spec is None:
             self._queue(request, None)
             return
-        grammar = self.structured.prepare(spec, request.tenant)
+        grammar = self.structured.prepare(spec, request.tenant, rid)
         if grammar.done():
             self._queue(request, grammar.result())  # a refusal raises here, synchronously
         else:
@@ -250,7 +261,8 @@ class EngineCore:
             hasher=hasher,
         )
         if template is not None:
-            seq.grammar = template.deep_copy()
+            with self.breadcrumb.on(STEP, request.request_id):
+                seq.grammar = template.deep_copy()
         self.scheduler.add(seq)
 
     def _admit_ready_grammars(self) -> None:

@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from loraplex.engine import breadcrumb
 from loraplex.engine import core_wire as wire
 from loraplex.engine.core_launch import ProcessLauncher
 from loraplex.engine.errors import EngineDeadError, rejection_error
@@ -114,6 +115,7 @@ class CoreProcessClient:
         self._push: Any = None
         self._pull: Any = None
         self._proc: Any = None
+        self._crumb: Path | None = None  # the current core's breadcrumb file (local cores)
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ life cycle
@@ -156,7 +158,16 @@ class CoreProcessClient:
             out_addr = f"ipc://{base}/out-{self._incarnation}"
             self._push.bind(in_addr)
             self._pull.bind(out_addr)
-        self._proc = self.launcher.launch(self.config, self.store_root, in_addr, out_addr)
+        self._crumb = None
+        if not self.launcher.remote:
+            self._crumb = breadcrumb.create(Path(self._dir.name) / f"crumb-{self._incarnation}")
+        self._proc = self.launcher.launch(
+            self.config,
+            self.store_root,
+            in_addr,
+            out_addr,
+            breadcrumb=None if self._crumb is None else str(self._crumb),
+        )
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         if self._proc.sentinel is not None:
@@ -259,6 +270,8 @@ class CoreProcessClient:
         rid = request.request_id
         frame = self._enc.encode(wire.AddRequest(request))  # an unencodable one leaves no trace
         with self._lock:
+            if not self._running:  # the core died since the check above
+                raise EngineDeadError("the engine is not running")
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self.output_processor.add_request(request)
@@ -460,6 +473,7 @@ class CoreProcessClient:
         with self._lock:
             self._running = False
             suspects = self._suspects()
+            culprits = self._culprits()
             self._sent.clear()
         self._proc.join(1)
         logger.error(
@@ -467,21 +481,29 @@ class CoreProcessClient:
             self._proc.pid,
             self._proc.exitcode,
         )
-        key = self.quarantine.record_death(suspects)
-        self._deaths.append((time.monotonic(), key))
+        self._fail_all(EngineDeadError("the engine core died; retry the request"))  # first
         self.deaths += 1
-        self._fail_all(EngineDeadError("the engine core died; retry the request"))
+        key = self.quarantine.record_death(suspects, culprits)
+        self._deaths.append((time.monotonic(), key))
+
+    def _culprits(self) -> list[Suspect]:
+        """The requests the dead core's breadcrumb names (caller holds ``_lock``)."""
+        if self._crumb is None:
+            return []
+        named = breadcrumb.read(self._crumb)
+        return [Suspect(*self._sent[rid][:2]) for rid in named if rid in self._sent]
 
     def _suspects(self) -> list[Suspect]:
         """The requests a death is blamed on (caller holds ``_lock``; ``engine.quarantine``).
 
         Those sent since the third-latest ``Outputs`` arrived (the core took them in its last
         two loops: a request that kills it at admission or in its first step is among them),
-        else every request in flight.
+        else every request in flight; the newest first.
         """
         since = self._outputs_at[0]
-        fresh = [(d, t) for d, t, sent in self._sent.values() if sent > since]
-        chosen = fresh or [(d, t) for d, t, _ in self._sent.values()]
+        newest = sorted(self._sent.values(), key=lambda sent: -sent[2])
+        fresh = [(d, t) for d, t, at in newest if at > since]
+        chosen = fresh or [(d, t) for d, t, _ in newest]
         return [Suspect(d, t) for d, t in chosen]
 
     def _restart(self) -> bool:

@@ -35,13 +35,25 @@ class ProcessLauncher:
     def __init__(self, env: dict[str, str] | None = None) -> None:
         self.env = dict(env or {})
 
-    def launch(self, config: Any, store_root: str | None, in_addr: str, out_addr: str) -> Any:
-        """Start ``run_core`` in a child process; its ``multiprocessing.Process``."""
+    def launch(
+        self,
+        config: Any,
+        store_root: str | None,
+        in_addr: str,
+        out_addr: str,
+        breadcrumb: str | None = None,
+    ) -> Any:
+        """Start ``run_core`` in a child process; its ``multiprocessing.Process``.
+
+        ``breadcrumb``: a file made by ``engine.breadcrumb.create`` for the core to mark.
+        """
         import os
 
-        from loraplex.engine.core_proc import PARENT_PID_ENV
+        from loraplex.engine.core_proc import BREADCRUMB_ENV, PARENT_PID_ENV
 
         env = {**self.env, PARENT_PID_ENV: str(os.getpid())}  # the child exits when we are gone
+        if breadcrumb is not None:
+            env[BREADCRUMB_ENV] = breadcrumb
         proc = multiprocessing.get_context("spawn").Process(
             target=run_core_with_env,
             args=(env, config, store_root, in_addr, out_addr),
@@ -100,8 +112,17 @@ class RayLauncher:
         """
         return self._ray().util.get_node_ip_address()
 
-    def launch(self, config: Any, store_root: str | None, in_addr: str, out_addr: str) -> Any:
+    def launch(
+        self,
+        config: Any,
+        store_root: str | None,
+        in_addr: str,
+        out_addr: str,
+        breadcrumb: str | None = None,
+    ) -> Any:
         """Create a core actor and start its loop; a handle shaped like a ``Process``.
+
+        ``breadcrumb`` is not used: the actor may run on another machine (no shared file).
 
         Raises:
             ConnectionError: (from Ray) the cluster at ``address`` cannot be reached.

@@ -28,14 +28,19 @@ logger = logging.getLogger(__name__)
 
 STATS_EVERY_S = 0.25  # statistics ride on outputs, and go alone at least this often when idle
 HEARTBEAT_EVERY_S = 0.1
+BREADCRUMB_ENV = "LORAPLEX_CORE_BREADCRUMB"
+"""Set by ``engine.core_launch.ProcessLauncher``: the file the core marks with the request it
+runs native code for (``engine.breadcrumb``), read by its client after a crash."""
 PARENT_PID_ENV = "LORAPLEX_CORE_PARENT_PID"
 """Set by ``engine.core_launch.ProcessLauncher``: the heartbeat thread ends the core within
 :data:`HEARTBEAT_EVERY_S` once that process is gone (a SIGKILLed gateway leaves no orphan core
 holding memory, the model and the grammar sandbox's workers)."""
 CRASH_ON_TOKENS_ENV = "LORAPLEX_TEST_CRASH_ON_TOKENS"
-"""Fault injection for tests: comma-separated token ids; a request whose prompt holds them in a
-row kills this process with SIGSEGV when it is admitted, as a native fault would (the
-query-of-death tests, docs/hardening.md). Unset in production."""
+"""Fault injection for tests: ``admit:`` or ``step:`` and comma-separated token ids; a request
+whose prompt holds them in a row kills this process with SIGSEGV when it is admitted (inside its
+breadcrumb: the client knows it for certain) or before the first step that runs it (outside
+any breadcrumb: the client has only its suspects), as a native fault would (the query-of-death
+tests, docs/hardening.md). Unset in production."""
 
 
 def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -> None:
@@ -57,6 +62,7 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
     import zmq
 
     from loraplex.engine import core_wire as wire
+    from loraplex.engine.breadcrumb import Breadcrumb
     from loraplex.engine.core import EngineCore
 
     logging.basicConfig(level=os.environ.get("LORAPLEX_CORE_LOG_LEVEL", "WARNING"))
@@ -68,7 +74,12 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
     push.connect(out_addr)
     enc, dec = wire.encoder(), wire.core_decoder()
 
-    core = EngineCore(config, adapter_loader=_store_loader(store_root, lambda: core))
+    crumb = os.environ.get(BREADCRUMB_ENV)
+    core = EngineCore(
+        config,
+        adapter_loader=_store_loader(store_root, lambda: core),
+        breadcrumb=Breadcrumb(crumb) if crumb else None,
+    )
     model = core.model
     push.send(
         enc.encode(
@@ -122,6 +133,7 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
             outputs = []
             if core.has_unfinished_requests():
                 step_started[0] = time.monotonic()
+                _maybe_crash_in_step(core)
                 outputs = core.step()
                 step_started[0] = 0.0
                 for rid, message, kind in core.take_rejected():  # refused grammars
@@ -173,13 +185,16 @@ _SHUTDOWN = object()
 def _handle(core: Any, msg: Any) -> Any:
     """Apply one client message; the reply to send, if any."""
     from loraplex.engine import core_wire as wire
+    from loraplex.engine.breadcrumb import STEP
     from loraplex.engine.structured_output import StructuredOutputError
 
     if isinstance(msg, wire.AddRequest):
         rid = msg.request.request_id
-        _maybe_crash(msg.request.prompt_token_ids)
         try:
-            core.add_request(msg.request)
+            # Admission handles this request alone: a native fault in it is this request's.
+            with core.breadcrumb.on(STEP, rid):
+                _maybe_crash(msg.request.prompt_token_ids, "admit")
+                core.add_request(msg.request)
         except StructuredOutputError as exc:
             return wire.Rejected(rid, str(exc), "structured")
         except ValueError as exc:
@@ -209,15 +224,25 @@ def _handle(core: Any, msg: Any) -> Any:
     return None
 
 
-def _maybe_crash(prompt: list[int]) -> None:
-    """Die of SIGSEGV if the prompt holds :data:`CRASH_ON_TOKENS_ENV`'s ids (tests only)."""
+def _maybe_crash(prompt: list[int], where: str) -> None:
+    """Die of SIGSEGV if the prompt holds :data:`CRASH_ON_TOKENS_ENV`'s ids for ``where``."""
     marker = os.environ.get(CRASH_ON_TOKENS_ENV)
-    if not marker:
+    if not marker or not marker.startswith(where + ":"):
         return
-    ids = [int(t) for t in marker.split(",")]
+    ids = [int(t) for t in marker.split(":", 1)[1].split(",")]
     n = len(ids)
     if any(prompt[i : i + n] == ids for i in range(len(prompt) - n + 1)):
         os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def _maybe_crash_in_step(core: Any) -> None:
+    """``step:`` fault injection: die before a step that runs a marked request (tests only).
+
+    Outside any breadcrumb, as a fault in the batched forward pass would be.
+    """
+    if os.environ.get(CRASH_ON_TOKENS_ENV, "").startswith("step:"):
+        for request in [s.request for s in core.scheduler.seqs.values()]:
+            _maybe_crash(request.prompt_token_ids, "step")
 
 
 def _stats(core: Any) -> dict[str, int | float | list[int]]:

@@ -48,6 +48,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from loraplex.engine.breadcrumb import STEP, Breadcrumb
 from loraplex.engine.fair_queue import FairQueue, tenant_of
 from loraplex.engine.kv_cache import KVCacheManager, SlotAllocation
 from loraplex.engine.request import EngineRequest
@@ -100,6 +101,8 @@ class Scheduler(Preemption, OutputUpdate):
         draft_model: The runner drafts proposals itself (a draft model): every decode may
             speculate, with ``num_draft_tokens``; otherwise (n-gram) a decode speculates on
             the proposals the last step returned.
+        breadcrumb: Where each call into a sequence's grammar matcher (native code) is marked
+            with its request (``engine.breadcrumb``); marks nothing when None.
 
     Raises:
         ValueError: an unknown preemption policy.
@@ -119,6 +122,7 @@ class Scheduler(Preemption, OutputUpdate):
         lora_manager: Any = None,
         num_speculative_tokens: int = 0,
         draft_model: bool = False,
+        breadcrumb: Breadcrumb | None = None,
     ) -> None:
         if preemption not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption policy {preemption!r}")
@@ -134,6 +138,7 @@ class Scheduler(Preemption, OutputUpdate):
         self.lora_manager = lora_manager
         self.spec_k = num_speculative_tokens
         self.draft_model = draft_model
+        self.breadcrumb = breadcrumb if breadcrumb is not None else Breadcrumb()
         self.spec_stats = SpecDecodeStats()
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
@@ -228,7 +233,8 @@ class Scheduler(Preemption, OutputUpdate):
             seq = self.seqs[item.seq_id]
             self.waiting.charge(tenant_of(seq), item.num_new_tokens, int(item.sample))
             if item.sample and seq.grammar is not None:
-                item.token_bitmask = grammar_bitmask(seq.grammar)
+                with self.breadcrumb.on(STEP, seq.request.request_id):
+                    item.token_bitmask = grammar_bitmask(seq.grammar)
         return out
 
     def _fits(self, seq: Sequence) -> bool:
@@ -389,7 +395,8 @@ class Scheduler(Preemption, OutputUpdate):
         k = min(seq.spec.next_k(), limit)
         masks: list[bytes] = []
         if k > 0 and seq.grammar is not None:
-            masks = speculative_bitmasks(seq.grammar, seq.spec_token_ids[:k])
+            with self.breadcrumb.on(STEP, seq.request.request_id):
+                masks = speculative_bitmasks(seq.grammar, seq.spec_token_ids[:k])
             k = len(masks)
         if k <= 0:
             return none

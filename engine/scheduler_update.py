@@ -9,6 +9,7 @@ the scheduler's queues and KV manager (``self.kv``, ``self.seqs``, ``self.reques
 
 from __future__ import annotations
 
+from loraplex.engine.breadcrumb import STEP
 from loraplex.engine.scheduler_output import (
     EngineCoreOutput,
     Logprob,
@@ -157,7 +158,8 @@ class OutputUpdate:
                 first_scheduled_time=parent.first_scheduled_time,
             )
             if parent.grammar is not None:  # before the parent consumes its own token
-                child.grammar = parent.grammar.deep_copy()
+                with self.breadcrumb.on(STEP, parent.request.request_id):
+                    child.grammar = parent.grammar.deep_copy()
             self.kv.fork(parent.seq_id, child.seq_id)
             if child.request.lora_digest is not None:
                 self.lora_manager.acquire(child.request.lora_digest)  # the parent holds it
@@ -178,7 +180,9 @@ class OutputUpdate:
         stop_reason: int | None = None
         grammar_done = False
         if seq.grammar is not None:
-            if not seq.grammar.consume_token(token):
+            with self.breadcrumb.on(STEP, seq.request.request_id):
+                consumed = seq.grammar.consume_token(token)
+            if not consumed:
                 self.finish(seq, "error")
                 out = core_output(seq, [token], None if logprob is None else [logprob], "error")
                 out.error = "the request failed in structured output"

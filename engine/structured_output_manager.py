@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from loraplex.engine.breadcrumb import COMPILE, Breadcrumb
 from loraplex.engine.grammar_sandbox import (
     GrammarSandbox,
     GrammarSandboxBusyError,
@@ -55,6 +56,8 @@ class StructuredOutputManager:
         eos_token_ids: The ids that end a sequence.
         hf_tokenizer: The tokenizer if the caller has it loaded (saves reading it again).
         sandbox: The grammar sandbox's limits (None: ``SandboxLimits()``'s defaults).
+        breadcrumb: Where each compile is marked with the request that asked for it first
+            (``engine.breadcrumb``, the compile thread's slot); marks nothing when None.
     """
 
     def __init__(
@@ -64,8 +67,10 @@ class StructuredOutputManager:
         eos_token_ids: Iterable[int],
         hf_tokenizer: Any = None,
         sandbox: SandboxLimits | None = None,
+        breadcrumb: Breadcrumb | None = None,
     ) -> None:
         self.model_dir = model_dir
+        self.breadcrumb = breadcrumb if breadcrumb is not None else Breadcrumb()
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.hf_tokenizer = hf_tokenizer
@@ -105,12 +110,14 @@ class StructuredOutputManager:
             if self._compiler is None:
                 self.hf_tokenizer = hf_tokenizer
 
-    def prepare(self, spec: StructuredOutputSpec, tenant: str | None = None) -> Future:
+    def prepare(
+        self, spec: StructuredOutputSpec, tenant: str | None = None, request_id: str = ""
+    ) -> Future:
         """The compiled template matcher of ``spec``, as a future; never blocks.
 
         Done at once when the template is cached, or when the sandbox already refused the spec.
         Otherwise the sandbox vets it (in ``tenant``'s turn) and a background thread compiles
-        it.
+        it, marked with ``request_id`` (the first request that asked for it).
 
         Returns:
             A future of the template (``LLMatcher``; give each sequence a ``deep_copy``). Its
@@ -138,7 +145,7 @@ class StructuredOutputManager:
         except RuntimeError as exc:
             self._settle(digest, future, error=exc)
             return future
-        vetted.add_done_callback(lambda v: self._vetted(spec, digest, future, v))
+        vetted.add_done_callback(lambda v: self._vetted(spec, digest, future, v, request_id))
         return future
 
     def stats(self) -> dict[str, int]:
@@ -153,7 +160,14 @@ class StructuredOutputManager:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ----------------------------------------------------------------------- internals
-    def _vetted(self, spec: StructuredOutputSpec, digest: str, future: Future, vetted: Future):
+    def _vetted(
+        self,
+        spec: StructuredOutputSpec,
+        digest: str,
+        future: Future,
+        vetted: Future,
+        request_id: str,
+    ) -> None:
         error = vetted.exception()
         if error is not None:
             self._settle(digest, future, error=error)
@@ -163,13 +177,17 @@ class StructuredOutputManager:
             self._settle(digest, future, error=StructuredOutputError(vetted.result().error))
         else:
             try:
-                self._compile_pool().submit(self._compile, spec, digest, future)
+                self._compile_pool().submit(self._compile, spec, digest, future, request_id)
             except RuntimeError as exc:  # shut down
                 self._settle(digest, future, error=exc)
 
-    def _compile(self, spec: StructuredOutputSpec, digest: str, future: Future) -> None:
+    def _compile(
+        self, spec: StructuredOutputSpec, digest: str, future: Future, request_id: str
+    ) -> None:
         try:
-            template = self.compiler.template(spec)
+            compiler = self.compiler  # the tokenizer is read outside the mark
+            with self.breadcrumb.on(COMPILE, request_id):
+                template = compiler.template(spec)
         except StructuredOutputError as exc:
             self._settle(digest, future, error=exc)
         except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on

@@ -48,22 +48,54 @@ def test_the_digest_is_the_content_not_the_id_or_tenant():
         assert request_digest(other) != request_digest(a)
 
 
-def test_present_at_two_deaths_is_quarantined(tmp_path):
+def test_a_request_singled_out_at_two_deaths_is_quarantined(tmp_path):
     q = Quarantine(tmp_path / "q.jsonl")
     killer, bystander = Suspect("k" * 64, "evil"), Suspect("b" * 64, "good")
-    first = q.record_death([killer, bystander])
-    q.check(killer.digest, "evil")  # once is not enough
-    assert not q.explained(first)
-    second = q.record_death([killer])
+    first = q.record_death([killer, bystander])  # half of this death each
+    q.check(killer.digest, "evil")
+    second = q.record_death([killer])  # 1.5: not yet
+    q.check(killer.digest, "evil")
+    assert not q.explained(first) and not q.explained(second)
+    third = q.record_death([killer])  # 2.5
     with pytest.raises(QueryOfDeathError):
         q.check(killer.digest, "someone else")  # the body is refused whoever sends it
     q.check(bystander.digest, "good")
-    assert q.explained(first) and q.explained(second)
+    assert q.explained(first) and q.explained(second) and q.explained(third)
     assert q.stats() == {
         "quarantined_requests": 1,
-        "engine_deaths_recorded": 2,
+        "engine_deaths_recorded": 3,
         "quarantine_refusals": 1,
     }
+
+
+def test_a_culprit_named_by_the_breadcrumb_is_quarantined_at_once(tmp_path):
+    q = Quarantine(tmp_path / "q.jsonl")
+    culprit, other = Suspect("c" * 64, "evil"), Suspect("o" * 64, "good")
+    key = q.record_death([culprit, other], culprits=[culprit])
+    assert q.explained(key)
+    with pytest.raises(QueryOfDeathError):
+        q.check(culprit.digest, None)
+    q.check(other.digest, "good")
+    assert Quarantine(tmp_path / "q.jsonl").is_quarantined(culprit.digest)  # persisted
+
+
+def test_an_honest_retry_beside_an_attack_is_not_quarantined(tmp_path):
+    # the review's case: each death, the attacker's new body, a bystander's new request and
+    # the bystander's retried common body (it retries after every 503) are all fresh
+    clock = Clock()
+    q = Quarantine(tmp_path / "q.jsonl", QuarantinePolicy(tenant_deaths=3), clock)
+    common = Suspect("common", "big")
+    for i in range(3):
+        q.record_death([Suspect(f"attack{i}", "evil"), Suspect(f"big{i}", "big"), common])
+        clock.now += 5
+    q.check("common", "big")  # a third of each death: 1 of the 2 it would take
+    q.check("anything", "evil")  # half of each death: 1.5 of 3
+    for i in range(3, 6):
+        q.record_death([Suspect(f"attack{i}", "evil")])  # alone: the attacker's whole
+        clock.now += 5
+    with pytest.raises(TenantThrottledError):
+        q.check("anything", "evil")
+    q.check("common", "big")  # the bystander is neither quarantined nor throttled
 
 
 def test_shared_across_processes_and_restarts(tmp_path):
@@ -93,14 +125,12 @@ def test_a_tenant_whose_requests_keep_dying_is_throttled(tmp_path):
     q = Quarantine(tmp_path / "q.jsonl", policy, clock)
     for i in range(3):  # a new body each time: none is quarantined
         q.check(f"body{i}", "evil")
-        q.record_death([Suspect(f"body{i}", "evil"), Suspect(f"calm{i}", "busy")])
+        q.record_death([Suspect(f"body{i}", "evil")])
         clock.now += 10
     with pytest.raises(TenantThrottledError) as info:
         q.check("body9", "evil")
     assert info.value.retry_after == pytest.approx(50)  # 60 s from the last death, 10 s ago
-    # a bystander with requests in flight at the same unexplained deaths: the same count
-    with pytest.raises(TenantThrottledError):
-        q.check("calm9", "busy")
+    q.check("calm", "busy")  # never a suspect
     clock.now += 60
     q.check("body9", "evil")  # the throttle ran out
     q.record_death([Suspect("body9", "evil")])
@@ -114,11 +144,22 @@ def test_a_tenant_whose_requests_keep_dying_is_throttled(tmp_path):
 def test_deaths_explained_by_a_quarantined_request_blame_its_tenant_only(tmp_path):
     clock = Clock()
     q = Quarantine(tmp_path / "q.jsonl", QuarantinePolicy(tenant_deaths=2), clock)
-    for _ in range(2):  # the same body twice: quarantined, both deaths explained by it
-        q.record_death([Suspect("qod", "evil"), Suspect("b1", "good"), Suspect("b2", "good")])
-    q.check("anything", "good")  # not throttled: those deaths were evil's query
+    for _ in range(2):  # the same body alone twice: quarantined, both deaths explained by it
+        q.record_death([Suspect("qod", "evil")])
+    q.record_death([Suspect("qod", "evil"), Suspect("b1", "good"), Suspect("b2", "good")])
+    q.check("anything", "good")  # the third death is explained by evil's query: not good's
     with pytest.raises(TenantThrottledError):
         q.check("anything", "evil")
+
+
+def test_a_disk_that_cannot_be_written_loses_nothing_in_memory(tmp_path):
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the directory should be")
+    q = Quarantine(blocked / "q.jsonl")
+    key = q.record_death([Suspect("x", "t")], culprits=[Suspect("x", "t")])  # no OSError
+    assert q.explained(key) and q.is_quarantined("x")
+    with pytest.raises(QueryOfDeathError):
+        q.check("x", "t")
 
 
 def test_concurrent_writers_lose_nothing(tmp_path):

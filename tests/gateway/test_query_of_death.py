@@ -10,9 +10,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.core_launch import ProcessLauncher
 from loraplex.engine.core_proc import CRASH_ON_TOKENS_ENV
 from loraplex.engine.quarantine import Quarantine, QuarantinePolicy
-from loraplex.gateway.server.build import start_engine
+from loraplex.gateway.server.process_client import ProcessEngineClient
 from tests.gateway.chat_support import BackgroundStream, long_stream_body, usage_events, wait_for
 from tests.gateway.live import LiveGateway
 
@@ -38,17 +39,29 @@ def marker_ids(model_dir) -> list[int]:
     return marked[start : start + 3]
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_text_dir, tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv(CRASH_ON_TOKENS_ENV, ",".join(map(str, marker_ids(tiny_text_dir))))
+def engine_with_fault(tiny_text_dir, tmp_path_factory, where: str):
+    """A core process that SIGSEGVs on the marker: at admission (its breadcrumb names the
+    request) or before the step that runs it (no breadcrumb: only suspects). The fault is in
+    the launcher's environment, so every restarted core has it too."""
+    marker = where + ":" + ",".join(map(str, marker_ids(tiny_text_dir)))
     data = tmp_path_factory.mktemp("qod")
     quarantine = Quarantine(data / "quarantine.jsonl", QuarantinePolicy(tenant_deaths=3))
     config = EngineConfig(model=str(tiny_text_dir), served_model_name="tiny", num_kv_blocks=128)
-    client = start_engine(config, data / "store", in_process=False, quarantine=quarantine)
+    client = ProcessEngineClient(
+        config,
+        str(data / "store"),
+        "tiny",
+        launcher=ProcessLauncher({CRASH_ON_TOKENS_ENV: marker}),
+        quarantine=quarantine,
+    )
+    return client, data, quarantine
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_text_dir, tmp_path_factory):
+    client, data, quarantine = engine_with_fault(tiny_text_dir, tmp_path_factory, "step")
     yield client, data, quarantine
     client.shutdown()
-    mp.undo()
 
 
 def chat(c, key, text, **extra):
@@ -63,6 +76,7 @@ def chat(c, key, text, **extra):
 
 
 def test_ten_queries_of_death_cost_two_deaths(setup):
+    """A fault outside any breadcrumb (as in the batched forward pass): suspects only."""
     client, data, quarantine = setup
     core = client.core
     with LiveGateway(client, data / "gw") as live:
@@ -115,3 +129,32 @@ def test_ten_queries_of_death_cost_two_deaths(setup):
     again = Quarantine(data / "quarantine.jsonl")
     assert again.stats()["quarantined_requests"] == 1
     assert again.stats()["engine_deaths_recorded"] == 3
+
+
+def test_a_fault_inside_a_breadcrumb_quarantines_its_request_at_the_first_death(
+    tiny_text_dir, tmp_path_factory
+):
+    client, data, quarantine = engine_with_fault(tiny_text_dir, tmp_path_factory, "admit")
+    try:
+        with LiveGateway(client, data / "gw") as live:
+            evil = live.create_tenant("evil")["api_key"]
+            good = live.create_tenant("good")["api_key"]
+            with httpx.Client(base_url=live.base_url, timeout=120) as c:
+                busy = [  # the bystander's requests arrive beside the attack: fresh suspects
+                    BackgroundStream(
+                        live, long_stream_body("tiny"), {"Authorization": f"Bearer {good}"}
+                    ).start()
+                    for _ in range(2)
+                ]
+                r = chat(c, evil, f"Say hello {MARKER} .")
+                assert r.status_code == 503
+                assert wait_for(lambda: c.get("/health").status_code == 200, timeout=120)
+                for stream in busy:
+                    stream.join(60)
+                statuses = [chat(c, evil, f"Say hello {MARKER} .").status_code for _ in range(5)]
+                assert statuses == [400] * 5  # named by its breadcrumb: quarantined at once
+                assert chat(c, good, "Tell me a story").status_code == 200
+        assert client.core.restarts == 1
+        assert quarantine.stats()["quarantined_requests"] == 1  # the attack, not the streams
+    finally:
+        client.shutdown()
