@@ -11,23 +11,10 @@ import pytest
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core_proc import STATS_EVERY_S
 from loraplex.gateway.server.build import start_engine
+from tests.engine.test_grammar_bounds import chain
 from tests.gateway.live import LiveGateway
 
 pytestmark = pytest.mark.slow
-
-
-def chain(links: int, link: str) -> dict:
-    defs = {}
-    for i in range(links):
-        nxt = {"$ref": f"#/$defs/d{i + 1}"} if i + 1 < links else {"type": "integer"}
-        defs[f"d{i}"] = {
-            "anyOf": {"anyOf": [nxt, {"type": "integer"}]},
-            "allOf": {"allOf": [nxt]},
-            "oneOf": {"oneOf": [nxt, {"type": "integer"}]},
-            "items": {"type": "array", "items": nxt},
-            "properties": {"type": "object", "properties": {"a": nxt}},
-        }[link]
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
 def nested(depth: int) -> dict:
