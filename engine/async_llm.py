@@ -32,10 +32,12 @@ class AsyncLLM:
 
     Args:
         config: The engine configuration.
-        engine: An already built engine (tests pass one to share a model), else built here.
+        engine: An already built engine (tests pass one to share a model), else built here;
+            one passed in is left running (its grammar sandbox too) when this one stops.
     """
 
     def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None):
+        self._owns_engine = engine is None  # its helpers stop with this loop only then
         if engine is None:
             if config is None:
                 raise ValueError("AsyncLLM needs a config or an engine")
@@ -216,7 +218,8 @@ class AsyncLLM:
                 if out is not None:
                     self._deliver(rid, out)
             try:
-                self.engine.shutdown()
+                if self._owns_engine:
+                    self.engine.shutdown()
             except Exception:  # noqa: BLE001 - the streams must still end below
                 logger.exception("shutting the engine's helpers down failed")
             if self._dead is None:

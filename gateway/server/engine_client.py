@@ -232,6 +232,7 @@ class LocalEngineClient:
         return self.llm.drain_kv_events()
 
     def shutdown(self) -> None:
-        """See :class:`EngineClient`."""
+        """See :class:`EngineClient` (the engine's grammar sandbox stops too)."""
         self.llm.shutdown()
+        self.llm.engine.shutdown()
         self._workers.shutdown()

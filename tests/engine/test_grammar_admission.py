@@ -138,3 +138,4 @@ def test_async_clients_get_the_refusal_as_an_error(tiny_text_dir):
         asyncio.run(run())
     finally:
         llm.shutdown()
+        engine.shutdown()

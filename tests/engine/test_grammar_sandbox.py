@@ -11,7 +11,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from loraplex.engine.grammar_sandbox import GrammarSandbox, SandboxLimits, Verdict
+from loraplex.engine.grammar_sandbox import GrammarSandbox, SandboxLimits, Verdict, _cpu_seconds
 from loraplex.engine.grammar_worker import allows_any
 from loraplex.engine.structured_output import tokenizer_json
 
@@ -164,11 +164,13 @@ def test_what_is_the_machines_fault_is_not_cached(tokenizer):
         verdict = again.result(60)
         assert not verdict.ok and not verdict.transient  # this time judged on the spec itself
         # a worker killed from outside (the OOM killer) is not the spec's fault either
+        (pid,) = box.worker_pids
+        busy_from = _cpu_seconds(pid)
         other = box.vet("grammar", "start: /b{900000}/")
         deadline = time.monotonic() + 30
-        while not box.worker_pids and time.monotonic() < deadline:
-            time.sleep(0.01)
-        os.kill(box.worker_pids[0], signal.SIGKILL)
+        while _cpu_seconds(pid) < busy_from + 0.05 and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the worker is compiling this job
+        os.kill(pid, signal.SIGKILL)
         assert other.result(60).transient
     finally:
         box.shutdown()
