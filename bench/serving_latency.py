@@ -39,6 +39,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.hostile.live import free_port
+
 ADMIN_KEY = "lpx-admin-bench-serving-latency-0123456789abcdef"
 WORDS = "river bridge mountain story light garden window morning city music paper stone".split()
 
@@ -316,14 +318,6 @@ def main() -> None:
             }
         )
     )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

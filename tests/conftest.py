@@ -10,6 +10,42 @@ import pytest  # noqa: E402
 from loraplex.engine.tiny_model import init_tiny  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: intra-op threads only spin (several times the CPU time). Module-scoped;
+    a folder's conftest makes it autouse where every test runs tiny models in process."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def make_llm():
+    """``make_llm(**EngineConfig fields) -> LLM``: one engine per configuration, session-wide.
+
+    Building an engine takes about a second; modules that ask for the same configuration share
+    one (their tests must leave it clean: no request in flight, every block back). A test that
+    breaks its engine on purpose builds its own.
+    """
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.llm import LLM
+
+    made: dict = {}
+
+    def make(**fields):
+        config = EngineConfig(**fields)
+        if config not in made:
+            made[config] = LLM(config)
+        return made[config]
+
+    yield make
+    for llm in made.values():
+        llm.shutdown()
+
+
 @pytest.fixture(scope="session")
 def llava_dir(tmp_path_factory):
     """The built-in tiny LLaVA (seed 0), as a Hugging Face directory."""

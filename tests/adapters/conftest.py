@@ -26,11 +26,8 @@ MAX_RANK = 16
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _torch_threads(one_torch_thread):
+    """Every module here runs tiny models: one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ from .conftest import long_text, photo, user
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llava_dir):
-    return LLM(EngineConfig(model=tiny_llava_dir, num_kv_blocks=256))
+def llm(tiny_llava_dir, make_llm):
+    return make_llm(model=tiny_llava_dir, num_kv_blocks=256)
 
 
 def assert_clean(llm):

@@ -22,6 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture
 def llm(tiny_text_dir):
+    """An engine of its own per test: these tests break it on purpose (not ``make_llm``'s)."""
     return LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=128, max_num_batched_tokens=512))
 
 

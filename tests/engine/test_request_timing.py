@@ -4,16 +4,14 @@ import time
 
 import pytest
 
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
 
 from .conftest import user
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llava_dir):
-    return LLM(EngineConfig(model=tiny_llava_dir, num_kv_blocks=128))
+def llm(tiny_llava_dir, make_llm):
+    return make_llm(model=tiny_llava_dir, num_kv_blocks=128)
 
 
 def test_queue_time_is_the_wait_before_the_first_admission(llm):

@@ -5,21 +5,19 @@ requests gives each request what it gives alone."""
 import pytest
 import torch
 
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
 
 from .conftest import long_text, spec_flags
 
 
 @pytest.fixture(scope="module", params=["no-spec", "ngram", "draft"])
-def llm(tiny_text_dir, request, tmp_path_factory):
+def llm(tiny_text_dir, request, tmp_path_factory, make_llm):
     """The engine, plain and with speculative decoding.
 
     Each verified position's penalties see the proposals before it as output.
     """
     spec = spec_flags(request.param, tiny_text_dir, tmp_path_factory)
-    return LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=128, **spec))
+    return make_llm(model=tiny_text_dir, num_kv_blocks=128, **spec)
 
 
 PROMPTS = [

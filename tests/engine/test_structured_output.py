@@ -58,8 +58,8 @@ LIST_OF_POINTS = {
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llava_dir):
-    return LLM(EngineConfig(model=tiny_llava_dir, num_kv_blocks=256))
+def llm(tiny_llava_dir, make_llm):
+    return make_llm(model=tiny_llava_dir, num_kv_blocks=256)
 
 
 def msgs(text="Reply in JSON."):

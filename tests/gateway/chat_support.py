@@ -14,6 +14,7 @@ from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.db.models import Adapter, UsageEvent
 from tests.gateway.conftest import with_db
 from tests.media import data_url, encode, long_text, photo, png_bomb  # noqa: F401 - re-exported
+from tests.support import wait_for  # noqa: F401 - re-exported
 
 BLOCK_SIZE = 16
 
@@ -84,16 +85,6 @@ def usage_events(live, api_key: str) -> list[UsageEvent]:
             return list(rows)
 
     return with_db(live.state.config.db_url, body)
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
-    """Poll ``predicate()`` until it returns something truthy; that value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 ADAPTER_TARGETS = ["gate_proj", "up_proj", "down_proj"]  # the language model's MLP only

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,14 +25,9 @@ from loraplex.gateway.server.config import GatewayConfig
 from loraplex.gateway.server.metrics_listener import split_listeners
 from loraplex.gateway.server.startup import bind_listeners
 from loraplex.gateway.server.transport import uvicorn_config
+from tests.support import free_port  # noqa: F401 - re-exported
 
 ADMIN_KEY = "lpx-admin-test-key-0123456789abcdef0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveGateway:

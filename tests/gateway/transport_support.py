@@ -10,6 +10,7 @@ import pytest
 
 from bench.fake_engine import InstantEngine
 from tests.gateway.live import LiveGateway
+from tests.support import wait_for  # noqa: F401 - re-exported
 
 SHORT = 0.5  # the header and body timeouts of these servers (s)
 PATIENCE = 10.0  # how long a test waits for something the server must do
@@ -117,15 +118,6 @@ def assert_408(raw: bytes, code: str) -> None:
     if raw:
         assert raw.startswith(b"HTTP/1.1 408 "), raw
         assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == code
-
-
-def wait_for(predicate, timeout: float = PATIENCE) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def chat_json(text: str = "hi") -> bytes:

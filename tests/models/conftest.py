@@ -10,12 +10,8 @@ from loraplex.engine.models import load_model
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These models are tiny: intra-op threads only spin (several times the CPU time)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _torch_threads(one_torch_thread):
+    """Every module here runs tiny models: one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.bench_run import run_bench
+from tests.bench.runner import run_bench
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ output is a valid prefix of its schema (the bench asserts it), compile times are
 import pytest
 
 from bench.structured import valid_prefix
-from tests.bench_run import run_bench
+from tests.bench.runner import run_bench
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ own process) and a direct engine client, the same streams through both, figures 
 import pytest
 
 from bench.serving_latency import bucket_quantile, percentile, summary
-from tests.bench_run import run_bench
+from tests.bench.runner import run_bench
 
 pytestmark = pytest.mark.slow
 

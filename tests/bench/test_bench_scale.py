@@ -3,7 +3,7 @@ the same workload for each, the figures the issue asks for."""
 
 import pytest
 
-from tests.bench_run import run_bench
+from tests.bench.runner import run_bench
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ asserts it) and the acceptance figures are consistent."""
 
 import pytest
 
-from tests.bench_run import run_bench
+from tests.bench.runner import run_bench
 
 pytestmark = pytest.mark.slow
 

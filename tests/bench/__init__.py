@@ -1,0 +1,1 @@
+"""The benchmarks' smoke tests: each ``bench.*`` driver runs as users run it (``--quick``)."""
