@@ -87,6 +87,7 @@ def _ours(pattern: str, name: str, anchor: str):
 
 
 # --------------------------------------------------------- translation == re
+@pytest.mark.slow
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pattern=st.tuples(st.sampled_from(_FLAGS), regexes()).map("".join), name=names)
 def test_translation_agrees_with_python_re(pattern, name):
@@ -221,6 +222,7 @@ def _our_answers(config: LoraConfig):
     return targeted, ranks
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=lora_configs())
 def test_targets_ranks_and_alphas_agree_with_peft(config):

@@ -61,6 +61,7 @@ def test_a_crashing_grammar_kills_a_worker_and_nothing_else(sandbox):
     assert sandbox.stats["grammar_worker_deaths"] == 1
 
 
+@pytest.mark.slow
 def test_a_grammar_past_its_cpu_time_is_refused(tokenizer):
     box = sandbox_for(tokenizer, cpu_seconds=0.05)
     try:
@@ -71,6 +72,7 @@ def test_a_grammar_past_its_cpu_time_is_refused(tokenizer):
         box.shutdown()
 
 
+@pytest.mark.slow
 def test_a_grammar_past_the_memory_limit_is_refused(tokenizer):
     # a worker takes ~30 MB of address space; this lexer about 250 MB more
     box = sandbox_for(tokenizer, memory_bytes=128 * 1024**2, cpu_seconds=30)
@@ -144,6 +146,7 @@ def test_a_grammar_that_fails_at_its_second_token_is_refused(sandbox):
     assert sandbox.vet("regex", "(yes|no)-[0-9]{3}").result(30).ok
 
 
+@pytest.mark.slow
 def test_what_is_the_machines_fault_is_not_cached(tokenizer):
     box = sandbox_for(tokenizer, cpu_seconds=0.3)  # a 1.8 s wall-clock cap
     try:

@@ -732,6 +732,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+KVCacheMachine.TestCase.pytestmark = [pytest.mark.slow]  # 200 runs of 50 steps: ~3 s
 test_kv_cache_manager_state_machine = KVCacheMachine.TestCase
 
 

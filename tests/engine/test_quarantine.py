@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from loraplex.engine import quarantine as quarantine_module
 from loraplex.engine.quarantine import (
-    COMPACT_LINES,
     Quarantine,
     QuarantinePolicy,
     QueryOfDeathError,
@@ -178,13 +178,14 @@ def test_concurrent_writers_lose_nothing(tmp_path):
         json.loads(line)
 
 
-def test_the_file_is_compacted(tmp_path):
+def test_the_file_is_compacted(tmp_path, monkeypatch):
+    monkeypatch.setattr(quarantine_module, "COMPACT_LINES", 200)
     path = tmp_path / "q.jsonl"
     q = Quarantine(path, QuarantinePolicy(max_deaths=10))
     q.record_death([Suspect("qod", "t")])
     q.record_death([Suspect("qod", "t")])
     other = Quarantine(path)
-    for i in range(COMPACT_LINES + 5):
+    for i in range(quarantine_module.COMPACT_LINES + 5):
         q.record_death([Suspect(f"x{i}", "t")])
     # rewritten once past COMPACT_LINES: the quarantine and the last 10 deaths, then appends
     assert len(path.read_text().splitlines()) < 30

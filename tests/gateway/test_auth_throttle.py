@@ -100,6 +100,7 @@ def gw(tmp_path):
         yield live
 
 
+@pytest.mark.slow
 def test_failed_auth_is_throttled_per_address_before_any_key_work(gw, monkeypatch):
     import loraplex.gateway.server.auth as auth
 

@@ -180,6 +180,7 @@ def test_flush_waits_only_for_events_before_it_under_load(database_url, tmp_path
     assert written_at_flush >= 1 and rows == submitted
 
 
+@pytest.mark.slow
 def test_an_outage_keeps_rows_fails_flushes_fast_and_writes_them_after(
     database_url, tmp_path, caplog
 ):
