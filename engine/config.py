@@ -1,4 +1,4 @@
-"""The engine's frozen configuration (CONTRACT.md's engine flags, one field each)."""
+"""The engine's frozen configuration: one field per engine setting and ``loraplex`` flag."""
 
 from __future__ import annotations
 
@@ -20,131 +20,136 @@ DType = Literal["float32", "bfloat16", "float16"]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine is built from; only the top (``LLM``/``AsyncLLM``) takes it whole.
+    """Everything the engine is built from; only the top (the client front) takes it whole.
 
     A value known only at run time (the model's max length, the pool size from a memory budget)
     makes a new config with :meth:`replace`, never a mutation.
 
-    Attributes:
-        model: Hugging Face model directory (config.json, *.safetensors, tokenizer files).
-        served_model_name: Name clients use for the base model; the directory name when None.
-        device: ``"cpu"`` or ``"cuda"``.
-        dtype: Weights and activations: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
-        seed: Seed of the engine's default sampling generator.
-        block_size: Tokens per KV block.
-        num_kv_blocks: Blocks in the pool; wins over every other sizing field. None: sized
-            from ``kv_cache_memory_bytes``, or from the machine (``engine.kv_sizing``).
-        kv_cache_memory_bytes: Bytes for K and V of all layers when ``num_kv_blocks`` is None;
-            None: a share of the machine's memory (the next two fields).
-        gpu_memory_utilization: CUDA, automatic pool: share of the device's total memory the
-            engine may use; weights and the peak activations of a profiling step come off it
-            and the rest is KV cache (vLLM's flag of the same name).
-        cpu_kv_cache_share: CPU, automatic pool: share of ``MemAvailable`` (read after the
-            weights are loaded) the pool may take, capped at ``max_num_seqs`` sequences of
-            ``max_model_len`` tokens.
-        max_model_len: Longest prompt + output, in tokens; None for the model's own limit.
-        max_num_seqs: Most sequences in one step.
-        max_num_batched_tokens: Token budget of one step (prefill chunks + decodes).
-        long_prefill_token_threshold: In a step that also decodes, the step's prefills do at
-            most this much work, in token-equivalents (a token at context position ``p`` costs
-            ``1 + p / alpha``, ``alpha`` from the model's shapes: attention grows with the
-            context), so long prompts cannot make every decoding sequence's next token wait for
-            thousands of prefill tokens (Sarathi-Serve's stall-free batching; vLLM has a flag of
-            the same name). None: ``max_num_batched_tokens // 4``; 0: no cap.
-        tenant_prefill_tokens: While more than one tenant has work, the step's prefills do at
-            most this much work (token-equivalents): what another tenant's long prompts may add
-            to a step a tenant waits for. None: ``max_num_batched_tokens // 16``; 0: no cap.
-        enable_prefix_caching: Automatic prefix caching.
-        prefix_hash: Block hash algorithm, ``"sha256"`` or ``"xxhash"``.
-        mm_hash: Image key mode: ``"exact"`` (default: SHA-256 of the decoded pixels) or
-            ``"perceptual"`` (re-encodings share KV, but pictures that differ in a digit of
-            text or a small object may too; docs/image_keys.md).
-        max_loras: Device LoRA slots (a step never holds more distinct adapters).
-        max_cpu_loras: Adapters kept in host memory.
-        max_lora_rank: Largest LoRA rank accepted.
-        attention_backend: ``"torch"`` or ``"triton"``.
-        preemption: ``"recompute"`` (free the victim's blocks) or ``"swap"`` (copy its KV to a
-            CPU pool and back).
-        swap_space_bytes: Size of the CPU swap pool.
-        vision_cache_entries: Image encodings kept by image key (LRU).
-        max_images: Most images in one request.
-        max_image_pixels: Most pixels (``width * height``) of one image.
-        max_image_aspect_ratio: Largest longer side over shorter side of one image: CLIP-style
-            processors resize the shorter side to their input size S, so the work is about
-            ``ratio * S**2`` (``hashing.image_decode.DEFAULT_MAX_ASPECT_RATIO``).
-        max_request_image_pixels: Most pixels of all of one request's images together.
-            The image bounds are checked on the images' headers before anything is decoded.
-        speculative_method: ``"ngram"`` (prompt lookup, ``engine.spec_decode.ngram``),
-            ``"draft"`` (a draft model, ``engine.spec_decode.draft``) or None for no
-            speculative decoding.
-        speculative_model: ``draft``: the draft model's directory (a smaller text-only
-            checkpoint with the target's tokenizer).
-        num_speculative_tokens: Most proposals a sequence verifies in one step (the adaptive
-            controller may use fewer: ``engine.spec_decode.adaptive``); None: 4 when a method
-            is set.
-        prompt_lookup_min: ``ngram``: shortest suffix matched.
-        prompt_lookup_max: ``ngram``: longest suffix matched (tried first).
-        num_cpu_threads: Threads torch uses for CPU work in the engine (None: torch's
-            default, every core); replicas sharing one machine split its cores.
-        enable_kv_events: Record KV events (``engine.kv_events``: block hashes stored and
-            removed, adapters loaded and unloaded) for a router; set by the replica set,
-            off for one engine (nobody would drain them).
-        unresponsive_timeout_s: An engine core in its own process that sends nothing (not even
-            its heartbeat, every 0.1 s from a thread of its own) for this long is out of the
-            routing table and ``/health`` until it is heard again.
-        dead_timeout_s: Silent this long, it is declared dead: killed, its requests end with
-            503, and a new one starts (``engine.core_client``).
-        step_timeout_s: A core whose one step has run this long is hung (it still beats, but
-            its loop is stuck): killed and replaced the same way.
-        grammar_workers: Processes of the grammar sandbox (``engine.grammar_sandbox``), which
-            compiles every new structured-output spec before the core does.
-        grammar_cpu_seconds: CPU seconds one spec's compilation may take in the sandbox; past
-            it the spec is refused (a 400) and the worker replaced.
-        grammar_memory_bytes: Address space of one sandbox worker (``RLIMIT_AS``; 0: none).
+    Each field is written once, here: its name, type and default, and the docstring under it.
+    The engine flags of ``loraplex serve`` and ``loraplex generate`` are generated from them
+    (``gateway.commands.engine_args``, as vLLM's ``EngineArgs`` reads its config classes'
+    attribute docstrings): ``block_size`` is ``--block-size``, a ``Literal`` gives the choices,
+    a ``bool`` a ``--x/--no-x`` pair, and the docstring is the flag's help (docs/cli.md).
+
+    Raises:
+        ValueError: on construction, an invalid value or combination (``__post_init__``).
     """
 
     model: str
+    """Hugging Face model directory (config.json, *.safetensors, tokenizer files)."""
     served_model_name: str | None = None
+    """The base model's name in requests' model field and /v1/models. Default: the model
+    directory's name."""
     device: Device = "cpu"
+    """Where the model runs."""
     dtype: DType = "float32"
+    """Weights, activations and KV cache."""
     seed: int = 0
+    """Seed of the sampling of requests that give none."""
     block_size: int = 16
+    """Tokens per KV cache block."""
     num_kv_blocks: int | None = None
+    """KV blocks in the pool; wins over every other sizing setting. Default: sized from memory
+    (``kv_cache_memory_bytes``, docs/kv_sizing.md)."""
     kv_cache_memory_bytes: int | None = None
+    """Bytes of the KV pool (K and V, all layers), e.g. 4GiB, 512MiB or 1073741824. Default:
+    on CUDA, ``gpu_memory_utilization`` of the device less the weights and the peak activations of
+    a profiling step; on CPU, ``cpu_kv_cache_share`` of MemAvailable after the weights, at most
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens."""
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    """CUDA: share of the device's total memory the engine may use; what the weights and the
+    peak activations of a profiling step leave of it is KV cache (vLLM's flag of that name)."""
     cpu_kv_cache_share: float = DEFAULT_CPU_KV_CACHE_SHARE
+    """CPU: share of MemAvailable (read after the weights are loaded) the KV pool may take."""
     max_model_len: int | None = None
+    """Longest prompt + output, in tokens. Default: the model's own limit."""
     max_num_seqs: int = 64
+    """Most sequences in one step."""
     max_num_batched_tokens: int = 2048
+    """Tokens one step computes (prefill chunks + decodes)."""
     long_prefill_token_threshold: int | None = None
+    """While a sequence decodes, a step's prefills do at most this much work, in
+    token-equivalents (a token at context position p costs 1 + p / alpha, alpha from the
+    model's shapes), so long prompts cannot make every decoding sequence's next token wait for
+    thousands of prefill tokens (Sarathi-Serve's stall-free batching; vLLM's flag of that
+    name). Default: ``max_num_batched_tokens`` / 4; 0: no cap."""
     tenant_prefill_tokens: int | None = None
+    """While more than one tenant has work, a step's prefills do at most this much work
+    (token-equivalents): what another tenant's long prompts may add to a step a tenant waits
+    for. Default: ``max_num_batched_tokens`` / 16; 0: no cap."""
     enable_prefix_caching: bool = True
+    """Reuse the KV of earlier requests' identical prefixes (same adapter, images and cache
+    salt)."""
     prefix_hash: Literal["sha256", "xxhash"] = "sha256"
+    """Hash of the prefix cache's block keys (xxhash: faster, not collision-resistant)."""
     mm_hash: Literal["perceptual", "exact"] = "exact"
+    """Image keys for prefix caching: exact (only pixel-identical images share KV) or
+    perceptual (re-encodings share KV, but so can images that differ in a digit of text or a
+    small object; docs/image_keys.md)."""
     max_loras: int = 4
+    """LoRA adapters on the device at once (distinct adapters in one step)."""
     max_cpu_loras: int = 16
+    """Adapters kept in host memory."""
     max_lora_rank: int = 64
+    """Largest LoRA rank accepted (also bounds an upload's size)."""
     attention_backend: Literal["torch", "triton"] = "torch"
+    """Paged attention: torch (any device) or triton (GPU kernels; the gpu extra)."""
     preemption: Literal["recompute", "swap"] = "recompute"
+    """When the KV pool is full: recompute (free a victim's blocks) or swap (copy its KV to
+    host memory and back)."""
     swap_space_bytes: int = 256 * 1024 * 1024
+    """Size of the host-memory pool that swap preemption copies KV to, e.g. 1GiB."""
     vision_cache_entries: int = 256
+    """Image encodings kept by image key (LRU), so a repeated image is encoded once."""
     max_images: int = DEFAULT_MAX_IMAGES
+    """Most images in one request."""
     max_image_pixels: int = DEFAULT_MAX_PIXELS
+    """Most pixels (width * height) of one image, checked on its header before decoding."""
     max_image_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO
+    """Largest longer side over shorter side of one image: CLIP-style processors resize the
+    shorter side to their input size S, so the work is about ratio * S**2."""
     max_request_image_pixels: int = DEFAULT_MAX_REQUEST_IMAGE_PIXELS
+    """Most pixels of all of one request's images together."""
     speculative_method: Literal["ngram", "draft"] | None = None
+    """Speculative decoding: ngram (prompt lookup in the sequence's own tokens) or draft (a
+    smaller model, ``speculative_model``); outputs are the same token for token
+    (docs/speculative.md). Default: off."""
     speculative_model: str | None = None
+    """Draft: the draft model's directory, a text-only checkpoint with the served model's
+    tokenizer. Default: none."""
     num_speculative_tokens: int | None = None
+    """Most proposals a sequence verifies per step, 1-16; each sequence adapts its own count to
+    its acceptance (engine.spec_decode.adaptive). Default: 4 with a ``speculative_method``."""
     prompt_lookup_min: int = 2
+    """Ngram: shortest suffix matched."""
     prompt_lookup_max: int = 4
+    """Ngram: longest suffix matched (tried first)."""
     enable_kv_events: bool = False
+    """Record KV events (engine.kv_events: block hashes stored and removed, adapters loaded
+    and unloaded) for a router; set by the replica set, off for one engine (nobody would drain
+    them)."""
     num_cpu_threads: int | None = None
+    """Threads torch uses for CPU work in the engine. Default: every core for one engine;
+    replicas sharing one machine split its cores."""
     unresponsive_timeout_s: float = 1.0
+    """An engine core process that sends nothing (not even its heartbeat, every 0.1 s from a
+    thread of its own) for this many seconds leaves the routing table and /health until it
+    is heard again."""
     dead_timeout_s: float = 10.0
+    """An engine core process silent this many seconds is killed, its requests end with 503
+    and a new one starts (engine.core_client); at least 1."""
     step_timeout_s: float = 600.0
+    """An engine core in one step for this many seconds is hung (it still beats, but its loop
+    is stuck): killed and replaced the same way."""
     grammar_workers: int = 1
+    """Processes of the grammar sandbox, where every new structured-output schema or regex is
+    compiled before the engine core does (docs/structured_output.md)."""
     grammar_cpu_seconds: float = 5.0
+    """CPU seconds one schema's compilation may take in the sandbox; past it the request gets
+    a 400 and the worker is replaced."""
     grammar_memory_bytes: int = 2 * 1024**3
+    """Address space of one sandbox worker (RLIMIT_AS), e.g. 2GiB; a schema that needs more
+    gets a 400; 0: no limit."""
 
     def __post_init__(self) -> None:
         checks = [

@@ -19,7 +19,6 @@ def register(subparsers) -> None:
     """Add the ``serve`` command."""
     p = subparsers.add_parser("serve", help="run the HTTP gateway and the engine")
     d = GatewayConfig(data_dir=None, db_url="", served_model_name="")  # type: ignore[arg-type]
-    d_engine = EngineConfig(model="")
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="TCP port to listen on")
     p.add_argument(
@@ -48,7 +47,7 @@ def register(subparsers) -> None:
         "every gateway that names it; if Redis fails, each gateway limits on its own until it "
         "answers (default $LORAPLEX_RATE_LIMIT_URL, else in this process)",
     )
-    add_engine_args(p)
+    add_engine_args(p, core_process=True)
     g = p.add_argument_group("limits (per key; a tenant's own limits override them)")
     g.add_argument(
         "--requests-per-minute",
@@ -175,23 +174,6 @@ def register(subparsers) -> None:
         "GPU each with --device cuda (default: child processes of this one)",
     )
     p.add_argument(
-        "--engine-dead-timeout",
-        type=float,
-        default=d_engine.dead_timeout_s,
-        metavar="S",
-        help="an engine core process that sends nothing, not even its heartbeat, for this long "
-        "is killed, its requests end with 503 and a new one starts; silent for 1 s it already "
-        "leaves the routing table and /health (default %(default)s)",
-    )
-    p.add_argument(
-        "--engine-step-timeout",
-        type=float,
-        default=d_engine.step_timeout_s,
-        metavar="S",
-        help="an engine core in one step for this long is hung: killed and replaced the same "
-        "way (default %(default)s)",
-    )
-    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -294,28 +276,28 @@ def add_transport_args(p: argparse.ArgumentParser, d: GatewayConfig) -> None:
 
 
 def serve_engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfig:
-    """The engine config ``serve`` runs: the engine flags, and the core timeouts.
+    """The engine config ``serve`` runs: the engine flags, the core process's timeouts checked.
 
     ``--engine-dead-timeout`` and ``--engine-step-timeout``: how long a silent or stuck engine
-    core process is waited for (``engine.core_client``).
+    core process is waited for (``engine.core_client``); they watch a process, so they are
+    refused with ``--no-engine-process``.
 
     Raises:
         ValueError: an invalid flag or combination.
     """
-    if not args.engine_dead_timeout >= 1.0 or not args.engine_step_timeout > 0:
+    if not args.dead_timeout_s >= 1.0 or not args.step_timeout_s > 0:
         raise ValueError(
             "--engine-dead-timeout must be at least 1 and --engine-step-timeout positive"
         )
     default = EngineConfig(model="")
-    timeouts = (args.engine_dead_timeout, args.engine_step_timeout)
-    if not args.engine_process and timeouts != (default.dead_timeout_s, default.step_timeout_s):
+    timeouts = (args.unresponsive_timeout_s, args.dead_timeout_s, args.step_timeout_s)
+    defaults = (default.unresponsive_timeout_s, default.dead_timeout_s, default.step_timeout_s)
+    if not args.engine_process and timeouts != defaults:
         raise ValueError(
-            "--engine-dead-timeout and --engine-step-timeout watch an engine core process; "
-            "with --no-engine-process there is none"
+            "--engine-unresponsive-timeout, --engine-dead-timeout and --engine-step-timeout "
+            "watch an engine core process; with --no-engine-process there is none"
         )
-    return config_from_args(args, model_dir).replace(
-        dead_timeout_s=args.engine_dead_timeout, step_timeout_s=args.engine_step_timeout
-    )
+    return config_from_args(args, model_dir)
 
 
 def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -> GatewayConfig:

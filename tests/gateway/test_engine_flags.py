@@ -1,0 +1,181 @@
+"""The engine flags are generated from EngineConfig: one field, one flag, one help text."""
+
+import argparse
+import dataclasses
+import typing
+from typing import Literal
+
+import pytest
+
+from loraplex.engine.config import EngineConfig
+from loraplex.gateway.cli import build_parser
+from loraplex.gateway.commands.config_flags import attribute_docs, help_text
+from loraplex.gateway.commands.engine_args import (
+    CORE_PROCESS_FIELDS,
+    FLAG_SPECS,
+    NOT_FLAGS,
+    config_from_args,
+    engine_flag_fields,
+)
+from loraplex.gateway.commands.serve import serve_engine_config
+
+FIELDS = [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+def _actions(command: str) -> dict[str, argparse.Action]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a for a in sub.choices[command]._actions}
+
+
+def test_every_field_has_a_docstring_and_the_specs_name_real_fields():
+    docs = attribute_docs(EngineConfig)
+    assert set(docs) == set(FIELDS)
+    assert all(len(text) > 10 for text in docs.values())
+    assert set(FLAG_SPECS) <= set(FIELDS)
+    assert set(NOT_FLAGS) | set(CORE_PROCESS_FIELDS) <= set(FIELDS)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_field_is_a_flag_with_its_docstring_as_help(command):
+    actions = _actions(command)
+    expected = engine_flag_fields(core_process=command == "serve")
+    assert set(expected) == set(FIELDS) - set(NOT_FLAGS) - (
+        set() if command == "serve" else set(CORE_PROCESS_FIELDS)
+    )
+    docs = attribute_docs(EngineConfig)
+    for name in expected:
+        action = actions[name]
+        flag = action.option_strings[0]
+        assert flag == (
+            FLAG_SPECS[name].flag
+            if name in FLAG_SPECS and FLAG_SPECS[name].flag
+            else "--" + name.replace("_", "-")
+        )
+        first_words = " ".join(docs[name].split()[1:4]).replace("``", "")
+        assert first_words.split()[0] in action.help, (name, action.help)
+        assert action.default == getattr(EngineConfig(model=""), name)
+    if command == "generate":
+        assert not set(CORE_PROCESS_FIELDS) & set(actions)
+
+
+def test_no_flags_give_the_default_config():
+    args = build_parser().parse_args(["serve"])
+    assert config_from_args(args, "m") == EngineConfig(model="m")
+    assert serve_engine_config(args, "m") == EngineConfig(model="m")
+    gen = build_parser().parse_args(["generate", "--input", "a", "--output", "b"])
+    assert config_from_args(gen, "m") == EngineConfig(model="m")
+
+
+def _other_value(name: str, default):
+    """A value other than the default for a field, and how it is written on the command line."""
+    hint = typing.get_type_hints(EngineConfig)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if len(args) == 1 and typing.get_origin(hint) is not Literal else hint
+    if typing.get_origin(base) is Literal:
+        value = next(c for c in typing.get_args(base) if c != default)
+        return value, [value]
+    if name.endswith("_bytes"):
+        return 3 * 1024**3, ["3GiB"]
+    if base is bool:
+        return (not default), []
+    if base is int:
+        value = (default or 0) + 3
+        return value, [str(value)]
+    if base is float:
+        value = (default or 0.0) + 0.25
+        return value, [str(value)]
+    return "elsewhere", ["elsewhere"]
+
+
+@pytest.mark.parametrize("name", engine_flag_fields(core_process=True))
+def test_each_flag_sets_its_field(name):
+    default = getattr(EngineConfig(model=""), name)
+    value, words = _other_value(name, default)
+    action = _actions("serve")[name]
+    flag = action.option_strings[0]
+    if isinstance(value, bool):
+        flag = flag if value else action.option_strings[1]  # --x / --no-x
+    args = build_parser().parse_args(["serve", flag, *words])
+    assert getattr(args, name) == value
+
+
+def test_a_whole_command_line_reaches_the_config():
+    argv = [
+        "serve",
+        "--block-size",
+        "32",
+        "--kv-cache-memory",
+        "1GiB",
+        "--swap-space",
+        "512MiB",
+        "--speculative-method",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        "--prompt-lookup-min",
+        "3",
+        "--prompt-lookup-max",
+        "5",
+        "--max-images",
+        "2",
+        "--no-enable-prefix-caching",
+        "--engine-unresponsive-timeout",
+        "2",
+        "--engine-dead-timeout",
+        "4",
+        "--grammar-memory",
+        "0",
+        "--grammar-timeout",
+        "1.5",
+    ]
+    config = serve_engine_config(build_parser().parse_args(argv), "m")
+    assert config == EngineConfig(
+        model="m",
+        block_size=32,
+        kv_cache_memory_bytes=1024**3,
+        swap_space_bytes=512 * 1024**2,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        prompt_lookup_min=3,
+        prompt_lookup_max=5,
+        max_images=2,
+        enable_prefix_caching=False,
+        unresponsive_timeout_s=2.0,
+        dead_timeout_s=4.0,
+        grammar_memory_bytes=0,
+        grammar_cpu_seconds=1.5,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--kv-cache-memory", "4GB"],  # decimal units are refused, not guessed at
+        ["--device", "tpu"],
+        ["--block-size", "sixteen"],
+    ],
+)
+def test_bad_values_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *argv])
+    assert exc.value.code == 2
+
+
+def test_core_process_timeouts_are_refused_without_a_core_process():
+    args = build_parser().parse_args(
+        ["serve", "--no-engine-process", "--engine-unresponsive-timeout", "3"]
+    )
+    with pytest.raises(ValueError, match="no-engine-process"):
+        serve_engine_config(args, "m")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--engine-dead-timeout", "3"])
+
+
+def test_help_text_names_flags_and_reads_like_the_hand_written_help():
+    flags = {"max_num_seqs": "--max-num-seqs"}
+    assert help_text("Tokens per ``max_num_seqs`` and ``x``.", flags) == (
+        "tokens per --max-num-seqs and x"
+    )
+    assert help_text("CUDA: share.", flags) == "CUDA: share"
+    assert help_text("LoRA adapters.", flags) == "LoRA adapters"
