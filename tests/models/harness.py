@@ -1,4 +1,14 @@
-"""A minimal paged-KV runner for model tests: block pools, shuffled block tables, metadata."""
+"""A minimal paged-KV runner for model tests: block pools, shuffled block tables, metadata.
+
+This re-implements the step-input builder (slot mapping, positions, block tables, query start
+offsets) on purpose, and independently: it is written from the attention metadata's documented
+meaning, not from ``engine``'s model runner, and shares nothing with it but the
+``AttentionMetadata`` type. The model tests (tests/models) thus check a model over a paged
+cache with shuffled, non-contiguous block tables and NaN-filled caches against transformers
+without trusting the runner; the runner's own builder is checked end to end by the engine's
+parity tests (tests/engine), which compare whole generations with transformers and peft. A bug
+in one builder cannot hide one in the other.
+"""
 
 from __future__ import annotations
 
