@@ -102,6 +102,12 @@ def live(engine_client, tmp_path):
     assert engine_client.stats()["kv_blocks_in_use"] == 0, "KV blocks leaked"
 
 
+@pytest.fixture
+def client(live):
+    """An ``openai`` SDK client of a new tenant ``acme`` on the live gateway."""
+    return live.openai(live.create_tenant("acme")["api_key"])
+
+
 @pytest.fixture(scope="session")
 def tiny_adapter(hf_llava, tmp_path_factory):
     """A PEFT adapter for the tiny LLaVA, saved once (``chat_support.make_tiny_adapter``)."""

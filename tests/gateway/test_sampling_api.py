@@ -11,11 +11,6 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 TOKEN = 345  # an ordinary token of the tiny vocabulary
 
 
-@pytest.fixture
-def client(live):
-    return live.openai(live.create_tenant("acme")["api_key"])
-
-
 def _text(engine_client, token, times=1):
     return b"".join(engine_client.token_bytes([token] * times)).decode()
 

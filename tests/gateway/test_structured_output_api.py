@@ -30,11 +30,6 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHE
 MESSAGES = [{"role": "user", "content": "Name a place, as JSON."}]
 
 
-@pytest.fixture
-def client(live):
-    return live.openai(live.create_tenant("acme")["api_key"])
-
-
 def test_json_schema_plain_and_streamed(client):
     r = client.chat.completions.create(
         model=MODEL,

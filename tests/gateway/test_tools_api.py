@@ -32,11 +32,6 @@ SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
-@pytest.fixture
-def client(live):
-    return live.openai(live.create_tenant("acme")["api_key"])
-
-
 def _required(client, seed, **kw):
     """One forced call (``parallel_tool_calls: false``), seeded: the same whatever the batch."""
     return client.chat.completions.create(
