@@ -5,7 +5,7 @@ Run from the repository root::
     python -m bench.image_keys            # full: 20 photos, ~250 near-duplicates, ~800 distinct
     python -m bench.image_keys --quick    # 6 photos, ~80 near-duplicates, fewer candidates
 
-An image key may be used as the default only if it meets BOTH numbers (DESIGN.md, "Image keys";
+An image key may be used as the default only if it meets BOTH numbers (docs/image_keys.md;
 issue 13): 0 colliding pairs on the near-duplicate set (``bench.near_duplicates``: text with one
 character changed at several sizes, fonts and positions; a small object added; a small region
 recoloured; a small object moved; on ``skimage.data`` photos and synthetic scenes at several
@@ -198,7 +198,7 @@ def _is_photo_group(name: str) -> bool:
 
 
 PHOTO_GROUPS = frozenset(("astronaut", "camera", "coffee", "chelsea", "rocket", "coins", "page"))
-KEEP_TARGET = 0.95  # DESIGN.md: a perceptual default must keep >= 95% of re-encodings
+KEEP_TARGET = 0.95  # docs/image_keys.md: a perceptual default must keep >= 95% of re-encodings
 
 
 def main() -> None:

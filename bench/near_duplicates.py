@@ -3,7 +3,7 @@
 Every group holds one base picture and one or more variants that differ from it by a change a
 vision model reads: one character of rendered text, a small object added, a small region
 recoloured, a small object moved. An image key used for prefix caching must give every picture
-of the set its own key (DESIGN.md, "Image keys"): a shared key would serve the KV computed from
+of the set its own key (docs/image_keys.md): a shared key would serve the KV computed from
 one picture to a request about the other (a wrong PIN, a missing object).
 
 Kinds, on real photos from ``skimage.data`` and on synthetic scenes, at several image sizes:

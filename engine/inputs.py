@@ -2,7 +2,8 @@
 
 The prompt comes from the model directory's own processor (LLaVA) or tokenizer (text-only)
 through ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-return_dict=True)`` (CONTRACT.md). Messages are first put in the form the template expects:
+return_dict=True)``, as transformers renders it. Messages are first put in the form the
+template expects:
 string content for a template that renders ``message['content']`` itself, a list of parts for
 one that iterates over the content (detected from the template's syntax tree, as vLLM's
 content-format detection does). ``image_url`` parts must be ``data:`` URLs (never fetched).

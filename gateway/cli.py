@@ -1,6 +1,6 @@
 """The ``loraplex`` command line.
 
-Subcommands register here as their parts land (CONTRACT.md lists the full set: ``serve``,
+Subcommands register here (docs/cli.md and the README say what each does: ``serve``,
 ``generate``, ``tenants``, ``keys``, ``db``, ``model``).
 """
 

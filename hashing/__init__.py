@@ -1,5 +1,5 @@
 """Block hashing for automatic prefix caching, extra keys, and image keys.
 
 Depends only on the standard library, msgpack, xxhash, pillow, imagehash and numpy: never on
-``engine`` (DESIGN.md's import rules).
+``engine`` (docs/architecture.md's import rules).
 """

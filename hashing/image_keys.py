@@ -1,6 +1,6 @@
 """Image keys: the identity an image contributes to a block hash, ``("mm", image_key, offset)``.
 
-Two modes (DESIGN.md, "Image keys"; docs/image_keys.md has the measurements):
+Two modes (docs/image_keys.md has the reasons and the measurements):
 
 - ``exact`` (default): SHA-256 of the decoded pixels and size; any pixel change gives a new key,
   so two pictures share KV only if the model would see the same pixels.

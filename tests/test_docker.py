@@ -108,7 +108,7 @@ def test_command_and_environment_resolve_through_the_cli(compose, dockerfile, mo
     assert args.command == "serve"
     assert args.host == "0.0.0.0" and args.device == "cuda"
     env = service_env(service)
-    # Every LORAPLEX_* variable set must be one the CLI reads (CONTRACT.md's list).
+    # Every LORAPLEX_* variable set must be one the CLI reads (serve's --help names each).
     assert {k for k in env if k.startswith("LORAPLEX_")} <= {
         "LORAPLEX_DB_URL",
         "LORAPLEX_DATA_DIR",

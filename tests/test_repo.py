@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# DESIGN.md: who may import whom (loraplex.<package>; "torch" is a top-level name).
+# docs/architecture.md: who may import whom (loraplex.<package>; "torch" is a top-level name).
 FORBIDDEN = {
     "hashing": {"engine", "gateway", "adapters", "kernels", "torch"},
     "kernels": {"engine", "gateway", "adapters", "hashing"},
@@ -48,7 +48,7 @@ def test_import_rules(package):
         hits = imported_packages(path) & FORBIDDEN[package]
         if hits:
             bad[str(path.relative_to(ROOT))] = sorted(hits)
-    assert not bad, f"imports across DESIGN.md's rules: {bad}"
+    assert not bad, f"imports across docs/architecture.md's rules: {bad}"
 
 
 def test_no_module_imports_a_package_by_its_bare_name():

@@ -1,4 +1,4 @@
-"""``loraplex generate``: offline batch inference, JSONL in, JSONL out (CONTRACT.md)."""
+"""``loraplex generate``: offline batch inference, JSONL in, JSONL out (README: Offline)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``loraplex serve``: the gateway and the engine in one process (CONTRACT.md's main job)."""
+"""``loraplex serve``: the gateway and the engine (the README's main job; docs/cli.md)."""
 
 from __future__ import annotations
 

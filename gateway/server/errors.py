@@ -1,7 +1,7 @@
 """OpenAI's error body on every route, for our errors and for Litestar's own.
 
-Every error response is ``{"error": {"message", "type", "param", "code"}}`` (CONTRACT.md), with
-the status the contract gives: 400 invalid request, 401 bad key, 403 admin route with a tenant
+Every error response is ``{"error": {"message", "type", "param", "code"}}`` (docs/api.md), with
+the status the API documents: 400 invalid request, 401 bad key, 403 admin route with a tenant
 key, 404 unknown model or adapter, 409 name taken, 413 body too large, 429 rate limited (with
 ``Retry-After``), 503 overloaded or engine unavailable. Litestar's default body never reaches a
 client: its HTTP exceptions (validation, 404 route, 405, 413 from the body limit) are

@@ -1,4 +1,4 @@
-"""``/v1/adapters``: a tenant's LoRA adapters (upload, list, get, delete; CONTRACT.md).
+"""``/v1/adapters``: a tenant's LoRA adapters (upload, list, get, delete; docs/adapters.md).
 
 Every route takes a tenant key (``gateway.server.auth``) and sees only that tenant's adapters:
 another tenant's name is a 404, exactly like a name that does not exist. The upload route's body

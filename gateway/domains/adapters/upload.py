@@ -1,12 +1,12 @@
 """The ``POST /v1/adapters`` form: a name and the adapter's two files, loose or in one archive.
 
-``multipart/form-data`` (CONTRACT.md) with ``name`` and either two ``files`` parts, told apart by
-their file names (``adapter_config.json``, ``adapter_model.safetensors``; a client's directory
+``multipart/form-data`` (docs/adapters.md) with ``name`` and either two ``files`` parts, told apart
+by their file names (``adapter_config.json``, ``adapter_model.safetensors``; a client's directory
 prefix is dropped), or one ``archive`` part (see :mod:`gateway.domains.adapters.archive`). Other
-fields and other ``files`` parts are ignored, as the archive ignores other entries; weights
-sent only as a pickle file are refused by name. The body is parsed as it streams, its file parts
-spooled to disk under per-part caps (:mod:`gateway.domains.adapters.form`); the two files are
-read back (or unpacked from the archive) in a worker thread once a processing slot is free.
+fields and other ``files`` parts are ignored, as the archive ignores other entries; weights sent
+only as a pickle file are refused by name. The body is parsed as it streams, its file parts spooled
+to disk under per-part caps (:mod:`gateway.domains.adapters.form`); the two files are read back (or
+unpacked from the archive) in a worker thread once a processing slot is free.
 """
 
 from __future__ import annotations

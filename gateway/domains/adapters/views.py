@@ -1,4 +1,4 @@
-"""Response bodies of the adapter and model routes (CONTRACT.md)."""
+"""Response bodies of the adapter and model routes (docs/adapters.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``/admin/*``: tenants, keys and limits (CONTRACT.md)."""
+"""``/admin/*``: tenants, keys and limits (the admin key only)."""
 
 from loraplex.gateway.domains.admin.controller import AdminController
 

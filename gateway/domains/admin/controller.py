@@ -1,4 +1,4 @@
-"""``/admin/*``: tenants, their keys and limits (the admin key only; CONTRACT.md)."""
+"""``/admin/*``: tenants, their keys and limits (the admin key only; the README shows each)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class AdminController(Controller):
     async def create_tenant(self, request: Request) -> dict[str, Any]:
         """``{"name", "limits"?}`` -> 201 ``{"id", "name", "api_key", "key_id"}`` (the key, once).
 
-        ``key_id`` (beyond CONTRACT.md's three fields) names the key for
+        ``key_id`` (beyond ``tenants create``'s first three fields) names the key for
         ``DELETE /admin/keys/{id}``.
         """
         body = await json_object(request)

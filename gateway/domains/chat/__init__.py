@@ -1,4 +1,4 @@
-"""The generation domain of the HTTP API (CONTRACT.md).
+"""The generation domain of the HTTP API (docs/api.md).
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions``.
 """

@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions``: OpenAI Chat Completions over the engine (CONTRACT.md).
+"""``POST /v1/chat/completions``: OpenAI Chat Completions over the engine (docs/api.md).
 
 Order of checks, and what each failure leaves behind::
 

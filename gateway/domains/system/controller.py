@@ -22,7 +22,7 @@ def health(request: Request) -> Response:
 
 @get("/metrics", opt=ADMIN_ONLY, sync_to_thread=False)
 def metrics(request: Request) -> Response:
-    """Prometheus text exposition (CONTRACT.md names the required series); the admin key only.
+    """Prometheus text exposition (docs/metrics.md lists the series); the admin key only.
 
     It shows every tenant's id and counters, so a tenant key gets 403 and no key 401 (counted
     by the failed-authentication throttle). A scraper without the admin key reads the metrics

@@ -1,4 +1,4 @@
-"""vLLM's tokenizer endpoints and ``GET /version`` (CONTRACT.md)."""
+"""vLLM's tokenizer endpoints and ``GET /version`` (docs/api.md)."""
 
 from loraplex.gateway.domains.tokenize.controller import detokenize, tokenize, version
 

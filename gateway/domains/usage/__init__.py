@@ -1,4 +1,4 @@
-"""The usage domain of the HTTP API (CONTRACT.md): ``GET /v1/usage``."""
+"""The usage domain of the HTTP API (docs/usage.md): ``GET /v1/usage``."""
 
 from loraplex.gateway.domains.usage.controller import get_usage
 

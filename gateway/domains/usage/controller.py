@@ -1,4 +1,4 @@
-"""``GET /v1/usage``: the calling tenant's usage, totals and per model (CONTRACT.md)."""
+"""``GET /v1/usage``: the calling tenant's usage, totals and per model (docs/usage.md)."""
 
 from __future__ import annotations
 
