@@ -4,7 +4,9 @@
 
     step():  sched = scheduler.schedule()                       # what to run
              out   = runner.execute(sched)                      # forward pass + sampling
-             return scheduler.update_from_output(sched, out)    # tokens, finishes
+             outs  = scheduler.update_from_output(sched, out)   # tokens, finishes, KV trims
+             runner.apply_kv_trims(sched.kv_trims)              # the KV manager's trims
+             return outs
 
 Synchronous and single-threaded. The client side (``LLM`` in process, ``AsyncLLM`` on a
 thread, the gateway's engine clients) owns tokenization, detokenization, stop strings and
@@ -41,12 +43,12 @@ from loraplex.engine.lora_backend import select_lora_backend
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.sampler import Sampler
-from loraplex.engine.scheduler import Scheduler
-from loraplex.engine.scheduler_output import EngineCoreOutput
+from loraplex.engine.scheduling.budget import PrefillBudget
+from loraplex.engine.scheduling.output import EngineCoreOutput
+from loraplex.engine.scheduling.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.spec_decode import NgramProposer
 from loraplex.engine.spec_decode.draft import DraftProposer, check_draft
-from loraplex.engine.step_budget import PrefillBudget
 from loraplex.engine.structured_output import StructuredOutputError
 from loraplex.engine.structured_output_manager import StructuredOutputManager
 from loraplex.engine.swap import CpuBlockPool
@@ -379,6 +381,8 @@ class EngineCore:
         elif sched.scheduled:
             self._failing_steps = 0
         outputs = self.scheduler.update_from_output(sched, result)
+        if sched.kv_trims:
+            self.runner.apply_kv_trims(sched.kv_trims)
         self.step_times.append((time.perf_counter() - t0, result.forward_seconds))
         return outputs
 

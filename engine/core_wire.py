@@ -18,7 +18,7 @@ import torch
 from loraplex.adapters.registry import AdapterLimits
 from loraplex.engine.kv_events import KVEvent
 from loraplex.engine.request import EngineRequest
-from loraplex.engine.scheduler_output import EngineCoreOutput
+from loraplex.engine.scheduling.output import EngineCoreOutput
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 

@@ -1,6 +1,6 @@
 """The model runner: owns the paged KV tensors and its own view of each sequence; runs a step.
 
-It is told everything by the ``SchedulerOutput`` (``engine.scheduler_output``): a sequence's
+It is told everything by the ``SchedulerOutput`` (``engine.scheduling.output``): a sequence's
 token ids, block table, sampling params, generator seed, adapter slot and images arrive once
 in a ``NewSeq``; each step brings its new block ids, copy-on-write replacements and image spans.
 It never reads a ``Sequence``, a request or a manager, and answers with a ``ModelRunnerOutput``:
@@ -14,9 +14,12 @@ the sampler. A sequence whose part of the forward pass or of the sampling raises
 
 Speculative decoding (``engine.spec_decode``): a sequence scheduled with proposals computes
 its last token and the proposals in one query of ``1 + k`` positions, the target's token is
-sampled at each, the agreeing prefix is kept (``engine.spec_decode.verify``) and the runner's
-table gives back the blocks past it, as the KV cache manager's ``trim`` does on the
-scheduler's side. After sampling, the proposer offers the next step's proposals.
+sampled at each and the agreeing prefix is kept (``engine.spec_decode.verify``). The blocks past
+it are the KV cache manager's to give back (``KVCacheManager.trim``, in the scheduler's
+``update_from_output``): the runner cuts its table to what the manager kept when the step's
+``SchedulerOutput.kv_trims`` comes back (:meth:`ModelRunner.apply_kv_trims`). After sampling,
+the proposer offers the next step's proposals. A draft model (``engine.spec_decode.draft``)
+is handed each speculating sequence's tokens and table (``DraftInput``), nothing else.
 """
 
 from __future__ import annotations
@@ -36,13 +39,13 @@ from loraplex.engine.request import ImageInput
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.sampling.penalties import TokenHistory, needs_history
 from loraplex.engine.sampling.sampler import Sampler, make_generator
-from loraplex.engine.scheduler_output import (
+from loraplex.engine.scheduling.output import (
     ModelRunnerOutput,
     ScheduledSeq,
     SchedulerOutput,
 )
 from loraplex.engine.spec_decode import NgramProposer, accepted_prefix
-from loraplex.engine.spec_decode.draft import DraftProposer
+from loraplex.engine.spec_decode.draft import DraftInput, DraftProposer
 from loraplex.engine.spec_decode.verify import rewind_generator
 from loraplex.engine.step_isolation import execute_isolating, sample_rows_isolating
 from loraplex.engine.structured_output import apply_token_bitmasks
@@ -173,6 +176,18 @@ class ModelRunner:
                 table.block_ids[logical] = block
             table.append(item.new_block_ids)
 
+    def apply_kv_trims(self, kv_trims: dict[str, int]) -> None:
+        """Cut block tables to the blocks the KV cache manager kept after verification.
+
+        Args:
+            kv_trims: ``seq_id -> blocks kept`` (``SchedulerOutput.kv_trims``, the KV cache
+                manager's trim of rejected proposals' blocks); unknown ids are ignored.
+        """
+        for seq_id, num_blocks in kv_trims.items():
+            st = self.seqs.get(seq_id)
+            if st is not None:
+                del st.table.block_ids[num_blocks:]
+
     def _drop_spec(self, seq_id: str) -> None:
         for proposer in (self.proposer, self.draft):
             if proposer is not None:
@@ -216,7 +231,14 @@ class ModelRunner:
             return result
         items = sched.scheduled
         if self.draft is not None:  # the draft model's proposals, before the target's forward
-            items = self.draft.fill(items, self.seqs)
+            inputs = {
+                item.seq_id: DraftInput(
+                    self.seqs[item.seq_id].token_ids, self.seqs[item.seq_id].table
+                )
+                for item in items
+                if item.num_draft_tokens
+            }
+            items = self.draft.fill(items, inputs)
         step = execute_isolating(self.forward, items)
         for item, exc in step.culprits:
             logger.error("%s failed in the forward pass", item.seq_id, exc_info=exc)
@@ -307,8 +329,7 @@ class ModelRunner:
                 if seq_id in rewinds:
                     rewind_generator(self.generators[seq_id], rewinds[seq_id], kept,
                                      logits.shape[1])  # fmt: skip
-                st.token_ids.extend(tokens)
-                del st.table.block_ids[-(-(item.start + kept) // self.block_size) :]
+                st.token_ids.extend(tokens)  # the table is cut by apply_kv_trims
                 if self.draft is not None:
                     self.draft.verified(seq_id, item.start, len(item.spec_token_ids), kept)
             else:

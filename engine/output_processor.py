@@ -32,7 +32,7 @@ from loraplex.engine.request import (
     RequestOutputKind,
 )
 from loraplex.engine.sampling.detokenizer import IncrementalDetokenizer
-from loraplex.engine.scheduler_output import EngineCoreOutput, Logprob
+from loraplex.engine.scheduling.output import EngineCoreOutput, Logprob
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +172,8 @@ class OutputProcessor:
     ) -> None:
         if core.request_finished:
             state.core_finished = True
-        if core.error is not None and state.error is None:
-            state.error = core.error
+        if core.error is not None and core.finish_reason == "error" and state.error is None:
+            state.error = core.error  # a fault failed it (an abort's error is its reason)
         state.num_cached_tokens = core.num_cached_tokens
         if state.first_scheduled_time is None:
             state.first_scheduled_time = core.first_scheduled_time
@@ -199,7 +199,9 @@ class OutputProcessor:
         if matched is None and core.finish_reason is not None:
             text += out.detokenizer.finish()  # flush; the tail may still hold a stop string
             matched = out.detokenizer.stop_matched
-            out.finish_reason, out.stop_reason = core.finish_reason, core.stop_reason
+            out.finish_reason = core.finish_reason
+            # An abort's reason (its adapter could not be loaded) is the output's stop reason.
+            out.stop_reason = core.error if core.finish_reason == "abort" else core.stop_reason
         if matched is not None:
             if core.finish_reason is None:  # the core runs on: tell it
                 result.finish.append(FinishRequest(state.request.request_id, "stop", matched,

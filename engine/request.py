@@ -1,7 +1,7 @@
 """Requests as the engine takes them, and the outputs its clients return.
 
 The scheduler's sequences are ``engine.sequence``; what crosses the core's step is
-``engine.scheduler_output``.
+``engine.scheduling.output``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class EngineRequest:
         lora_digest: Digest of the LoRA adapter, None for the base model.
         cache_salt: Scopes prefix-cache and vision-cache reuse (the gateway sets the tenant).
         tenant: The fairness group the scheduler shares the engine between
-            (``engine.fair_queue``); None for requests without one (one shared group).
+            (``engine.scheduling.fair_queue``); None for requests without one (one shared group).
         arrival_time: ``time.monotonic()`` at arrival.
         output_kind: What its outputs carry (streaming: ``DELTA``).
     """

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from loraplex.engine.attention.metadata import step_inputs
+from loraplex.engine.kv_cache.block_table import BlockTable
 from loraplex.engine.kv_profile import pool_zeros
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,23 @@ def check_draft(draft: Any, target: Any, max_model_len: int) -> None:
             f"the draft model has {draft.max_position_embeddings} positions, fewer than "
             f"max_model_len {max_model_len}"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class DraftInput:
+    """What the draft model reads of one speculating sequence in a step (the runner builds it).
+
+    Read only: the draft writes neither.
+
+    Attributes:
+        token_ids: The sequence's tokens, at least through its last real token (position
+            ``item.start``).
+        table: Its block table (``engine.kv_cache.BlockTable``), covering the step's
+            ``1 + k`` positions: the draft's pool is indexed by the same block ids.
+    """
+
+    token_ids: Sequence[int]
+    table: BlockTable
 
 
 class DraftProposer:
@@ -106,13 +126,13 @@ class DraftProposer:
         self.draft_len.pop(seq_id, None)
 
     @torch.inference_mode()
-    def fill(self, items: list[Any], seqs: dict[str, Any]) -> list[Any]:
+    def fill(self, items: list[Any], inputs: Mapping[str, DraftInput]) -> list[Any]:
         """Draft the proposals of the step's speculating sequences.
 
         Args:
             items: The step's ``ScheduledSeq``s; those with ``num_draft_tokens = k > 0`` have
                 ``1 + k`` positions scheduled and get ``k`` proposals.
-            seqs: The runner's per-sequence state (``token_ids``, ``table``).
+            inputs: ``seq_id -> DraftInput`` for each of those.
 
         Returns:
             ``items`` with ``spec_token_ids`` filled in where drafted (copies; the others as
@@ -122,7 +142,7 @@ class DraftProposer:
             slots are still given back).
         """
         try:
-            proposals = self._propose(items, seqs)
+            proposals = self._propose(items, inputs)
         except Exception:
             logger.exception("the draft model failed; this step does not speculate")
             proposals = {}
@@ -135,13 +155,13 @@ class DraftProposer:
             for item in items
         ]
 
-    def _propose(self, items: list[Any], seqs: dict[str, Any]) -> dict[str, list[int]]:
+    def _propose(self, items: list[Any], inputs: Mapping[str, DraftInput]) -> dict[str, list[int]]:
         chunks, rows, drafting = [], [], []
         row, room = 0, self.max_catch_up_tokens
         for item in items:
             if not item.num_draft_tokens or room <= 0:
                 continue
-            st = seqs[item.seq_id]
+            st = inputs[item.seq_id]
             begin = min(self.draft_len.get(item.seq_id, 0), item.start)
             end = min(item.start + 1, begin + room)
             chunks.append((st.token_ids[begin:end], begin, st.table))
@@ -160,7 +180,8 @@ class DraftProposer:
             if not drafting:
                 break
             chunks = [
-                ([proposals[i.seq_id][-1]], i.start + step, seqs[i.seq_id].table) for i in drafting
+                ([proposals[i.seq_id][-1]], i.start + step, inputs[i.seq_id].table)
+                for i in drafting
             ]
             next_ids = self._forward(chunks, list(range(len(drafting))))
         return proposals

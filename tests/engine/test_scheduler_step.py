@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.engine.scheduler import Scheduler
-from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from loraplex.engine.scheduling.budget import PrefillBudget
+from loraplex.engine.scheduling.output import ModelRunnerOutput, SchedulerOutput
+from loraplex.engine.scheduling.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence
-from loraplex.engine.step_budget import PrefillBudget
 from loraplex.hashing.request_hasher import RequestBlockHasher
 
 BLOCK = 4

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from loraplex.engine.fair_queue import FairQueue, tenant_of
+from loraplex.engine.scheduling.fair_queue import FairQueue, tenant_of
 from loraplex.engine.sequence import Sequence
 
 

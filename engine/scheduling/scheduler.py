@@ -15,16 +15,17 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
    cached; ``swap``: its KV is copied to the CPU pool first) until it fits or the sequence
    itself was the one preempted.
 2. If nothing was preempted in 1, waiting sequences are admitted in virtual-token-counter order
-   (``engine.fair_queue``: the oldest waiting sequence of the tenant that has received the least
-   service; first come, first served within a tenant and when there are no tenants): prefix
-   lookup, then room for as much of the rest as the budget allows (chunked prefill). The first
-   one that does not fit stops admission (no overtaking), as does ``max_num_seqs``, and a
-   sequence whose adapter cannot get a device slot (every slot held by running sequences).
+   (``engine.scheduling.fair_queue``: the oldest waiting sequence of the tenant that has
+   received the least service; first come, first served within a tenant and when there are no
+   tenants): prefix lookup, then room for as much of the rest as the budget allows (chunked
+   prefill). The first one that does not fit stops admission (no overtaking), as does
+   ``max_num_seqs``, and a sequence whose adapter cannot get a device slot (every slot held
+   by running sequences).
    Admission takes a reference on the adapter's slot, finishing or preemption drops it, so
    the running sequences, and so every step, never hold more distinct adapters than slots;
    and since nothing overtakes, requests waiting for a slot are served in that order across
    adapters (no starvation).
-   Prefill work is shared between tenants within each step (``engine.step_budget``), so a
+   Prefill work is shared between tenants within each step (``engine.scheduling.budget``), so a
    newcomer's short prompt is computed in the step it is admitted and another tenant's long
    prompts cannot stretch every decoder's step.
 3. The step's sequences are put in batch order grouped by adapter (a stable sort, base model
@@ -33,12 +34,19 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
    activations in place, with no gather or scatter. Each tenant's counter is charged with the
    step's tokens.
 
-The step is one-way (``engine.scheduler_output``): :meth:`Scheduler.schedule` says everything the
-model runner needs (new sequences, new block ids, copy-on-write copies, LoRA slots, image spans,
-forks), and :meth:`Scheduler.update_from_output` is the one writer of what the step produced:
-token ids, block hashes, status and finish reasons (EOS, stop token ids, ``max_tokens``, the
-model length, the ``n > 1`` fork, faults). Stop strings are found by the client side's output
-processor, whose hit comes back through :meth:`Scheduler.finish_request`.
+The step is one-way (``engine.scheduling.output``): :meth:`Scheduler.schedule` says everything
+the model runner needs (new sequences, new block ids, copy-on-write copies, LoRA slots, image
+spans, forks), and :meth:`Scheduler.update_from_output` is the one writer of what the step
+produced: token ids, block hashes, status and finish reasons (EOS, stop token ids,
+``max_tokens``, the model length, the ``n > 1`` fork, faults), and the KV manager's trim of a
+speculating sequence's rejected proposals, which the step's output carries to the runner
+(``SchedulerOutput.kv_trims``). Stop strings are found by the client side's output processor,
+whose hit comes back through :meth:`Scheduler.finish_request`.
+
+The scheduler is composed, not mixed: it owns a :class:`Preemptor` (``engine.scheduling.
+preemption``: victims, recompute, swap) and an :class:`OutputApplier`
+(``engine.scheduling.output_applier``: appends, finish rules, speculative trims, fork
+children), each built here with what it uses and nothing of the scheduler's.
 """
 
 from __future__ import annotations
@@ -49,22 +57,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.engine.breadcrumb import STEP, Breadcrumb
-from loraplex.engine.fair_queue import FairQueue, tenant_of
 from loraplex.engine.kv_cache import KVCacheManager, SlotAllocation
 from loraplex.engine.request import EngineRequest
-from loraplex.engine.scheduler_output import (
+from loraplex.engine.scheduling.budget import PrefillBudget
+from loraplex.engine.scheduling.fair_queue import FairQueue, tenant_of
+from loraplex.engine.scheduling.output import (
     EngineCoreOutput,
     ImageSpan,
+    ModelRunnerOutput,
     NewSeq,
     ScheduledSeq,
     SchedulerOutput,
 )
-from loraplex.engine.scheduler_preempt import Preemption
-from loraplex.engine.scheduler_update import OutputUpdate, core_output
+from loraplex.engine.scheduling.output_applier import OutputApplier, core_output
+from loraplex.engine.scheduling.preemption import Preemptor
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.spec_decode import AdaptiveK, SpecDecodeStats
 from loraplex.engine.spec_decode.adaptive import DRAFT_MAX_FAILED_PROBES
-from loraplex.engine.step_budget import PrefillBudget
 from loraplex.engine.structured_output import grammar_bitmask, speculative_bitmasks
 from loraplex.engine.swap import CpuBlockPool
 
@@ -78,13 +87,27 @@ class _RequestSeqs:
     forked: bool = False
 
 
-class Scheduler(Preemption, OutputUpdate):
-    """Waiting and running queues over one KV cache manager.
+class Scheduler:
+    """Waiting and running queues over one KV cache manager (vLLM v1's ``Scheduler``).
+
+    Who writes what (the rule the members keep):
+
+    - A sequence moves between queues only through the scheduler's transitions: :meth:`add`
+      (``WAITING``), admission in :meth:`schedule` (``RUNNING``), :meth:`_preempt`
+      (``PREEMPTED``, back at the front of the waiting queue: fairness, a short pool, a
+      requeue after a fault) and :meth:`finish` (``FINISHED``). The :class:`Preemptor` only
+      chooses victims and moves their KV; it reports, the transition applies.
+    - What a step produced is written by :meth:`update_from_output` alone, through its
+      :class:`OutputApplier` (called from nowhere else): token ids, block hashes, computed
+      tokens, finish decisions (applied through :meth:`finish`), speculative trims (carried
+      to the runner in ``SchedulerOutput.kv_trims``), fork children.
+    - Between steps only the client's :meth:`finish_request` (abort, a stop string) and
+      :meth:`add` change anything.
 
     Args:
         kv: The KV cache manager.
         max_num_seqs: Most sequences running at once.
-        budget: The per-step prefill allowance (``engine.step_budget``).
+        budget: The per-step prefill allowance (``engine.scheduling.budget``).
         max_loras: Most distinct adapters in one step.
         max_model_len: Longest sequence; reaching it finishes one with ``"length"``.
         eos_token_ids: Tokens that finish a sequence with ``"stop"`` (unless ``ignore_eos``).
@@ -103,6 +126,13 @@ class Scheduler(Preemption, OutputUpdate):
             the proposals the last step returned.
         breadcrumb: Where each call into a sequence's grammar matcher (native code) is marked
             with its request (``engine.breadcrumb``); marks nothing when None.
+
+    Attributes:
+        preemptor: Victim choice and the KV side of preemption (``engine.scheduling.
+            preemption``).
+        output_applier: Applies a step's result for :meth:`update_from_output`
+            (``engine.scheduling.output_applier``).
+        spec_stats: Proposals verified and accepted so far.
 
     Raises:
         ValueError: an unknown preemption policy.
@@ -124,34 +154,54 @@ class Scheduler(Preemption, OutputUpdate):
         draft_model: bool = False,
         breadcrumb: Breadcrumb | None = None,
     ) -> None:
-        if preemption not in ("recompute", "swap"):
-            raise ValueError(f"unknown preemption policy {preemption!r}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.budget = budget
         self.max_num_batched_tokens = budget.max_num_batched_tokens
         self.max_loras = max_loras
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.preemption = preemption
-        self.cpu_pool = cpu_pool
         self.lora_manager = lora_manager
         self.spec_k = num_speculative_tokens
         self.draft_model = draft_model
         self.breadcrumb = breadcrumb if breadcrumb is not None else Breadcrumb()
         self.spec_stats = SpecDecodeStats()
+        self.preemptor = Preemptor(kv, policy=preemption, cpu_pool=cpu_pool)
+        self.output_applier = OutputApplier(
+            kv,
+            eos_token_ids=eos_token_ids,
+            max_model_len=max_model_len,
+            spec_stats=self.spec_stats,
+            breadcrumb=self.breadcrumb,
+        )
         self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence
         self.requests: dict[str, _RequestSeqs] = {}
-        self.swap_tables: dict[str, list[int]] = {}  # seq_id -> CPU blocks of a swapped seq
-        self.num_preemptions = 0
-        self.num_swapped_out = 0
         self._dropped: list[str] = []  # preempted since the last step: the runner drops them
         self._finished: list[str] = []  # finished since the last step
         self._pending: list[EngineCoreOutput] = []  # outputs of sequences finished in schedule
 
-    # ----------------------------------------------------------------------------- queues
+    # ------------------------------------------------------------------------ figures
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions so far (the preemptor's count)."""
+        return self.preemptor.num_preemptions
+
+    @property
+    def num_swapped_out(self) -> int:
+        """Preemptions whose KV went to the CPU pool."""
+        return self.preemptor.num_swapped_out
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The EOS ids of the finish rules (the output applier's)."""
+        return self.output_applier.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: Iterable[int]) -> None:
+        self.output_applier.eos_token_ids = frozenset(ids)
+
+    # ----------------------------------------------------------------- transitions
     def add(self, seq: Sequence) -> None:
         """Queue a new request's first sequence (at the back of its tenant's queue)."""
         seq.status = SequenceStatus.WAITING
@@ -160,7 +210,13 @@ class Scheduler(Preemption, OutputUpdate):
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Take a sequence out of the queues and release its blocks (and adapter slot) at once."""
+        """Take a sequence out of the queues and release its blocks (and adapter slot) at once.
+
+        Args:
+            seq: The sequence (a finished one is left alone).
+            reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``.
+            stop_reason: The stop token id or stop string that finished it.
+        """
         if seq.is_finished:
             return
         if seq in self.running:
@@ -173,9 +229,7 @@ class Scheduler(Preemption, OutputUpdate):
             except ValueError:
                 pass
         self.kv.free(seq.seq_id)
-        cpu_blocks = self.swap_tables.pop(seq.seq_id, None)
-        if cpu_blocks and self.cpu_pool is not None:
-            self.cpu_pool.free(cpu_blocks)
+        self.preemptor.forget(seq.seq_id)
         seq.swapped = False
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -210,15 +264,58 @@ class Scheduler(Preemption, OutputUpdate):
                 done.append(seq)
         return done
 
-    def requeue(self, seq: Sequence) -> None:
-        """Preempt a running sequence to recompute it (its step's result is discarded)."""
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, *, allow_swap: bool = True) -> None:
+        """Move a running sequence back to the front of the waiting queue (``PREEMPTED``).
+
+        The one path to preemption (fairness, a short pool, a requeue after a fault): the
+        preemptor releases (or swaps out) its blocks, the sequence forgets its computed tokens
+        unless swapped, and the runner is told to drop it.
+        """
         self.running.remove(seq)
         self.waiting.stopped(seq)
-        self._preempt(seq, SchedulerOutput(), allow_swap=False)
+        self._release_lora(seq)
+        swapped = self.preemptor.evict(seq, out, allow_swap=allow_swap)
+        seq.spec_token_ids = []
+        seq.swapped = swapped
+        if not swapped:
+            seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        if seq.known_to_runner:
+            seq.known_to_runner = False
+            self._dropped.append(seq.seq_id)
+        self.waiting.appendleft(seq)
+
+    def _cap(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Finish with ``"length"`` a sequence the pool can never hold (reported this step)."""
+        self.finish(seq, "length")
+        out.capped.append(seq.seq_id)
+        self._pending.append(core_output(seq, [], None, "length"))
+
+    def _fork(self, parent: Sequence, fork_ids: tuple[str, ...]) -> list[Sequence]:
+        """Fork an ``n > 1`` request's sequence into ``n`` running ones sharing its blocks."""
+        state = self.requests[parent.request.request_id]
+        children = [parent]
+        for i, child_id in enumerate(fork_ids[1:], start=1):
+            child = self.output_applier.fork_child(parent, child_id, i)
+            if child.request.lora_digest is not None:
+                self.lora_manager.acquire(child.request.lora_digest)  # the parent holds it
+            self.running.insert(self.running.index(children[-1]) + 1, child)
+            self.waiting.started(child)
+            self.seqs[child_id] = child
+            children.append(child)
+        state.seqs = children
+        state.forked = True
+        return children
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step (see the module docstring)."""
+        """Decide the next step (see the module docstring).
+
+        Returns:
+            Everything the runner needs for the step; sequences finished while scheduling (an
+            adapter that cannot load, a sequence the pool can never hold) are reported by the
+            next :meth:`update_from_output`.
+        """
         out = SchedulerOutput()
         out.dropped_seq_ids, self._dropped = self._dropped, []
         out.finished_seq_ids, self._finished = self._finished, []
@@ -236,6 +333,57 @@ class Scheduler(Preemption, OutputUpdate):
                 with self.breadcrumb.on(STEP, seq.request.request_id):
                     item.token_bitmask = grammar_bitmask(seq.grammar)
         return out
+
+    def _preempt_for_fairness(self, out: SchedulerOutput) -> None:
+        """Step 0: if the fair head is blocked, preempt one sequence of an over-served tenant.
+
+        The victim is the preemptor's choice (``Preemptor.fairness_victim``).
+        """
+        head = self.waiting.peek()
+        if head is None or not self.running:
+            return
+        if len(self.running) < self.max_num_seqs and self._fits(head):
+            return
+        victim = self.preemptor.fairness_victim(head, self.running, self.waiting, self.max_num_seqs)
+        if victim is not None:
+            self._preempt(victim, out)
+
+    def _allocate_or_preempt(
+        self, seq: Sequence, num_new: int, out: SchedulerOutput
+    ) -> SlotAllocation | None:
+        """Allocate for a running sequence, preempting the newest ones until it fits.
+
+        Returns:
+            The allocation; None when the sequence itself was preempted, or capped (alone and
+            still no room: every other block is free or evictable, so the pool can never hold
+            its next token; preempting it would only re-admit it forever, a livelock).
+        """
+        while True:
+            alloc = self.kv.allocate_slots(
+                seq.seq_id,
+                num_new,
+                num_computed_tokens=seq.num_computed_tokens,
+                block_hashes=seq.hasher.block_hashes,
+            )
+            if alloc is not None:
+                return alloc
+            if self.running[-1] is seq and len(self.running) == 1:
+                self._cap(seq, out)
+                return None
+            victim = self.preemptor.room_victim(self.running)
+            self._preempt(victim, out)
+            if victim is seq:
+                return None
+
+    def _swap_in(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        """Admit a swapped sequence: fresh device blocks, KV copied back from the CPU pool."""
+        restored = seq.num_computed_tokens
+        num_new = min(seq.num_tokens - restored, budget)
+        if not self.preemptor.swap_in(seq, num_new, out):
+            return False
+        seq.swapped = False
+        self._record(out, seq, restored, num_new, SlotAllocation())
+        return True
 
     def _fits(self, seq: Sequence) -> bool:
         """Whether the pool has free (or evictable) blocks for the sequence's first chunk."""
@@ -308,11 +456,11 @@ class Scheduler(Preemption, OutputUpdate):
             if lora is not None and lora not in step_loras and len(step_loras) >= self.max_loras:
                 break
             if lora is not None:
-                got = self._acquire_lora(seq)
-                if got is None:  # the adapter is gone: fail this request, go on
+                got, error = self._acquire_lora(seq)
+                if error is not None:  # the adapter is gone: fail this request, go on
                     self.finish(seq, "abort")
                     out.failed.append(seq.seq_id)
-                    self._pending.append(core_output(seq, [], None, "abort", seq.stop_reason))
+                    self._pending.append(core_output(seq, [], None, "abort", error=error))
                     continue
                 if not got:
                     break
@@ -421,23 +569,21 @@ class Scheduler(Preemption, OutputUpdate):
         """
         if self.running or out.scheduled:
             return False
-        self.finish(seq, "length")
-        out.capped.append(seq.seq_id)
-        self._pending.append(core_output(seq, [], None, "length"))
+        self._cap(seq, out)
         return True
 
-    def _acquire_lora(self, seq: Sequence) -> bool | None:
+    def _acquire_lora(self, seq: Sequence) -> tuple[bool, str | None]:
         """Take a slot for the sequence's adapter.
 
         Returns:
-            True on success, False when every slot is busy, None when the adapter cannot be
-            loaded (removed, or its files invalid): the reason goes to ``seq.stop_reason``.
+            ``(True, None)`` on success, ``(False, None)`` when every slot is busy,
+            ``(False, message)`` when the adapter cannot be loaded (removed, or its files
+            invalid): the message travels in the request's output ``error``.
         """
         try:
-            return self.lora_manager.acquire(seq.request.lora_digest) is not None
+            return self.lora_manager.acquire(seq.request.lora_digest) is not None, None
         except ValueError as exc:  # AdapterError
-            seq.stop_reason = str(exc)
-            return None
+            return False, str(exc)
 
     def _release_lora(self, seq: Sequence) -> None:
         if seq.request.lora_digest is not None and self.lora_manager is not None:
@@ -491,6 +637,93 @@ class Scheduler(Preemption, OutputUpdate):
             images=seq.request.images,
             cache_salt=seq.request.cache_salt,
         )
+
+    # ------------------------------------------------------------------------- update
+    def update_from_output(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply what a step produced: the one writer of tokens, hashes, status and finishes.
+
+        For each sampling sequence: its token (or, at an ``n > 1`` request's first token, one
+        per fork) is appended and hashed, and the sequence finishes on a stop token id, EOS
+        (unless ``ignore_eos``), ``max_tokens`` or the model length. A speculating sequence
+        keeps its accepted proposals and the target's token; the KV manager trims the blocks
+        of the rejected ones, and the trim is recorded in ``sched.kv_trims`` for the runner
+        (``ModelRunner.apply_kv_trims``). A sequence whose part of the step failed
+        (``result.failed``) fails its whole request with ``"error"``; the blocks it was
+        filling lose their cached hashes (their KV may be half written), and a sequence of the
+        step holding one of them (a prefix hit taken this step) is requeued to be recomputed,
+        its token discarded.
+
+        Args:
+            sched: The step's plan, as :meth:`schedule` returned it.
+            result: What the runner produced for it.
+
+        Returns:
+            One output per sequence that produced a token or finished (those finished while
+            scheduling included).
+        """
+        applier = self.output_applier
+        outputs, self._pending = self._pending, []  # finished while scheduling
+        by_id = {item.seq_id: item for item in sched.scheduled}
+        bad_blocks = self._fail(result.failed, by_id, outputs)
+        for item in sched.scheduled:
+            seq = self.seqs.get(item.seq_id)
+            if seq is None or seq.is_finished:  # failed (or aborted) meanwhile
+                continue
+            if bad_blocks and bad_blocks.intersection(self.kv.get_block_ids(seq.seq_id)):
+                self._preempt(seq, SchedulerOutput(), allow_swap=False)  # requeue: recompute
+                continue
+            tokens = result.sampled.get(item.seq_id) if item.sample else None
+            logprobs = result.logprobs.get(item.seq_id)
+            if item.num_spec_tokens and tokens:
+                counted = item.seq_id not in result.undrafted
+                out, kept_blocks = applier.verified(seq, item, tokens, logprobs, counted)
+                if kept_blocks is not None:
+                    sched.kv_trims[item.seq_id] = kept_blocks
+                outputs.append(self._apply_finish(seq, out))
+                continue
+            applier.advance(seq, item)
+            if not tokens:
+                continue
+            targets = self._fork(seq, item.fork_ids) if item.fork_ids else [seq]
+            for k, target in enumerate(targets):
+                out = applier.append(target, tokens[k], logprobs[k] if logprobs else None)
+                outputs.append(self._apply_finish(target, out))
+        for seq_id, proposals in result.spec_token_ids.items():
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                seq.spec_token_ids = proposals
+        for out in outputs:
+            out.request_finished = out.request_id not in self.requests
+        return outputs
+
+    def _apply_finish(self, seq: Sequence, out: EngineCoreOutput) -> EngineCoreOutput:
+        """Finish the sequence if the applier decided so on its output."""
+        if out.finish_reason is not None:
+            self.finish(seq, out.finish_reason, out.stop_reason)
+        return out
+
+    def _fail(
+        self, failed: dict[str, str], by_id: dict[str, ScheduledSeq], outputs: list
+    ) -> set[int]:
+        """Fail the requests of sequences whose part of the step raised; their fresh blocks."""
+        bad_blocks: set[int] = set()
+        requests: dict[str, str] = {}
+        for seq_id, where in failed.items():
+            seq = self.seqs.get(seq_id)
+            if seq is None:
+                continue
+            bad_blocks.update(self.output_applier.uncache_failed(seq_id, by_id.get(seq_id)))
+            requests.setdefault(seq.request.request_id, where)
+        for rid, where in requests.items():
+            state = self.requests.get(rid)
+            for seq in list(state.seqs) if state is not None else []:
+                if not seq.is_finished:
+                    self.finish(seq, "error")
+                    error = f"the request failed in {where}"
+                    outputs.append(core_output(seq, [], None, "error", error=error))
+        return bad_blocks
 
 
 def _image_spans(seq: Sequence, start: int, end: int) -> list[ImageSpan]:

@@ -7,11 +7,15 @@ vLLM v1's contract at nano-vllm's size::
     ModelRunner.execute(sched)      -> ModelRunnerOutput (sampled ids and logprobs per sequence)
     Scheduler.update_from_output()  -> list[EngineCoreOutput]  (the one writer of tokens,
                                                           hashes, status and finish reasons)
+    ModelRunner.apply_kv_trims(sched.kv_trims)           (speculative decoding: the KV
+                                                          manager's trim, for the runner)
 
 The runner keeps its own per-sequence state (block table, token ids, sampling params,
 generator) from the :class:`NewSeq` it is sent once and the per-step :class:`ScheduledSeq`
 updates; nothing downstream calls back into the scheduler, the KV cache manager or the LoRA
-manager during a step.
+manager during a step. Every change to a runner's block table comes from the scheduler's side:
+the new blocks and copy-on-write replacements of ``ScheduledSeq``, and after verification the
+KV manager's trim (``SchedulerOutput.kv_trims``, filled in by ``update_from_output``).
 """
 
 from __future__ import annotations
@@ -141,6 +145,11 @@ class SchedulerOutput:
         failed: Sequences finished without running (their adapter could not be loaded).
         capped: Sequences finished with ``"length"`` because the pool cannot hold their next
             token (they ran alone and still did not fit).
+        kv_trims: Speculative decoding, filled in by ``Scheduler.update_from_output`` after the
+            step ran: ``seq_id -> blocks its table keeps``, for each sequence whose rejected
+            proposals' blocks the KV cache manager gave back (``KVCacheManager.trim``). The
+            runner cuts its tables to these lengths (``ModelRunner.apply_kv_trims``) before
+            the next step; it never works the trim out itself.
     """
 
     new_seqs: list[NewSeq] = field(default_factory=list)
@@ -153,6 +162,7 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     capped: list[str] = field(default_factory=list)
+    kv_trims: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -215,7 +225,9 @@ class EngineCoreOutput:
             ``"error"``.
         stop_reason: The stop token id that finished it (None for EOS and other reasons).
         num_cached_tokens: Prompt tokens served from the prefix cache.
-        error: Where a fault failed it (``finish_reason == "error"``).
+        error: Why it ended without finishing normally, as its client is told: where a fault
+            failed it (``finish_reason == "error"``), or why the core could not run it
+            (``finish_reason == "abort"``: its adapter could not be loaded).
         request_finished: Every sequence of its request has finished (the core forgot it).
         first_scheduled_time: ``time.monotonic()`` of its first admission, None before.
         ends_on_stop_token: The last new token is the EOS or stop token id that finished it
