@@ -47,7 +47,7 @@ def run_batch(llm: LLM, prompts, output_tokens: int, constrained_every: int) -> 
     """One batch; every ``constrained_every``-th row constrained (0: none). Tokens/s, steps."""
     spec = StructuredOutputSpec.json_schema(SCHEMA)
     engine = llm.engine
-    engine.step_times.clear()
+    engine.step_stats.reset()
     for i, p in enumerate(prompts):
         constrained = constrained_every and i % constrained_every == 0
         params = SamplingParams(
@@ -80,7 +80,7 @@ def run_batch(llm: LLM, prompts, output_tokens: int, constrained_every: int) -> 
         "tokens_per_s": produced / elapsed,
         "seconds": elapsed,
         "tokens": produced,
-        "steps": len(engine.step_times),
+        "steps": engine.step_stats.num_steps,
         "constrained_rows": len(texts),
     }
 

@@ -90,7 +90,7 @@ def run_loraplex(path: Path, prompts, output_tokens: int, caching: bool) -> dict
             )
         ]
     )
-    engine.step_times.clear()
+    engine.step_stats.reset()
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", list(p), params))
@@ -105,14 +105,14 @@ def run_loraplex(path: Path, prompts, output_tokens: int, caching: bool) -> dict
             if out.finished:
                 produced += out.outputs[0].num_tokens  # running total (DELTA outputs)
     elapsed = time.perf_counter() - t0
-    step = sum(s for s, _ in engine.step_times)
-    forward = sum(f for _, f in engine.step_times)
+    step = engine.step_stats.step_seconds
+    forward = engine.step_stats.forward_seconds
     return {
         "tokens_per_s": produced / elapsed,
         "seconds": elapsed,
         "overhead_fraction": 1 - forward / step,
         "kv_waste_fraction": 1 - held / allocated if allocated else 0.0,
-        "steps": len(engine.step_times),
+        "steps": engine.step_stats.num_steps,
         "hit_rate": engine.kv.stats.hit_rate(),
     }
 

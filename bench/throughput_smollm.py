@@ -52,7 +52,7 @@ def run_loraplex(path: Path, prompts, output_tokens: int, **config) -> dict:
     engine = llm.engine
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([EngineRequest("warm", prompts[0][:32], warm)])  # not timed
-    engine.step_times.clear()
+    engine.step_stats.reset()
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     requests = [EngineRequest(f"r{i}", list(p), params) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def run_loraplex(path: Path, prompts, output_tokens: int, **config) -> dict:
     return {
         "tokens_per_s": produced / elapsed,
         "seconds": elapsed,
-        "steps": len(engine.step_times),
+        "steps": engine.step_stats.num_steps,
         "kv_blocks": sizing.num_blocks,
         "kv_gib": sizing.pool_bytes / 2**30,
         "kv_rule": sizing.rule,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
@@ -62,6 +63,45 @@ MAX_FAILING_STEPS = 3
 
 GRAMMAR_WAIT_S = 0.02
 """How long an idle step waits for a grammar being compiled before it returns."""
+
+
+RECENT_STEPS = 1024
+"""Steps whose timings :class:`StepStats` keeps one by one (the totals count every step)."""
+
+
+class StepStats:
+    """Per-step timings of a core, bounded: running totals and a ring of the latest steps.
+
+    A long-running core takes millions of steps; the totals are what benchmarks and figures
+    read, the ring (``recent``) what a look at the last steps needs.
+
+    Args:
+        recent: How many of the latest steps ``recent`` keeps.
+
+    Attributes:
+        num_steps: Steps recorded since the last :meth:`reset`.
+        step_seconds: Their wall time, in seconds (schedule, run, update).
+        forward_seconds: Of it, the model's forward passes and logits, in seconds.
+        recent: ``(step seconds, forward seconds)`` of the latest steps, oldest first.
+    """
+
+    def __init__(self, recent: int = RECENT_STEPS) -> None:
+        self.recent: deque[tuple[float, float]] = deque(maxlen=recent)
+        self.reset()
+
+    def record(self, step_seconds: float, forward_seconds: float) -> None:
+        """Add one step's timings."""
+        self.num_steps += 1
+        self.step_seconds += step_seconds
+        self.forward_seconds += forward_seconds
+        self.recent.append((step_seconds, forward_seconds))
+
+    def reset(self) -> None:
+        """Start counting afresh (a benchmark after its warm-up)."""
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.forward_seconds = 0.0
+        self.recent.clear()
 
 
 class EngineFaultError(RuntimeError):
@@ -217,8 +257,8 @@ class EngineCore:
             block_size=config.block_size,
         )
         self._failing_steps = 0  # steps in a row whose every sequence failed
-        # (step seconds, model forward + logits seconds) of every step, for benchmarks.
-        self.step_times: list[tuple[float, float]] = []
+        # Step and model forward + logits seconds: totals and the latest steps (bounded).
+        self.step_stats = StepStats()
 
     # ----------------------------------------------------------------------- requests
     def add_request(self, request: EngineRequest) -> None:
@@ -383,7 +423,7 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         if sched.kv_trims:
             self.runner.apply_kv_trims(sched.kv_trims)
-        self.step_times.append((time.perf_counter() - t0, result.forward_seconds))
+        self.step_stats.record(time.perf_counter() - t0, result.forward_seconds)
         return outputs
 
     def drain_kv_events(self) -> list[KVEvent]:

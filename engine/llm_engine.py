@@ -103,9 +103,9 @@ class LLMEngine:
         return self.core.lora_shapes
 
     @property
-    def step_times(self) -> list[tuple[float, float]]:
-        """``(step seconds, forward seconds)`` of every step."""
-        return self.core.step_times
+    def step_stats(self) -> Any:
+        """The core's step timings (``engine.core.StepStats``: totals, the latest steps)."""
+        return self.core.step_stats
 
     @property
     def requests(self) -> dict[str, Any]:
