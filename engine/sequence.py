@@ -4,8 +4,9 @@ A request with ``n > 1`` runs as one sequence until its prompt is computed; the 
 samples its first token forks it into ``n`` sequences that share every prompt block (copy on
 write of the partial last block), each then decoding on its own.
 
-Only the scheduler writes a :class:`Sequence` (``Scheduler.update_from_output`` appends tokens
-and decides finishes); the model runner keeps its own per-sequence state from what
+Only the scheduler writes a :class:`Sequence` (``engine.scheduling``: ``update_from_output``,
+through its ``OutputApplier``, appends tokens and decides finishes; the scheduler's transitions
+move it between queues); the model runner keeps its own per-sequence state from what
 ``SchedulerOutput`` tells it, and the client side sees only ``EngineCoreOutput``.
 """
 

@@ -43,10 +43,11 @@ speculating sequence's rejected proposals, which the step's output carries to th
 (``SchedulerOutput.kv_trims``). Stop strings are found by the client side's output processor,
 whose hit comes back through :meth:`Scheduler.finish_request`.
 
-The scheduler is composed, not mixed: it owns a :class:`Preemptor` (``engine.scheduling.
-preemption``: victims, recompute, swap) and an :class:`OutputApplier`
+The scheduler is composed, not mixed: it owns a :class:`Preemptor`
+(``engine.scheduling.preemption``: victims, recompute, swap) and an :class:`OutputApplier`
 (``engine.scheduling.output_applier``: appends, finish rules, speculative trims, fork
-children), each built here with what it uses and nothing of the scheduler's.
+children), each built here with what it uses and nothing of the scheduler's. Modelled on
+vLLM v1's scheduler (``vllm/v1/core/sched/scheduler.py``).
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ class Scheduler:
             with its request (``engine.breadcrumb``); marks nothing when None.
 
     Attributes:
-        preemptor: Victim choice and the KV side of preemption (``engine.scheduling.
-            preemption``).
+        preemptor: Victim choice and the KV side of preemption
+            (``engine.scheduling.preemption``).
         output_applier: Applies a step's result for :meth:`update_from_output`
             (``engine.scheduling.output_applier``).
         spec_stats: Proposals verified and accepted so far.
