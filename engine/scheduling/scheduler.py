@@ -94,7 +94,7 @@ class Scheduler:
     Who writes what (the rule the members keep):
 
     - A sequence moves between queues only through the scheduler's transitions: :meth:`add`
-      (``WAITING``), admission in :meth:`schedule` (``RUNNING``), :meth:`_preempt`
+      (``WAITING``), :meth:`_admit` (``RUNNING``), :meth:`_preempt`
       (``PREEMPTED``, back at the front of the waiting queue: fairness, a short pool, a
       requeue after a fault) and :meth:`finish` (``FINISHED``). The :class:`Preemptor` only
       chooses victims and moves their KV; it reports, the transition applies.
@@ -286,6 +286,24 @@ class Scheduler:
             self._dropped.append(seq.seq_id)
         self.waiting.appendleft(seq)
 
+    def _admit(self, seq: Sequence) -> None:
+        """Move the waiting sequence just scheduled to the running queue (``RUNNING``)."""
+        self.waiting.remove(seq)
+        if seq.first_scheduled_time is None:  # its queue time ends here (not on re-admission)
+            seq.first_scheduled_time = time.monotonic()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.waiting.started(seq)
+
+    def _refuse(self, seq: Sequence, out: SchedulerOutput, error: str) -> None:
+        """Finish with ``"abort"`` a waiting sequence whose adapter cannot be loaded.
+
+        ``error`` (the loader's message) goes in its output's ``error``, reported this step.
+        """
+        self.finish(seq, "abort")
+        out.failed.append(seq.seq_id)
+        self._pending.append(core_output(seq, [], None, "abort", error=error))
+
     def _cap(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Finish with ``"length"`` a sequence the pool can never hold (reported this step)."""
         self.finish(seq, "length")
@@ -459,9 +477,7 @@ class Scheduler:
             if lora is not None:
                 got, error = self._acquire_lora(seq)
                 if error is not None:  # the adapter is gone: fail this request, go on
-                    self.finish(seq, "abort")
-                    out.failed.append(seq.seq_id)
-                    self._pending.append(core_output(seq, [], None, "abort", error=error))
+                    self._refuse(seq, out, error)
                     continue
                 if not got:
                     break
@@ -498,12 +514,7 @@ class Scheduler:
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = match.num_cached_tokens
                 self._record(out, seq, start, num_new, alloc)
-            self.waiting.remove(seq)
-            if seq.first_scheduled_time is None:  # its queue time ends here (not on re-admission)
-                seq.first_scheduled_time = time.monotonic()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self.waiting.started(seq)
+            self._admit(seq)
             if lora is not None:
                 step_loras.add(lora)
             item = out.scheduled[-1]
