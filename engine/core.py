@@ -406,6 +406,8 @@ class EngineCore:
             self._admit_ready_grammars()
         sched = self.scheduler.schedule()
         if sched.is_empty():
+            if sched.finished_seq_ids or sched.dropped_seq_ids:  # aborted while nothing ran
+                self.runner.update_states(sched)
             if self._awaiting_grammar:  # nothing else to do: wait a little, do not spin
                 futures = [g for _, g in self._awaiting_grammar.values()]
                 wait_futures(futures, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)

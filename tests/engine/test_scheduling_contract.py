@@ -82,3 +82,18 @@ def test_an_adapter_that_cannot_load_aborts_with_its_message_in_error(tiny_text_
     assert out.finished and out.error is None
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("abort", message)
     assert core.kv.pool.num_used == 0 and not core.scheduler.requests
+
+
+def test_a_step_with_nothing_to_run_still_tells_the_runner_what_finished(tiny_text_dir):
+    # An abort while nothing else runs: the next step schedules nothing, but the runner must
+    # still forget the aborted sequence (its table, generator and tokens), or it leaks them.
+    llm = LLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=64))
+    core = llm.engine.core
+    request = EngineRequest("r", [3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True, seed=7))
+    core.add_request(request)
+    core.step()
+    core.step()
+    assert "r" in core.runner.seqs and "r" in core.runner.generators
+    core.abort_request("r")
+    assert core.step() == []
+    assert not core.runner.seqs and not core.runner.generators
