@@ -93,9 +93,9 @@ def build_fake(data_dir: str, admin_key: str, port: int = 8000) -> tuple[Any, An
 def serve_fake(port: int, data_dir: str) -> None:
     """The child process: ``loraplex serve``'s app and uvicorn settings, the instant engine."""
     from loraplex.gateway.auth.redact import RedactingFilter
-    from loraplex.gateway.server.access_log import AccessLog
-    from loraplex.gateway.server.graceful import GracefulServer
-    from loraplex.gateway.server.transport import uvicorn_config
+    from loraplex.gateway.transport.access_log import AccessLog
+    from loraplex.gateway.transport.graceful import GracefulServer
+    from loraplex.gateway.transport.uvicorn_config import uvicorn_config
 
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger().addFilter(RedactingFilter())

@@ -3,8 +3,8 @@
 One admission and one release per request, as the gateway does them, for ``keys`` API keys
 with every limit set (requests and tokens per minute high enough never to refuse, a
 concurrency limit), ``concurrency`` requests at a time on one event loop: the in-process token
-buckets (``gateway.server.ratelimit``) against the same buckets in Redis
-(``gateway.server.ratelimit_shared``, one Lua script each way, releases sent in the
+buckets (``gateway.limits.ratelimit``) against the same buckets in Redis
+(``gateway.limits.ratelimit_shared``, one Lua script each way, releases sent in the
 background) on a ``redis-server`` started on loopback, rounds interleaved, medians reported.
 Also how many were refused (none should be), how many the in-process fallback admitted
 because Redis failed (none should be), and, as a check of the sharing, that two shared
@@ -26,8 +26,8 @@ import subprocess
 import tempfile
 import time
 
-from loraplex.gateway.server.ratelimit import RateLimiter, RateLimitExceeded
-from loraplex.gateway.server.ratelimit_shared import SharedRateLimiter
+from loraplex.gateway.limits.ratelimit import RateLimiter, RateLimitExceeded
+from loraplex.gateway.limits.ratelimit_shared import SharedRateLimiter
 from loraplex.gateway.services.tenants import TenantLimits
 
 LIMITS = TenantLimits(

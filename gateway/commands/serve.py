@@ -188,7 +188,7 @@ def register(subparsers) -> None:
 
 
 def add_transport_args(p: argparse.ArgumentParser, d: GatewayConfig) -> None:
-    """The connection limits' flags (:mod:`gateway.server.transport`, the auth throttle)."""
+    """The connection limits' flags (:mod:`gateway.transport`, the auth throttle)."""
     t = p.add_argument_group("connections (per client connection and address)")
     t.add_argument(
         "--max-header-bytes",
@@ -510,10 +510,10 @@ def _serve(args: argparse.Namespace, sockets: list, port: int, metrics_port: int
     )
     progress(f"admin key {where}")
 
-    from loraplex.gateway.server.access_log import AccessLog
-    from loraplex.gateway.server.graceful import GracefulServer
     from loraplex.gateway.server.metrics_listener import split_listeners
-    from loraplex.gateway.server.transport import uvicorn_config
+    from loraplex.gateway.transport.access_log import AccessLog
+    from loraplex.gateway.transport.graceful import GracefulServer
+    from loraplex.gateway.transport.uvicorn_config import uvicorn_config
 
     served = split_listeners(app, state)  # the metrics listener's requests, if any, apart
     access = None

@@ -11,11 +11,11 @@ from litestar.datastructures import State
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 
+from loraplex.gateway.auth.middleware import KeyAuthMiddleware
 from loraplex.gateway.auth.redact import RedactingFilter
 from loraplex.gateway.domains import adapters, admin, chat, system, tokenize, usage
-from loraplex.gateway.server.auth import KeyAuthMiddleware
+from loraplex.gateway.errors import EXCEPTION_HANDLERS
 from loraplex.gateway.server.engine_watch import watch_engine
-from loraplex.gateway.server.errors import EXCEPTION_HANDLERS
 from loraplex.gateway.server.state import GatewayState
 
 logger = logging.getLogger(__name__)

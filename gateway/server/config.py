@@ -49,7 +49,7 @@ class GatewayConfig:
         max_outstanding_tokens: Their prompt + max_tokens, at most (None: no bound).
         tenant_share: Fraction of each of those two bounds one tenant may hold.
         max_header_bytes: Bytes of URL plus header names and values one request may send; 431
-            and the connection closed beyond (:mod:`gateway.server.transport`).
+            and the connection closed beyond (:mod:`gateway.transport`).
         max_headers: Header fields one request may send; 431 beyond.
         header_timeout_seconds: Seconds a request's head may take from its first byte (from the
             connection's opening for the first request); 408 and closed beyond.
@@ -63,14 +63,14 @@ class GatewayConfig:
         write_timeout_seconds: Seconds a response write may wait for a client that stopped
             reading, plus ``bytes it takes meanwhile / write_min_bytes_per_second``; the
             connection is reset beyond and a chat request billed ``aborted`` (nginx's
-            ``send_timeout``; :mod:`gateway.server.transport`).
+            ``send_timeout``; :mod:`gateway.transport`).
         write_min_bytes_per_second: The reading rate that keeps extending the write deadline
             (0: ``write_timeout_seconds`` per pause whatever the client takes).
         max_connections_per_key: Open connections one API key may hold; None: a quarter of
             ``max_connections``. Past it the key's idle connection is closed, else 429.
         auth_max_failures: Failed authentications (401) one client address may make per window
             before it gets 429 with ``Retry-After`` (0: no throttle;
-            :mod:`gateway.server.auth_throttle`).
+            :mod:`gateway.limits.auth_throttle`).
         auth_failure_window_seconds: The window of ``auth_max_failures``, from the first failure.
         auth_throttle_max_clients: Client addresses the throttle remembers at most.
         forwarded_allow_ips: Comma-separated proxy addresses (or ``*``) whose
@@ -94,7 +94,7 @@ class GatewayConfig:
             most a quarter of them per tenant; the others share ``(other)``. 0: no adapter
             name is shown (``docs/metrics.md``).
         rate_limit_url: A Redis URL where the per-key limits live, shared by every gateway
-            that names it (``gateway.server.ratelimit_shared``); None: in this process.
+            that names it (``gateway.limits.ratelimit_shared``); None: in this process.
         metrics_host: Bind address of the metrics listener (loopback unless told otherwise).
         metrics_port: Its port: a listener that answers ``GET /metrics`` without a key and
             nothing else (:mod:`gateway.server.metrics_listener`); None: no such listener

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from loraplex.gateway.server.errors import error_body
-from loraplex.gateway.server.metrics import CONTENT_TYPE
+from loraplex.gateway.errors import error_body
+from loraplex.gateway.metrics.registry import CONTENT_TYPE
 
 if TYPE_CHECKING:
     from loraplex.gateway.server.state import GatewayState

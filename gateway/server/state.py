@@ -10,17 +10,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from loraplex.adapters.object_store import ObjectAdapterStore, open_store
 from loraplex.adapters.store import AdapterStore
-from loraplex.gateway.server.admission import AdmissionControl
-from loraplex.gateway.server.auth import KeyCache
-from loraplex.gateway.server.auth_throttle import AuthThrottle
+from loraplex.gateway.auth.middleware import KeyCache
+from loraplex.gateway.limits.admission import AdmissionControl
+from loraplex.gateway.limits.auth_throttle import AuthThrottle
+from loraplex.gateway.limits.ratelimit import RateLimiter
+from loraplex.gateway.limits.ratelimit_shared import SharedRateLimiter
+from loraplex.gateway.metrics.registry import GatewayMetrics
 from loraplex.gateway.server.config import GatewayConfig
 from loraplex.gateway.server.engine_client import EngineClient
-from loraplex.gateway.server.metrics import GatewayMetrics
-from loraplex.gateway.server.ratelimit import RateLimiter
-from loraplex.gateway.server.ratelimit_shared import SharedRateLimiter
-from loraplex.gateway.server.usage_spool import UsageSpool
-from loraplex.gateway.server.usage_writer import UsageWriter
 from loraplex.gateway.services.tenants import TenantLimits
+from loraplex.gateway.usage.spool import UsageSpool
+from loraplex.gateway.usage.writer import UsageWriter
 
 
 @dataclass

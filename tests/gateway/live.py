@@ -2,9 +2,9 @@
 
 ``LiveGateway`` builds the app around an engine client (tests share one engine per session, so
 ``owns_engine=False``), runs it with uvicorn on ``127.0.0.1:<free port>`` configured as ``serve``
-configures it (:func:`gateway.server.transport.uvicorn_config`: the httptools protocol with the
-connection limits), and stops it with a graceful shutdown (the same path as SIGINT for
-``loraplex serve``).
+configures it (:func:`gateway.transport.uvicorn_config.uvicorn_config`: the httptools protocol
+with the connection limits), and stops it with a graceful shutdown (the same path as SIGINT
+for ``loraplex serve``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from loraplex.gateway.server.build import build_gateway
 from loraplex.gateway.server.config import GatewayConfig
 from loraplex.gateway.server.metrics_listener import split_listeners
 from loraplex.gateway.server.startup import bind_listeners
-from loraplex.gateway.server.transport import uvicorn_config
+from loraplex.gateway.transport.uvicorn_config import uvicorn_config
 from tests.support import free_port  # noqa: F401 - re-exported
 
 ADMIN_KEY = "lpx-admin-test-key-0123456789abcdef0123456789"

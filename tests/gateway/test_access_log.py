@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from loraplex.gateway.server.access_log import AccessLog, access_line
+from loraplex.gateway.transport.access_log import AccessLog, access_line
 
 SECRET = "lpx-" + "s3cr3t" * 6
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from bench.fake_engine import InstantEngine
-from loraplex.gateway.server.admission import AdmissionControl, OverloadedError
+from loraplex.gateway.limits.admission import AdmissionControl, OverloadedError
 from tests.gateway.live import NO_LIMITS, LiveGateway
 
 

@@ -7,7 +7,7 @@ loopback on Linux).
 import pytest
 
 from bench.fake_engine import InstantEngine
-from loraplex.gateway.server.auth_throttle import AuthThrottle, client_group
+from loraplex.gateway.limits.auth_throttle import AuthThrottle, client_group
 from tests.gateway.live import LiveGateway
 from tests.gateway.transport_support import (
     client_from,
@@ -102,7 +102,7 @@ def gw(tmp_path):
 
 @pytest.mark.slow
 def test_failed_auth_is_throttled_per_address_before_any_key_work(gw, monkeypatch):
-    import loraplex.gateway.server.auth as auth
+    import loraplex.gateway.auth.middleware as auth
 
     _, key = create_key(gw, "honest")
     hashed = []

@@ -13,7 +13,7 @@ from loraplex.gateway.domains.chat.body import (
     CompletionBody,
     convert_body,
 )
-from loraplex.gateway.server.errors import APIError
+from loraplex.gateway.errors import APIError
 
 SDK_CHAT = set(chat_params.CompletionCreateParamsBase.__annotations__)
 SDK_COMPLETION = set(completion_params.CompletionCreateParamsBase.__annotations__)

@@ -9,10 +9,10 @@ import pytest
 from bench.fake_engine import InstantEngine
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
+from loraplex.gateway.auth.middleware import TenantPrincipal
 from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger
-from loraplex.gateway.server.auth import TenantPrincipal
-from loraplex.gateway.server.errors import APIError
-from loraplex.gateway.server.ratelimit import RateLimiter
+from loraplex.gateway.errors import APIError
+from loraplex.gateway.limits.ratelimit import RateLimiter
 from loraplex.gateway.services.tenants import TenantLimits
 
 LIMITS = TenantLimits(None, None, None)

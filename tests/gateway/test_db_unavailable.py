@@ -87,7 +87,7 @@ class DeadSessions:
     ],
 )
 def test_every_route_answers_503_while_the_database_is_unreachable(tmp_path, error, monkeypatch):
-    from loraplex.gateway.server import errors
+    from loraplex.gateway import errors
 
     monkeypatch.setattr(errors, "_database_log", errors._ThrottledLog())  # a fresh second
     lines = []

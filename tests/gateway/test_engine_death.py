@@ -13,7 +13,7 @@ from loraplex.engine.core import MAX_FAILING_STEPS
 from loraplex.gateway.db.session import db_url
 from loraplex.gateway.server.build import build_gateway, start_engine
 from loraplex.gateway.server.config import GatewayConfig
-from loraplex.gateway.server.graceful import GracefulServer
+from loraplex.gateway.transport.graceful import GracefulServer
 from tests.gateway.live import ADMIN_KEY, free_port
 
 pytestmark = pytest.mark.slow

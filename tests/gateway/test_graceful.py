@@ -5,7 +5,7 @@ import gc
 import pytest
 import uvicorn
 
-from loraplex.gateway.server.graceful import GracefulServer, freeze_startup_heap
+from loraplex.gateway.transport.graceful import GracefulServer, freeze_startup_heap
 
 
 async def _app(scope, receive, send):  # never called
@@ -43,7 +43,7 @@ def test_run_writes_the_access_logs_last_lines_when_the_server_ends(monkeypatch)
     import asyncio
     import io
 
-    from loraplex.gateway.server.access_log import AccessLog
+    from loraplex.gateway.transport.access_log import AccessLog
 
     stream = io.StringIO()
     access = AccessLog(_app, stream, flush_seconds=60)

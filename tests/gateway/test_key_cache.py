@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from loraplex.gateway.server.auth import KeyCache, TenantPrincipal
+from loraplex.gateway.auth.middleware import KeyCache, TenantPrincipal
 from loraplex.gateway.services.tenants import TenantLimits
 
 PRINCIPAL = TenantPrincipal("t1", "acme", "k1", TenantLimits(None, None, None))

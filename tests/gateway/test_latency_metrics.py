@@ -7,14 +7,14 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.request import CompletionOutput, RequestOutput
-from loraplex.gateway.server.latency import (
+from loraplex.gateway.metrics.latency import (
     ITL_BUCKETS,
     OTHER,
     LatencyMetrics,
     Series,
     TokenClock,
 )
-from loraplex.gateway.server.metrics import GatewayMetrics
+from loraplex.gateway.metrics.registry import GatewayMetrics
 
 FAMILIES = (
     "loraplex_time_to_first_token_seconds",

@@ -20,8 +20,8 @@ from loraplex.engine import core_wire as wire
 from loraplex.engine.config import EngineConfig
 from loraplex.gateway.domains.chat.completions import parse_completion_request
 from loraplex.gateway.domains.chat.schemas import TOKEN_ID_LIMIT, parse_chat_request
+from loraplex.gateway.errors import APIError
 from loraplex.gateway.server.build import start_engine
-from loraplex.gateway.server.errors import APIError
 from tests.gateway.live import LiveGateway
 from tests.gateway.test_app_basics import assert_openai_error
 from tests.media import data_url, photo

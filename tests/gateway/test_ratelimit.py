@@ -5,8 +5,8 @@ import threading
 import openai
 import pytest
 
-from loraplex.gateway.server.errors import rate_limited
-from loraplex.gateway.server.ratelimit import RateLimiter, RateLimitExceeded
+from loraplex.gateway.errors import rate_limited
+from loraplex.gateway.limits.ratelimit import RateLimiter, RateLimitExceeded
 from loraplex.gateway.services.tenants import TenantLimits
 from tests.gateway.live import instant_gateway
 from tests.gateway.test_app_basics import assert_openai_error

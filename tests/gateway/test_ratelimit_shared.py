@@ -11,8 +11,8 @@ import time
 import pytest
 
 from bench.fake_engine import InstantEngine
-from loraplex.gateway.server.ratelimit import RateLimitExceeded
-from loraplex.gateway.server.ratelimit_shared import SharedRateLimiter
+from loraplex.gateway.limits.ratelimit import RateLimitExceeded
+from loraplex.gateway.limits.ratelimit_shared import SharedRateLimiter
 from loraplex.gateway.services.tenants import TenantLimits
 from tests.gateway.live import NO_LIMITS, LiveGateway
 from tests.redis_server import redis_server
@@ -175,7 +175,7 @@ def test_without_redis_each_gateway_limits_on_its_own(caplog):
         assert limiter.fallback_admissions == 2  # the refused one was not admitted
         await limiter.close()
 
-    with caplog.at_level(logging.WARNING, logger="loraplex.gateway.server.ratelimit_shared"):
+    with caplog.at_level(logging.WARNING, logger="loraplex.gateway.limits.ratelimit_shared"):
         run(body)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0]  # at most every 30 s

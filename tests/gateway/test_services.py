@@ -19,7 +19,7 @@ from loraplex.gateway.services.tenants import (
     list_tenants,
     set_limits,
 )
-from loraplex.gateway.services.usage import UsageRecord, parse_time, record_usage, usage_summary
+from loraplex.gateway.usage.records import UsageRecord, parse_time, record_usage, usage_summary
 from tests.gateway.conftest import SECRET, with_db
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)

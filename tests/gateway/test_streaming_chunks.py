@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from loraplex.engine.request import CompletionOutput, RequestOutput
 from loraplex.gateway.domains.chat.streaming import StreamMeta, chunk_stream
-from loraplex.gateway.server.errors import APIError
+from loraplex.gateway.errors import APIError
 
 TOKENS = 4
 

@@ -1,8 +1,8 @@
 """Header limits and read deadlines against a real uvicorn server with the gateway's protocol.
 
 The gateway runs with :class:`bench.fake_engine.InstantEngine` behind
-:func:`gateway.server.transport.uvicorn_config` (what ``serve`` runs), its timeouts configured
-small, and is spoken to over raw sockets. Every assertion is about what the server does
+:func:`gateway.transport.uvicorn_config.uvicorn_config` (what ``serve`` runs), its timeouts
+configured small, and is spoken to over raw sockets. Every assertion is about what the server does
 (status, a closed connection, a slot not held, another client answered), never about how long
 it took.
 """

@@ -78,7 +78,8 @@ def test_when_every_connection_runs_a_request_a_newcomer_gets_503(tmp_path):
 def test_serve_flags_reach_the_uvicorn_configuration(tmp_path):
     from loraplex.gateway.cli import build_parser
     from loraplex.gateway.commands.serve import gateway_config_from_args
-    from loraplex.gateway.server.transport import LimitedHttpProtocol, uvicorn_config
+    from loraplex.gateway.transport.http_protocol import LimitedHttpProtocol
+    from loraplex.gateway.transport.uvicorn_config import uvicorn_config
 
     argv = ["serve", "--data-dir", str(tmp_path), "--max-header-bytes", "2048"]
     argv += ["--max-headers", "12", "--header-timeout", "3", "--body-timeout", "7"]
@@ -126,7 +127,7 @@ def test_serve_refuses_limits_out_of_range(flags):
 
 
 def test_the_connection_cap_fits_the_open_files_limit(monkeypatch):
-    import loraplex.gateway.server.transport as transport
+    import loraplex.gateway.transport.uvicorn_config as transport
 
     limits = {"now": (400, 800)}
     monkeypatch.setattr(transport.resource, "getrlimit", lambda _: limits["now"])
@@ -148,7 +149,8 @@ def test_time_the_server_itself_stops_reading_a_body_is_not_the_clients():
 
     import uvicorn
 
-    from loraplex.gateway.server.transport import TransportLimits, limited_protocol
+    from loraplex.gateway.transport.http_protocol import limited_protocol
+    from loraplex.gateway.transport.limits import TransportLimits
     from tests.gateway.live import free_port
 
     async def late_reader(scope, receive, send):

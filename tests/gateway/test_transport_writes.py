@@ -318,7 +318,7 @@ def test_other_tenants_are_served_while_one_key_parks_streams_on_most_of_the_tab
 def test_serve_flags_set_the_write_deadline_and_the_key_share(tmp_path):
     from loraplex.gateway.cli import build_parser
     from loraplex.gateway.commands.serve import gateway_config_from_args
-    from loraplex.gateway.server.transport import uvicorn_config
+    from loraplex.gateway.transport.uvicorn_config import uvicorn_config
 
     argv = ["serve", "--data-dir", str(tmp_path), "--write-timeout", "12.5"]
     argv += ["--write-min-rate", "0", "--max-connections", "40"]

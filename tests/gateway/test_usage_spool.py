@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 
 import msgspec
 
-from loraplex.gateway.server.usage_spool import UsageSpool, decode_line, encode_record, read_segment
-from loraplex.gateway.services.usage import UsageRecord
+from loraplex.gateway.usage.records import UsageRecord
+from loraplex.gateway.usage.spool import UsageSpool, decode_line, encode_record, read_segment
 
 WHEN = datetime(2025, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
 

@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import func, select
 
 from loraplex.gateway.db.models import UsageEvent
-from loraplex.gateway.server.usage_spool import UsageSpool, read_segment
-from loraplex.gateway.server.usage_writer import UsageUnavailable, UsageWriter
 from loraplex.gateway.services.tenants import create_tenant_with_key
-from loraplex.gateway.services.usage import UsageRecord
+from loraplex.gateway.usage.records import UsageRecord
+from loraplex.gateway.usage.spool import UsageSpool, read_segment
+from loraplex.gateway.usage.writer import UsageUnavailable, UsageWriter
 from tests.gateway.conftest import SECRET, with_db
 
 
@@ -206,7 +206,7 @@ def test_an_outage_keeps_rows_fails_flushes_fast_and_writes_them_after(
         await w.close()
         return info.value, outage, rows, slow.fail, w.outage_since
 
-    with caplog.at_level(logging.WARNING, logger="loraplex.gateway.server.usage_writer"):
+    with caplog.at_level(logging.WARNING, logger="loraplex.gateway.usage.writer"):
         error, outage, rows, left, after = with_db(database_url, body)
     assert error.status == 503 and error.headers["Retry-After"] == "2"
     assert outage and rows == 3 and left == 0 and after is None
@@ -235,7 +235,7 @@ def test_a_refused_row_is_set_aside_and_never_blocks_the_others(database_url, tm
         await w.close()
         return rows, w.dead_lettered
 
-    with caplog.at_level(logging.ERROR, logger="loraplex.gateway.server.usage_writer"):
+    with caplog.at_level(logging.ERROR, logger="loraplex.gateway.usage.writer"):
         rows, dead = with_db(database_url, body)
     assert rows == [f"req-{i}" for i in range(11) if i not in (3, 7)]
     assert dead == 2
@@ -353,7 +353,7 @@ def test_a_failed_spool_write_waits_for_the_database_instead(database_url, tmp_p
         await w.close()
         return rows
 
-    with caplog.at_level(logging.ERROR, logger="loraplex.gateway.server.usage_writer"):
+    with caplog.at_level(logging.ERROR, logger="loraplex.gateway.usage.writer"):
         assert with_db(database_url, body) == 1
     assert any("spool write failed" in r.getMessage() for r in caplog.records)
 

@@ -1,6 +1,6 @@
 """``/v1/adapters``: a tenant's LoRA adapters (upload, list, get, delete; docs/adapters.md).
 
-Every route takes a tenant key (``gateway.server.auth``) and sees only that tenant's adapters:
+Every route takes a tenant key (``gateway.auth.middleware``) and sees only that tenant's adapters:
 another tenant's name is a 404, exactly like a name that does not exist. The upload route's body
 limit is the largest valid adapter for the served model plus room for framing
 (:class:`gateway.domains.adapters.limits.UploadLimits`), at most
@@ -34,7 +34,7 @@ from loraplex.gateway.domains.adapters.service import (
 )
 from loraplex.gateway.domains.adapters.upload import adapter_bytes, check_name, check_shape
 from loraplex.gateway.domains.adapters.views import adapter_view, list_body
-from loraplex.gateway.server.errors import APIError
+from loraplex.gateway.errors import APIError
 from loraplex.gateway.services.adapters import get_adapter, list_adapters
 from loraplex.gateway.settings import private_dir
 

@@ -30,7 +30,7 @@ from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMul
 
 from loraplex.adapters.validation import CONFIG_NAME, WEIGHTS_NAME
 from loraplex.gateway.domains.adapters.limits import UploadLimits
-from loraplex.gateway.server.errors import APIError, bad_request
+from loraplex.gateway.errors import APIError, bad_request
 
 TEXT_FIELD_BYTES = 4096
 """Largest text field (``name`` is at most 64 characters)."""

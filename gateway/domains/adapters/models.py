@@ -8,7 +8,7 @@ from litestar import Controller, Request, get
 from litestar.params import FromPath
 
 from loraplex.gateway.domains.adapters.views import adapter_model_card, base_model_card, list_body
-from loraplex.gateway.server.errors import not_found
+from loraplex.gateway.errors import not_found
 from loraplex.gateway.services.adapters import find_adapter, list_adapters
 
 

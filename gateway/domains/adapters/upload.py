@@ -19,7 +19,7 @@ from loraplex.adapters.validation import CONFIG_NAME, WEIGHTS_NAME
 from loraplex.gateway.domains.adapters.archive import ArchiveError, unpack_adapter
 from loraplex.gateway.domains.adapters.form import UploadForm
 from loraplex.gateway.domains.adapters.limits import UploadLimits
-from loraplex.gateway.server.errors import APIError, bad_request
+from loraplex.gateway.errors import APIError, bad_request
 
 NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 

@@ -8,9 +8,8 @@ from litestar import Controller, Request, delete, get, post, put
 from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from loraplex.gateway.server.auth import ADMIN_ONLY
-from loraplex.gateway.server.errors import bad_request
-from loraplex.gateway.server.json_body import json_object
+from loraplex.gateway.auth.middleware import ADMIN_ONLY
+from loraplex.gateway.errors import bad_request
 from loraplex.gateway.services.keys import create_key, list_keys, revoke_key
 from loraplex.gateway.services.tenants import (
     TenantLimits,
@@ -21,6 +20,7 @@ from loraplex.gateway.services.tenants import (
     list_tenants,
     set_limits,
 )
+from loraplex.gateway.transport.json_body import json_object
 
 _LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from loraplex.gateway.server.errors import bad_request
+from loraplex.gateway.errors import bad_request
 
 IGNORED_FIELDS = (
     "user",

@@ -24,8 +24,8 @@ from loraplex.gateway.domains.chat.schemas import (
     generation_fields,
     utf8_len,
 )
-from loraplex.gateway.server.errors import bad_request
-from loraplex.gateway.server.json_body import decode_object
+from loraplex.gateway.errors import bad_request
+from loraplex.gateway.transport.json_body import decode_object
 
 DEFAULT_MAX_TOKENS = 16
 

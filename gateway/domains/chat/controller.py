@@ -48,23 +48,23 @@ from litestar.exceptions import HTTPException
 
 from loraplex.engine.inputs import ProcessedPrompt
 from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
+from loraplex.gateway.auth.middleware import TenantPrincipal
 from loraplex.gateway.domains.chat.body import ChatCompletionBody, CompletionBody
 from loraplex.gateway.domains.chat.completions import parse_completion_request
 from loraplex.gateway.domains.chat.responses import completion_body, text_completion_body
 from loraplex.gateway.domains.chat.schemas import ChatRequest, parse_chat_request
 from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger, admit_rate, resolve_model
 from loraplex.gateway.domains.chat.streaming import HEADERS, EventStream, StreamMeta, chunk_stream
-from loraplex.gateway.server.admission import OverloadedError
-from loraplex.gateway.server.auth import TenantPrincipal
-from loraplex.gateway.server.errors import (
+from loraplex.gateway.errors import (
     ERROR_TYPES,
     APIError,
     bad_request,
     overloaded,
     pool_busy,
 )
+from loraplex.gateway.limits.admission import OverloadedError
 from loraplex.gateway.server.fair_pool import PoolBusyError
-from loraplex.gateway.server.http_protocol import Exchange, exchange_of
+from loraplex.gateway.transport.http_protocol import Exchange, exchange_of
 
 if TYPE_CHECKING:
     from loraplex.gateway.server.state import GatewayState

@@ -27,7 +27,7 @@ import re
 from typing import Any
 
 from loraplex.engine.structured_output import MAX_SPEC_CHARS, StructuredOutputSpec
-from loraplex.gateway.server.errors import bad_request
+from loraplex.gateway.errors import bad_request
 
 FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 MAX_CHOICES = 256

@@ -63,8 +63,8 @@ from loraplex.gateway.domains.chat.body import (
 )
 from loraplex.gateway.domains.chat.response_format import parse_structured_output
 from loraplex.gateway.domains.chat.tools import ToolRequest, check_tool_messages, parse_tools
-from loraplex.gateway.server.errors import APIError, bad_request
-from loraplex.gateway.server.json_body import decode_object
+from loraplex.gateway.errors import APIError, bad_request
+from loraplex.gateway.transport.json_body import decode_object
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 MAX_CACHE_SALT_CHARS = 256

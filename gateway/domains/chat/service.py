@@ -46,16 +46,16 @@ from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.structured_output import StructuredOutputError
 from loraplex.gateway.db.types import utcnow
 from loraplex.gateway.domains.adapters.upload import NAME_RE
-from loraplex.gateway.server.errors import APIError, not_found, rate_limited
-from loraplex.gateway.server.latency import ModelSeries, TokenClock
-from loraplex.gateway.server.ratelimit import RateLimitExceeded
+from loraplex.gateway.errors import APIError, not_found, rate_limited
+from loraplex.gateway.limits.ratelimit import RateLimitExceeded
+from loraplex.gateway.metrics.latency import ModelSeries, TokenClock
 from loraplex.gateway.services.adapters import find_adapter
-from loraplex.gateway.services.usage import UsageRecord
+from loraplex.gateway.usage.records import UsageRecord
 
 if TYPE_CHECKING:
-    from loraplex.gateway.server.admission import AdmissionTicket
-    from loraplex.gateway.server.auth import TenantPrincipal
-    from loraplex.gateway.server.ratelimit import Ticket
+    from loraplex.gateway.auth.middleware import TenantPrincipal
+    from loraplex.gateway.limits.admission import AdmissionTicket
+    from loraplex.gateway.limits.ratelimit import Ticket
     from loraplex.gateway.server.state import GatewayState
 
 logger = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ from loraplex.gateway.domains.chat.responses import (
 )
 from loraplex.gateway.domains.chat.service import ChatRun
 from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer
-from loraplex.gateway.server.errors import APIError, error_body
+from loraplex.gateway.errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"

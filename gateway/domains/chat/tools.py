@@ -30,7 +30,7 @@ from loraplex.engine.structured_output import StructuredOutputSpec
 from loraplex.engine.tool_call_format import FORMATS
 from loraplex.gateway.domains.chat.body import ChatCompletionBody, NamedToolChoice
 from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer
-from loraplex.gateway.server.errors import bad_request
+from loraplex.gateway.errors import bad_request
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from litestar import Request, Response, get
 
-from loraplex.gateway.server.auth import ADMIN_ONLY
-from loraplex.gateway.server.errors import error_response
-from loraplex.gateway.server.metrics import CONTENT_TYPE
+from loraplex.gateway.auth.middleware import ADMIN_ONLY
+from loraplex.gateway.errors import error_response
+from loraplex.gateway.metrics.registry import CONTENT_TYPE
 
 
 @get("/health", exclude_from_auth=True, sync_to_thread=False)

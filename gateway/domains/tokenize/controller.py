@@ -25,14 +25,14 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.di import Provide
 
+from loraplex.gateway.auth.middleware import TenantPrincipal
 from loraplex.gateway.domains.chat.body import convert_body
 from loraplex.gateway.domains.chat.schemas import CONTEXT_LENGTH_EXCEEDED, check_messages, utf8_len
 from loraplex.gateway.domains.chat.service import UsageLedger, admit_rate, resolve_model
 from loraplex.gateway.domains.chat.tools import check_tool_messages
-from loraplex.gateway.server.auth import TenantPrincipal
-from loraplex.gateway.server.errors import APIError, bad_request, pool_busy
+from loraplex.gateway.errors import APIError, bad_request, pool_busy
 from loraplex.gateway.server.fair_pool import PoolBusyError
-from loraplex.gateway.server.json_body import decode_object
+from loraplex.gateway.transport.json_body import decode_object
 
 if TYPE_CHECKING:
     from loraplex.gateway.server.state import GatewayState

@@ -7,10 +7,10 @@ from typing import Any
 from litestar import Request, get
 from litestar.params import FromQuery
 
-from loraplex.gateway.server.auth import TenantPrincipal
-from loraplex.gateway.server.errors import bad_request
+from loraplex.gateway.auth.middleware import TenantPrincipal
+from loraplex.gateway.errors import bad_request
 from loraplex.gateway.services.errors import InvalidInputError
-from loraplex.gateway.services.usage import parse_time, usage_summary
+from loraplex.gateway.usage.records import parse_time, usage_summary
 
 FLUSH_TIMEOUT_S = 10.0
 

@@ -11,7 +11,7 @@ handler on every request (``BaseRouteHandler.authorize_connection``). Verified t
 are cached for ``auth_cache_seconds`` (a database read saved per request; see :class:`KeyCache`);
 revoking a key through the admin API drops it from the cache at once. Keys never reach a log:
 only the key id does. A client address with too many failed attempts (401) gets 429 with
-``Retry-After`` before its key is even hashed (:class:`gateway.server.auth_throttle.AuthThrottle`).
+``Retry-After`` before its key is even hashed (:class:`gateway.limits.auth_throttle.AuthThrottle`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from litestar.middleware import AbstractAuthenticationMiddleware, Authentication
 from loraplex.gateway.auth.keys import hash_key
 from loraplex.gateway.auth.secrets_store import verify_admin_key
 from loraplex.gateway.db.errors import is_unreachable
-from loraplex.gateway.server.auth_throttle import client_group
-from loraplex.gateway.server.errors import APIError
-from loraplex.gateway.server.http_protocol import exchange_of
+from loraplex.gateway.errors import APIError
+from loraplex.gateway.limits.auth_throttle import client_group
 from loraplex.gateway.services.keys import authenticate
 from loraplex.gateway.services.tenants import TenantLimits, limits_of
+from loraplex.gateway.transport.http_protocol import exchange_of
 
 if TYPE_CHECKING:
     from loraplex.gateway.server.state import GatewayState
@@ -194,7 +194,7 @@ def _log_failed_read(task: asyncio.Task) -> None:
     if task.cancelled() or task.exception() is None:
         return
     exc = task.exception()
-    if is_unreachable(exc):  # the request's 503 says it, once (gateway.server.errors)
+    if is_unreachable(exc):  # the request's 503 says it, once (gateway.errors)
         logger.debug("reading an API key failed: %s", exc)
     else:
         logger.warning("reading an API key failed: %s", exc)
@@ -290,7 +290,7 @@ def claim_connection(
     """Count the request's connection as serving the principal's key (issue 27).
 
     One key holds at most its share of the server's connection table
-    (``--max-connections-per-key``; ``gateway.server.transport.ConnectionTable.claim``), so
+    (``--max-connections-per-key``; ``gateway.transport.connections.ConnectionTable.claim``), so
     that one key's parked connections cannot fill it for every other tenant. Does nothing
     outside ``LimitedHttpProtocol`` (no ``Exchange`` in the scope).
 

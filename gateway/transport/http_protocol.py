@@ -6,7 +6,8 @@ pauses that must not count against a client's deadlines. Each request's :class:`
 rides in its ASGI scope (``scope["extensions"]["loraplex.exchange"]``, :func:`exchange_of`):
 through it the app names the key a connection serves and learns when its response has been
 written or cut. The limits, the connection table and uvicorn's configuration live in
-:mod:`gateway.server.transport`.
+:mod:`gateway.transport.limits`, :mod:`gateway.transport.connections` and
+:mod:`gateway.transport.uvicorn_config`.
 """
 
 from __future__ import annotations
@@ -20,16 +21,15 @@ import struct
 import termios
 from collections import deque
 from collections.abc import Callable, MutableMapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from loraplex.gateway.server.errors import error_body
-
-if TYPE_CHECKING:
-    from loraplex.gateway.server.transport import ConnectionTable, TransportLimits
+from loraplex.gateway.errors import error_body
+from loraplex.gateway.transport.connections import ConnectionTable
+from loraplex.gateway.transport.limits import TransportLimits
 
 _IDLE, _HEAD, _BODY = 0, 1, 2  # between requests; reading a head; reading a body
 EXCHANGE = "loraplex.exchange"  # the key of a request's Exchange in scope["extensions"]
@@ -163,9 +163,9 @@ class _Refused(Exception):
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the limits :mod:`gateway.server.transport` describes.
+    """uvicorn's httptools protocol with the limits :mod:`gateway.transport` describes.
 
-    Use the subclass :func:`gateway.server.transport.limited_protocol` makes: it binds
+    Use the subclass :func:`limited_protocol` makes: it binds
     ``limits`` and one server's ``table``.
 
     Attributes:
@@ -554,3 +554,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         head += [b"\r\n", body]
         self.transport.write(b"".join(head))
         self.transport.close()
+
+
+def limited_protocol(limits: TransportLimits) -> type[LimitedHttpProtocol]:
+    """A :class:`LimitedHttpProtocol` class for one server: ``limits`` and a fresh table.
+
+    Pass it as ``uvicorn.Config(http=...)``; its ``table`` counts that server's connections.
+    """
+    table = ConnectionTable(limits.max_connections, limits.key_share)
+    return type("LimitedHttpProtocol", (LimitedHttpProtocol,), {"limits": limits, "table": table})

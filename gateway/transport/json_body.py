@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from litestar import Request
 
-from loraplex.gateway.server.errors import bad_request
+from loraplex.gateway.errors import bad_request
 
 MAX_DEPTH_HINT = "nested too deeply"
 

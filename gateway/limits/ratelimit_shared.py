@@ -1,7 +1,7 @@
 """Per-key rate limits shared by every gateway: the same token buckets, kept in Redis.
 
 Several gateways behind one load balancer must enforce one limit per key, not one each. This
-limiter keeps :mod:`gateway.server.ratelimit`'s scheme (a request bucket and a token bucket per
+limiter keeps :mod:`gateway.limits.ratelimit`'s scheme (a request bucket and a token bucket per
 key, tokens charged after the request, possibly going negative; concurrent requests) in Redis,
 through ``redis-py``'s asyncio client. Each admission and release is one Lua script, so it is
 atomic across gateways, and reads the time from Redis (``TIME``), so gateways' clocks need not
@@ -33,7 +33,7 @@ import time
 import uuid
 from urllib.parse import urlsplit
 
-from loraplex.gateway.server.ratelimit import RateLimiter, RateLimitExceeded, Ticket
+from loraplex.gateway.limits.ratelimit import RateLimiter, RateLimitExceeded, Ticket
 from loraplex.gateway.services.tenants import TenantLimits
 
 logger = logging.getLogger(__name__)

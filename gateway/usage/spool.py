@@ -41,7 +41,7 @@ from pathlib import Path
 
 import msgspec
 
-from loraplex.gateway.services.usage import UsageRecord
+from loraplex.gateway.usage.records import UsageRecord
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Admission control: a global bound on the work the server has accepted and not finished.
 
-Per-key rate limits (``gateway.server.ratelimit``) bound each key; nothing bounded the sum, so
+Per-key rate limits (``gateway.limits.ratelimit``) bound each key; nothing bounded the sum, so
 thousands of concurrent streams queued without end (TTFT p99 of 75 s, never a 503). Here every
 admitted chat request holds one slot of ``max_requests`` from admission to its usage row, and
 once its prompt is processed it also holds ``prompt + max_tokens`` of ``max_tokens`` tokens.

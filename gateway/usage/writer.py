@@ -4,8 +4,8 @@ A request hands its :class:`UsageRecord` to :meth:`UsageWriter.submit` and gets 
 completes once the row is durable; the chat route sends its last bytes only after that
 (``docs/usage.md``). Two tasks do the work:
 
-- group commit (:class:`~gateway.server.usage_commit.GroupCommit`): the records submitted
-  since the last batch are appended to the :class:`~gateway.server.usage_spool.UsageSpool` in
+- group commit (:class:`~gateway.usage.commit.GroupCommit`): the records submitted
+  since the last batch are appended to the :class:`~gateway.usage.spool.UsageSpool` in
   one ``write`` and one ``fdatasync`` (in a sync thread; several at once), then their futures
   complete. Under load a sync carries every request that finished meanwhile, so the cost per
   request falls as the load rises;
@@ -55,10 +55,10 @@ from sqlalchemy import text
 
 from loraplex.gateway.db.errors import describe, is_unreachable
 from loraplex.gateway.db.types import utcnow
-from loraplex.gateway.server.errors import APIError
-from loraplex.gateway.server.usage_commit import GroupCommit
-from loraplex.gateway.server.usage_spool import UsageSpool, encode_record
-from loraplex.gateway.services.usage import UsageRecord, record_usage_batch
+from loraplex.gateway.errors import APIError
+from loraplex.gateway.usage.commit import GroupCommit
+from loraplex.gateway.usage.records import UsageRecord, record_usage_batch
+from loraplex.gateway.usage.spool import UsageSpool, encode_record
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from loraplex.gateway.server.usage_spool import UsageSpool
+from loraplex.gateway.usage.spool import UsageSpool
 
 logger = logging.getLogger(__name__)
 

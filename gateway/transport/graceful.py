@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from loraplex.gateway.server.access_log import AccessLog
+from loraplex.gateway.transport.access_log import AccessLog
 
 
 class GracefulServer(uvicorn.Server):
@@ -54,7 +54,7 @@ class GracefulServer(uvicorn.Server):
         """Serve until the exit.
 
         The start-up heap is frozen first (:func:`freeze_startup_heap`); when the app is an
-        :class:`~gateway.server.access_log.AccessLog`, its last lines are written at the end.
+        :class:`~gateway.transport.access_log.AccessLog`, its last lines are written at the end.
         """
         freeze_startup_heap()
         try:

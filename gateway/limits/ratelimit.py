@@ -8,7 +8,7 @@ actually used (prompt + completion) are taken from the token bucket, which may g
 large request delays the next ones instead of being refused up front. A refusal carries the time
 until admission would succeed, for ``Retry-After``. State lives in this process; it is lost on
 restart, which only forgives. Gateways that share keys share limits through
-:mod:`gateway.server.ratelimit_shared` (the same scheme in Redis; ``--rate-limit-url``).
+:mod:`gateway.limits.ratelimit_shared` (the same scheme in Redis; ``--rate-limit-url``).
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ class Ticket:
     The concurrency slot (and the charge of the tokens) is given back to the limiter once the
     request has been released **and** every :meth:`hold` let go: the chat controller holds
     the ticket until the response has been written to the client or the connection cut
-    (``gateway.server.http_protocol.Exchange.on_written``), so a client that stops reading
+    (``gateway.transport.http_protocol.Exchange.on_written``), so a client that stops reading
     keeps its slot taken instead of the engine's end freeing it (issue 27). Both limiters,
-    in process and in Redis (:mod:`gateway.server.ratelimit_shared`), hand out this ticket.
+    in process and in Redis (:mod:`gateway.limits.ratelimit_shared`), hand out this ticket.
 
     Args:
         release: The limiter's own release of this request, given the tokens it used.

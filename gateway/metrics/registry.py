@@ -1,6 +1,6 @@
 """Prometheus metrics: engine gauges, per-tenant counters, per-model latency histograms.
 
-The latency histograms live in :mod:`gateway.server.latency`; every series: ``docs/metrics.md``.
+The latency histograms live in :mod:`gateway.metrics.latency`; every series: ``docs/metrics.md``.
 
 Each app has its own ``CollectorRegistry`` (several apps can live in one test process). Engine
 figures (KV blocks, prefix-cache tokens, queue lengths, LoRA slots) come from
@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from loraplex.gateway.server.latency import LatencyMetrics
+from loraplex.gateway.metrics.latency import LatencyMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -144,7 +144,7 @@ class GatewayMetrics:
         stats: The engine's ``stats()``.
         base_model: The served model's name (the base model's ``model_name`` label).
         max_adapter_labels: Adapters that may get a ``model_name`` label of their own
-            (:class:`gateway.server.latency.LatencyMetrics`).
+            (:class:`gateway.metrics.latency.LatencyMetrics`).
 
     Attributes:
         latency: The per-model latency histograms.
