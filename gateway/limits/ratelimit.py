@@ -123,7 +123,26 @@ class Ticket:
         self._release(self._tokens or 0)
 
 
-class RateLimiter:
+class Limiter:
+    """A per-key rate limiter, as the gateway uses one (a Litestar dependency's type).
+
+    :class:`RateLimiter` keeps its buckets in this process;
+    ``gateway.limits.ratelimit_shared.SharedRateLimiter`` shares them through Redis.
+    """
+
+    async def acquire(self, key_id: str, limits: TenantLimits) -> Ticket:
+        """Admit one request of ``key_id`` under ``limits``.
+
+        Raises:
+            RateLimitExceeded: a limit of the key is reached.
+        """
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Release what the limiter holds (connections, tasks)."""
+
+
+class RateLimiter(Limiter):
     """Token-bucket limits per API key.
 
     Args:

@@ -33,7 +33,7 @@ import time
 import uuid
 from urllib.parse import urlsplit
 
-from loraplex.gateway.limits.ratelimit import RateLimiter, RateLimitExceeded, Ticket
+from loraplex.gateway.limits.ratelimit import Limiter, RateLimiter, RateLimitExceeded, Ticket
 from loraplex.gateway.services.tenants import TenantLimits
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def _arg(value: int | None) -> str:
     return "" if value is None else str(value)
 
 
-class SharedRateLimiter:
+class SharedRateLimiter(Limiter):
     """Token-bucket limits per API key in Redis, shared by every gateway that uses it.
 
     Args:

@@ -1,4 +1,14 @@
-"""The Litestar app factory: routes by domain, auth middleware, OpenAI errors, lifespan."""
+"""The Litestar app factory: routes by domain, dependencies, auth middleware, errors, lifespan.
+
+Handlers get the gateway's services as Litestar dependencies, by parameter name
+(:func:`dependencies`): ``engine``, ``limiter``, ``admission``, ``usage``, ``sessions``,
+``metrics``, ``config``, ``store``, ``key_cache``, ``secret``, ``default_limits``,
+``adapter_registry``, ``in_flight`` and ``draining``, each declared ``Injected[...]``
+(``gateway.di``). Handlers never see the :class:`GatewayState`: only the providers here read
+its attributes. The auth middleware runs before dependencies are resolved, so it is handed the
+state at construction, typed as the :class:`~gateway.auth.middleware.KeyAuth` protocol (the
+six things it reads), and imports nothing of ``gateway.server``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +17,7 @@ import logging
 
 from litestar import Litestar
 from litestar.config.app import AppConfig
-from litestar.datastructures import State
+from litestar.di import Provide
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 
@@ -42,12 +52,17 @@ def create_app(state: GatewayState) -> Litestar:
             *system.ROUTES,
             *chat.ROUTES,
             *tokenize.ROUTES,
-            *adapters.ROUTES,
+            adapters.adapter_controller(state.engine, state.config),
+            adapters.ModelsController,
             *usage.ROUTES,
             *admin.ROUTES,
         ],
-        state=State({"gateway": state}),
-        middleware=[DefineMiddleware(KeyAuthMiddleware, exclude_from_auth_key="exclude_from_auth")],
+        dependencies=dependencies(state),
+        middleware=[
+            DefineMiddleware(
+                KeyAuthMiddleware, auth=state, exclude_from_auth_key="exclude_from_auth"
+            )
+        ],
         exception_handlers=EXCEPTION_HANDLERS,
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
@@ -55,6 +70,42 @@ def create_app(state: GatewayState) -> Litestar:
         openapi_config=OpenAPIConfig(title="loraplex", version="0.1.0", path="/docs"),
         on_app_init=[_quiet_keys],
     )
+
+
+DEPENDENCIES = {
+    "engine": "engine",
+    "limiter": "limiter",
+    "admission": "admission",
+    "usage": "usage",
+    "sessions": "sessions",
+    "metrics": "metrics",
+    "config": "config",
+    "store": "store",
+    "key_cache": "key_cache",
+    "secret": "secret",
+    "default_limits": "default_limits",
+    "adapter_registry": "adapters",
+    "in_flight": "in_flight",
+    "draining": "draining",
+}
+"""Each app-level dependency's name and the :class:`GatewayState` attribute it provides."""
+
+
+def dependencies(state: GatewayState) -> dict[str, Provide]:
+    """The app-level dependencies: each of ``state``'s services under the name handlers use.
+
+    Each is read from ``state`` when a request asks for it (an attribute read): ``draining``
+    changes at shutdown, and a service replaced on the state (a test's failing database) is
+    what the next request gets.
+    """
+
+    def provide(attribute: str) -> Provide:
+        def dependency() -> object:
+            return getattr(state, attribute)
+
+        return Provide(dependency, sync_to_thread=False)
+
+    return {name: provide(attribute) for name, attribute in DEPENDENCIES.items()}
 
 
 def _quiet_keys(config: AppConfig) -> AppConfig:

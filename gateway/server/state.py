@@ -1,4 +1,8 @@
-"""Everything the routes share, built once per app (``app.state.gateway``)."""
+"""Everything the routes share, built once per app.
+
+Nothing reads this object during a request: :func:`gateway.server.app.create_app` hands its
+parts to the handlers as Litestar dependencies and to the auth middleware at construction.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from loraplex.adapters.object_store import ObjectAdapterStore, open_store
 from loraplex.adapters.store import AdapterStore
-from loraplex.gateway.auth.middleware import KeyCache
+from loraplex.gateway.auth.key_cache import KeyCache
+from loraplex.gateway.domains.adapters.service import Registry
 from loraplex.gateway.limits.admission import AdmissionControl
 from loraplex.gateway.limits.auth_throttle import AuthThrottle
 from loraplex.gateway.limits.ratelimit import RateLimiter
@@ -41,6 +46,7 @@ class GatewayState:
         metrics: Prometheus registry and counters.
         admission: Global bounds on outstanding requests and tokens.
         auth_throttle: Failed authentications per client address.
+        adapters: Adapter changes' lock, pending removals and upload slots.
         owns_engine: Shut the engine down with the app (False when tests share one).
         draining: Set on shutdown: new chat requests get 503.
         in_flight: Chat requests running now (graceful shutdown waits for them).
@@ -62,6 +68,7 @@ class GatewayState:
     metrics: GatewayMetrics
     admission: AdmissionControl
     auth_throttle: AuthThrottle
+    adapters: Registry = field(default_factory=Registry)
     owns_engine: bool = True
     draining: bool = False
     in_flight: set[asyncio.Task] = field(default_factory=set)
@@ -128,6 +135,7 @@ def build_state(
             config.auth_failure_window_seconds,
             config.auth_throttle_max_clients,
         ),
+        adapters=Registry(uploads=asyncio.Semaphore(config.max_concurrent_uploads)),
         owns_engine=owns_engine,
     )
 

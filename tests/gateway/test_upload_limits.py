@@ -24,7 +24,6 @@ from loraplex.adapters.sizes import max_header_bytes, max_weights_bytes
 from loraplex.gateway.domains.adapters import controller as adapter_controller
 from loraplex.gateway.domains.adapters.form import MAX_PARTS, TEXT_FIELD_BYTES
 from loraplex.gateway.domains.adapters.limits import UploadLimits
-from loraplex.gateway.domains.adapters.service import registry_of
 from tests.adapters.conftest import make_adapter, store_snapshot
 from tests.gateway.live import LiveGateway
 from tests.gateway.test_adapters_api import (
@@ -225,7 +224,7 @@ def test_uploads_are_processed_one_slot_at_a_time(one_slot, good_dir, monkeypatc
     while (state["parsed"] < 3 or state["entered"] < 1) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert state["parsed"] == 3 and state["entered"] == 1
-    assert registry_of(one_slot.app.state).uploads.locked()
+    assert one_slot.state.adapters.uploads.locked()
     release.set()
     for thread in threads:
         thread.join(60)

@@ -1,6 +1,6 @@
 """Tenants' LoRA adapters (``/v1/adapters``) and what a tenant may serve (``/v1/models``)."""
 
-from loraplex.gateway.domains.adapters.controller import AdapterController
+from loraplex.gateway.domains.adapters.controller import adapter_controller
 from loraplex.gateway.domains.adapters.models import ModelsController
 
-ROUTES = [AdapterController, ModelsController]
+__all__ = ["ModelsController", "adapter_controller"]

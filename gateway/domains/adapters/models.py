@@ -6,9 +6,12 @@ from typing import Any
 
 from litestar import Controller, Request, get
 from litestar.params import FromPath
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.adapters.views import adapter_model_card, base_model_card, list_body
 from loraplex.gateway.errors import not_found
+from loraplex.gateway.server.engine_client import EngineClient
 from loraplex.gateway.services.adapters import find_adapter, list_adapters
 
 
@@ -18,26 +21,35 @@ class ModelsController(Controller):
     path = "/v1/models"
 
     @get("/")
-    async def list_models(self, request: Request) -> dict[str, Any]:
+    async def list_models(
+        self,
+        request: Request,
+        engine: Injected[EngineClient],
+        sessions: Injected[async_sessionmaker],
+    ) -> dict[str, Any]:
         """The base model first, then the tenant's adapters by name."""
-        state = request.app.state.gateway
         principal = request.user
-        async with state.sessions() as session:
+        async with sessions() as session:
             rows = await list_adapters(session, principal.tenant_id)
-        base = state.engine.model_name
+        base = engine.model_name
         cards = [adapter_model_card(r, principal.tenant_name, base) for r in rows]
         return list_body([base_model_card(base), *cards])
 
     @get("/{model:path}")
-    async def get_model(self, request: Request, model: FromPath[str]) -> dict[str, Any]:
+    async def get_model(
+        self,
+        request: Request,
+        engine: Injected[EngineClient],
+        sessions: Injected[async_sessionmaker],
+        model: FromPath[str],
+    ) -> dict[str, Any]:
         """One model by id (404 ``model_not_found`` for unknown or another tenant's adapter)."""
-        state = request.app.state.gateway
         principal = request.user
         model = model.lstrip("/")
-        base = state.engine.model_name
+        base = engine.model_name
         if model == base:
             return base_model_card(base)
-        async with state.sessions() as session:
+        async with sessions() as session:
             row = await find_adapter(session, principal.tenant_id, model)
         if row is None:
             raise not_found(f"the model {model!r} does not exist", code="model_not_found")

@@ -21,12 +21,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from loraplex.adapters.store import DigestStore
 from loraplex.adapters.validation import LoraAdapter
 from loraplex.gateway.db.models import Adapter
+from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.adapters.orphans import remove_if_unused
-from loraplex.gateway.server.state import GatewayState
+from loraplex.gateway.server.engine_client import EngineClient
 from loraplex.gateway.services.adapters import (
     AdapterFacts,
     create_adapter,
@@ -37,9 +40,6 @@ from loraplex.gateway.services.adapters import (
 from loraplex.gateway.services.errors import ConflictError
 
 logger = logging.getLogger(__name__)
-
-_REGISTRY_KEY = "adapter_registry"
-
 
 DEFAULT_UPLOAD_SLOTS = 2
 
@@ -63,29 +63,40 @@ class Registry:
     )
 
 
-def registry_of(app_state: Any, upload_slots: int | None = None) -> Registry:
-    """The app's :class:`Registry` (made on first use).
+@dataclass(frozen=True)
+class Adapters:
+    """What the adapter routes work with (a Litestar dependency, built from the app's).
 
-    Args:
-        app_state: The Litestar app's ``State`` (one per app).
-        upload_slots: Size of :attr:`Registry.uploads` when this call makes the registry
-            (``GatewayConfig.max_concurrent_uploads``; the app makes it when it registers the
-            adapter routes).
+    Attributes:
+        engine: The engine (adapter limits, warm-up, removal).
+        sessions: Async session factory.
+        store: The content-addressed adapter store (on disk or in an object store).
+        registry: The app's adapter bookkeeping (``GatewayState.adapters``).
     """
-    registry = app_state.get(_REGISTRY_KEY)
-    if registry is None:
-        registry = Registry(uploads=asyncio.Semaphore(upload_slots or DEFAULT_UPLOAD_SLOTS))
-        app_state[_REGISTRY_KEY] = registry
-    return registry
+
+    engine: EngineClient
+    sessions: async_sessionmaker
+    store: DigestStore
+    registry: Registry
 
 
-async def ensure_name_free(state: GatewayState, tenant_id: str, name: str) -> None:
+def provide_adapters(
+    engine: Injected[EngineClient],
+    sessions: Injected[async_sessionmaker],
+    store: Injected[DigestStore],
+    adapter_registry: Injected[Registry],
+) -> Adapters:
+    """The ``adapters`` dependency: the app's dependencies the adapter routes use."""
+    return Adapters(engine, sessions, store, adapter_registry)
+
+
+async def ensure_name_free(adapters: Adapters, tenant_id: str, name: str) -> None:
     """Refuse a taken name before any validation work (re-checked on insert).
 
     Raises:
         ConflictError: the tenant has a live adapter called ``name``.
     """
-    async with state.sessions() as session:
+    async with adapters.sessions() as session:
         if await find_adapter(session, tenant_id, name) is not None:
             raise ConflictError(
                 f"an adapter named {name!r} already exists (upload with ?replace=true to "
@@ -94,16 +105,16 @@ async def ensure_name_free(state: GatewayState, tenant_id: str, name: str) -> No
 
 
 async def store_adapter(
-    state: GatewayState, config_bytes: bytes, weights_bytes: bytes
+    adapters: Adapters, config_bytes: bytes, weights_bytes: bytes
 ) -> LoraAdapter:
     """Validate against the served model and store, in a worker thread.
 
     Raises:
         AdapterError: the adapter is refused; the store is unchanged.
     """
-    limits = state.engine.adapter_limits
+    limits = adapters.engine.adapter_limits
     return await asyncio.to_thread(
-        state.store.put_files,
+        adapters.store.put_files,
         config_bytes,
         weights_bytes,
         target_shapes=limits.target_shapes,
@@ -113,8 +124,7 @@ async def store_adapter(
 
 
 async def register(
-    state: GatewayState,
-    registry: Registry,
+    adapters: Adapters,
     tenant_id: str,
     name: str,
     config_bytes: bytes,
@@ -131,10 +141,10 @@ async def register(
         AdapterError: the adapter is refused (the store is unchanged).
         ConflictError: the name is taken and ``replace`` is False.
     """
-    adapter = await store_adapter(state, config_bytes, weights_bytes)
-    async with registry.lock:
+    adapter = await store_adapter(adapters, config_bytes, weights_bytes)
+    async with adapters.registry.lock:
         try:
-            async with state.sessions() as session, session.begin():
+            async with adapters.sessions() as session, session.begin():
                 row, old = await create_adapter(
                     session,
                     tenant_id,
@@ -149,58 +159,58 @@ async def register(
                     replace=replace,
                 )
         except ConflictError:
-            await _collect(state, registry, adapter.digest)  # only if no live row holds it
+            await _collect(adapters, adapter.digest)  # only if no live row holds it
             raise
         # the row is committed: if a collector (here or in a gateway sharing the store) removed
         # the weights since they were stored, store them again (orphans.py's protocol)
-        if not state.store.has(adapter.digest):
-            adapter = await store_adapter(state, config_bytes, weights_bytes)
+        if not adapters.store.has(adapter.digest):
+            adapter = await store_adapter(adapters, config_bytes, weights_bytes)
         if old is not None and old.digest != row.digest:
-            await _collect(state, registry, old.digest)
-        await _retry_pending(state, registry)
+            await _collect(adapters, old.digest)
+        await _retry_pending(adapters)
     try:
-        await state.engine.add_lora(adapter)
+        await adapters.engine.add_lora(adapter)
     except Exception as exc:  # the store has it: the engine loads it on first use
         logger.warning("could not pre-load adapter %s: %r", adapter.digest, exc)
     return row
 
 
-async def unregister(state: GatewayState, registry: Registry, tenant_id: str, name: str) -> Adapter:
+async def unregister(adapters: Adapters, tenant_id: str, name: str) -> Adapter:
     """Soft-delete the tenant's adapter and release its weights if nobody else holds them.
 
     Raises:
         NotFoundError: the tenant has no live adapter by that name.
     """
-    async with registry.lock:
-        async with state.sessions() as session, session.begin():
+    async with adapters.registry.lock:
+        async with adapters.sessions() as session, session.begin():
             row = await delete_adapter(session, tenant_id, name)
-        await _collect(state, registry, row.digest)
-        await _retry_pending(state, registry)
+        await _collect(adapters, row.digest)
+        await _retry_pending(adapters)
     return row
 
 
-async def _collect(state: GatewayState, registry: Registry, digest: str) -> None:
+async def _collect(adapters: Adapters, digest: str) -> None:
     """Drop ``digest`` from engine and store when no live row holds it (caller holds the lock).
 
-    The weights stay, and the digest goes to ``registry.pending``, while a running request
+    The weights stay, and the digest goes to ``adapters.registry.pending``, while a running request
     uses them (the engine refuses the removal) or when the engine cannot be asked.
     """
-    registry.pending.discard(digest)
-    async with state.sessions() as session:
+    adapters.registry.pending.discard(digest)
+    async with adapters.sessions() as session:
         if await digest_in_use(session, digest):
             return
     try:
-        removed = await state.engine.remove_lora(digest)
+        removed = await adapters.engine.remove_lora(digest)
     except Exception as exc:
         logger.warning("could not remove adapter %s from the engine: %r", digest, exc)
         removed = False
     if not removed:
-        registry.pending.add(digest)
+        adapters.registry.pending.add(digest)
         return
-    await remove_if_unused(state.sessions, state.store, digest)
+    await remove_if_unused(adapters.sessions, adapters.store, digest)
 
 
-async def _retry_pending(state: GatewayState, registry: Registry) -> None:
+async def _retry_pending(adapters: Adapters) -> None:
     """Collect digests whose removal was refused earlier (caller holds the lock)."""
-    for digest in sorted(registry.pending):
-        await _collect(state, registry, digest)
+    for digest in sorted(adapters.registry.pending):
+        await _collect(adapters, digest)

@@ -7,8 +7,11 @@ from typing import Any
 from litestar import Controller, Request, delete, get, post, put
 from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from loraplex.gateway.auth.key_cache import KeyCache
 from loraplex.gateway.auth.middleware import ADMIN_ONLY
+from loraplex.gateway.di import Injected
 from loraplex.gateway.errors import bad_request
 from loraplex.gateway.services.keys import create_key, list_keys, revoke_key
 from loraplex.gateway.services.tenants import (
@@ -59,33 +62,36 @@ class AdminController(Controller):
     opt = ADMIN_ONLY
 
     @post("/tenants", status_code=HTTP_201_CREATED)
-    async def create_tenant(self, request: Request) -> dict[str, Any]:
+    async def create_tenant(
+        self, request: Request, sessions: Injected[async_sessionmaker], secret: Injected[bytes]
+    ) -> dict[str, Any]:
         """``{"name", "limits"?}`` -> 201 ``{"id", "name", "api_key", "key_id"}`` (the key, once).
 
         ``key_id`` (beyond ``tenants create``'s first three fields) names the key for
         ``DELETE /admin/keys/{id}``.
         """
         body = await json_object(request)
-        state = request.app.state.gateway
         name = body.get("name")
         if not isinstance(name, str):
             raise bad_request("'name' is required and must be a string", param="name")
         limits = _limits(_object(body.get("limits") or {}))
-        async with state.sessions() as session, session.begin():
-            tenant, key = await create_tenant_with_key(session, name, state.secret, limits)
+        async with sessions() as session, session.begin():
+            tenant, key = await create_tenant_with_key(session, name, secret, limits)
             return {"id": tenant.id, "name": tenant.name, "api_key": key.api_key, "key_id": key.id}
 
     @get("/tenants")
-    async def list_tenants(self, request: Request) -> dict[str, Any]:
+    async def list_tenants(self, sessions: Injected[async_sessionmaker]) -> dict[str, Any]:
         """Every tenant with its limits."""
-        async with request.app.state.gateway.sessions() as session:
+        async with sessions() as session:
             tenants = await list_tenants(session)
             return {"object": "list", "data": [_tenant_view(t) for t in tenants]}
 
     @get("/tenants/{tenant_id:str}")
-    async def get_tenant(self, request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
+    async def get_tenant(
+        self, sessions: Injected[async_sessionmaker], tenant_id: FromPath[str]
+    ) -> dict[str, Any]:
         """One tenant, with its keys: ids, prefixes, ``revoked_at`` and ``revoked``; no hashes."""
-        async with request.app.state.gateway.sessions() as session:
+        async with sessions() as session:
             tenant = await get_tenant(session, tenant_id)
             keys = await list_keys(session, tenant_id)
             view = _tenant_view(tenant)
@@ -102,32 +108,46 @@ class AdminController(Controller):
             return view
 
     @put("/tenants/{tenant_id:str}/limits", status_code=HTTP_200_OK)
-    async def put_limits(self, request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
+    async def put_limits(
+        self,
+        request: Request,
+        sessions: Injected[async_sessionmaker],
+        key_cache: Injected[KeyCache],
+        default_limits: Injected[TenantLimits],
+        tenant_id: FromPath[str],
+    ) -> dict[str, Any]:
         """Replace the tenant's per-key limits; a null or missing field means the default."""
-        state = request.app.state.gateway
         limits = _limits(await json_object(request))
-        async with state.sessions() as session, session.begin():
+        async with sessions() as session, session.begin():
             tenant = await set_limits(session, tenant_id, limits)
             view = _tenant_view(tenant)
-        state.key_cache.forget_tenant(tenant_id)
-        effective = limits_of(tenant).or_defaults(state.default_limits)
+        key_cache.forget_tenant(tenant_id)
+        effective = limits_of(tenant).or_defaults(default_limits)
         view["effective_limits"] = {f: getattr(effective, f) for f in _LIMIT_FIELDS}
         return view
 
     @post("/tenants/{tenant_id:str}/keys", status_code=HTTP_201_CREATED)
-    async def create_key(self, request: Request, tenant_id: FromPath[str]) -> dict[str, Any]:
+    async def create_key(
+        self,
+        sessions: Injected[async_sessionmaker],
+        secret: Injected[bytes],
+        tenant_id: FromPath[str],
+    ) -> dict[str, Any]:
         """-> 201 ``{"id", "api_key"}`` (the key, once)."""
-        state = request.app.state.gateway
-        async with state.sessions() as session, session.begin():
-            key = await create_key(session, tenant_id, state.secret)
+        async with sessions() as session, session.begin():
+            key = await create_key(session, tenant_id, secret)
             return {"id": key.id, "api_key": key.api_key}
 
     @delete("/keys/{key_id:str}", status_code=HTTP_200_OK)
-    async def revoke_key(self, request: Request, key_id: FromPath[str]) -> dict[str, Any]:
+    async def revoke_key(
+        self,
+        sessions: Injected[async_sessionmaker],
+        key_cache: Injected[KeyCache],
+        key_id: FromPath[str],
+    ) -> dict[str, Any]:
         """Revoke a key: from now on it gets 401 (the auth cache drops it at once)."""
-        state = request.app.state.gateway
-        async with state.sessions() as session, session.begin():
+        async with sessions() as session, session.begin():
             key = await revoke_key(session, key_id)
             out = {"id": key.id, "revoked": True}
-        state.key_cache.forget_key(key_id)
+        key_cache.forget_key(key_id)
         return out

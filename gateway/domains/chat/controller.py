@@ -40,7 +40,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from litestar import Request, Response, post
 from litestar.di import Provide
@@ -48,12 +48,20 @@ from litestar.exceptions import HTTPException
 
 from loraplex.engine.inputs import ProcessedPrompt
 from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
-from loraplex.gateway.auth.middleware import TenantPrincipal
+from loraplex.gateway.auth.principals import TenantPrincipal
+from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.chat.body import ChatCompletionBody, CompletionBody
 from loraplex.gateway.domains.chat.completions import parse_completion_request
 from loraplex.gateway.domains.chat.responses import completion_body, text_completion_body
 from loraplex.gateway.domains.chat.schemas import ChatRequest, parse_chat_request
-from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger, admit_rate, resolve_model
+from loraplex.gateway.domains.chat.service import (
+    ChatDeps,
+    ChatRun,
+    UsageLedger,
+    admit_rate,
+    provide_chat_deps,
+    resolve_model,
+)
 from loraplex.gateway.domains.chat.streaming import HEADERS, EventStream, StreamMeta, chunk_stream
 from loraplex.gateway.errors import (
     ERROR_TYPES,
@@ -65,9 +73,6 @@ from loraplex.gateway.errors import (
 from loraplex.gateway.limits.admission import OverloadedError
 from loraplex.gateway.server.fair_pool import PoolBusyError
 from loraplex.gateway.transport.http_protocol import Exchange, exchange_of
-
-if TYPE_CHECKING:
-    from loraplex.gateway.server.state import GatewayState
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,64}$")  # printable ASCII, no spaces
@@ -88,9 +93,14 @@ def _documented_completion(data: CompletionBody) -> None:  # pragma: no cover - 
 @post(
     "/v1/chat/completions",
     status_code=200,
-    dependencies={"documented_body": Provide(_documented_chat, sync_to_thread=False)},
+    dependencies={
+        "documented_body": Provide(_documented_chat, sync_to_thread=False),
+        "chat_deps": Provide(provide_chat_deps, sync_to_thread=False),
+    },
 )
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(
+    request: Request, draining: Injected[bool], chat_deps: Injected[ChatDeps]
+) -> Response:
     """Answer one chat request, as JSON or as server-sent events (``stream: true``).
 
     Raises:
@@ -98,48 +108,54 @@ async def chat_completions(request: Request) -> Response:
             429 rate limited, 503 draining, engine unavailable or usage unrecordable (the
             usage database unreachable past the backlog limit); always OpenAI's error body.
     """
-    return await _generate(request, "chatcmpl-", parse_chat_request)
+    return await _generate(request, draining, chat_deps, "chatcmpl-", parse_chat_request)
 
 
 @post(
     "/v1/completions",
     status_code=200,
-    dependencies={"documented_body": Provide(_documented_completion, sync_to_thread=False)},
+    dependencies={
+        "documented_body": Provide(_documented_completion, sync_to_thread=False),
+        "chat_deps": Provide(provide_chat_deps, sync_to_thread=False),
+    },
 )
-async def completions(request: Request) -> Response:
+async def completions(
+    request: Request, draining: Injected[bool], chat_deps: Injected[ChatDeps]
+) -> Response:
     """Answer one (legacy) Completions request: a text or token-id prompt, no chat template.
 
     Raises:
         APIError: as :func:`chat_completions`; ``suffix``, several prompts, ``best_of`` other
             than ``n`` and ``echo`` with ``logprobs`` are 400s naming the field.
     """
-    return await _generate(request, "cmpl-", parse_completion_request)
+    return await _generate(request, draining, chat_deps, "cmpl-", parse_completion_request)
 
 
-async def _generate(request: Request, id_prefix: str, parse: Any) -> Response:
+async def _generate(
+    request: Request, draining: bool, deps: ChatDeps, id_prefix: str, parse: Any
+) -> Response:
     """The flow both endpoints share (the order of checks in the module doc)."""
-    state: GatewayState = request.app.state.gateway
     principal: TenantPrincipal = request.user
-    if state.draining:
+    if draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
-    if not state.engine.is_running:
+    if not deps.engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_unavailable")
-    state.usage.admit()
+    deps.usage.admit()
     body = await request.body()  # first: a slowly sent body holds no concurrency slot
-    ticket = await admit_rate(state, principal)
+    ticket = await admit_rate(deps, principal)
     exchange = exchange_of(request.scope)
     if exchange is not None:  # the slot is held until the response is written or cut
         exchange.on_written(ticket.hold())
     try:
-        admission = state.admission.admit(principal.tenant_id)
+        admission = deps.admission.admit(principal.tenant_id)
     except OverloadedError as exc:
         ticket.release(0)
-        state.metrics.rate_limited.labels(principal.tenant_id, "overloaded").inc()
+        deps.metrics.rate_limited.labels(principal.tenant_id, "overloaded").inc()
         raise overloaded(str(exc), exc.retry_after) from None
     response_id = f"{id_prefix}{uuid.uuid4().hex}"
     client_id = request.headers.get(REQUEST_ID_HEADER)
     valid_id = client_id is not None and _REQUEST_ID.match(client_id) is not None
-    ledger = UsageLedger(state, principal, ticket, response_id, client_id if valid_id else None)
+    ledger = UsageLedger(deps, principal, ticket, response_id, client_id if valid_id else None)
     ledger.admission = admission
     run: ChatRun | None = None
     try:
@@ -150,13 +166,13 @@ async def _generate(request: Request, id_prefix: str, parse: Any) -> Response:
             )
         chat = parse(
             body,
-            max_tokens_limit=state.config.max_tokens_limit,
-            max_n=state.config.max_n,
-            max_parts=state.engine.max_model_len,
-            vocab_size=state.engine.input_limits.vocab_size,
+            max_tokens_limit=deps.config.max_tokens_limit,
+            max_n=deps.config.max_n,
+            max_parts=deps.engine.max_model_len,
+            vocab_size=deps.engine.input_limits.vocab_size,
         )
         ledger.model = chat.model
-        run = await _start(state, principal, chat, ledger, response_id, exchange)
+        run = await _start(deps, principal, chat, ledger, response_id, exchange)
         if exchange is not None:
             run.watch_client(request.receive, _cut_reason(exchange))
             exchange.on_written(_ended(run, exchange))
@@ -164,8 +180,8 @@ async def _generate(request: Request, id_prefix: str, parse: Any) -> Response:
             run.watch_client(request.receive)
         if chat.stream:
             writable = None if exchange is None else exchange.writable
-            return await _stream(state, run, chat, response_id, writable)
-        return await _complete(state, run, chat, response_id)
+            return await _stream(deps, run, chat, response_id, writable)
+        return await _complete(deps, run, chat, response_id)
     except BaseException as exc:
         if isinstance(exc, asyncio.CancelledError):
             if run is None:
@@ -182,7 +198,7 @@ async def _generate(request: Request, id_prefix: str, parse: Any) -> Response:
 
 
 async def _start(
-    state: GatewayState,
+    deps: ChatDeps,
     principal: TenantPrincipal,
     chat: ChatRequest,
     ledger: UsageLedger,
@@ -193,11 +209,11 @@ async def _start(
 
     A stream with an ``exchange`` defers its ``ok`` row to its last write (``ChatRun.deliver``).
     """
-    engine = state.engine
-    ledger.adapter_digest = await resolve_model(state, principal.tenant_id, chat.model)
-    prompt = await _prompt(state, principal, chat)
+    engine = deps.engine
+    ledger.adapter_digest = await resolve_model(deps, principal.tenant_id, chat.model)
+    prompt = await _prompt(deps, principal, chat)
     sampling = chat.sampling_params(
-        len(prompt.prompt_token_ids), engine.max_model_len, state.config.max_tokens_limit
+        len(prompt.prompt_token_ids), engine.max_model_len, deps.config.max_tokens_limit
     )
     engine_request = EngineRequest(
         request_id=response_id,
@@ -218,20 +234,18 @@ async def _start(
     except OverloadedError as exc:
         raise overloaded(str(exc), exc.retry_after) from None
     adapter = None if ledger.adapter_digest is None else chat.model
-    ledger.measure(state.metrics.latency.for_model(principal.tenant_id, adapter))
+    ledger.measure(deps.metrics.latency.for_model(principal.tenant_id, adapter))
     deliver = chat.stream and exchange is not None
-    return ChatRun(state, engine_request, ledger, chat.structured_param, deliver=deliver)
+    return ChatRun(deps, engine_request, ledger, chat.structured_param, deliver=deliver)
 
 
-async def _prompt(
-    state: GatewayState, principal: TenantPrincipal, chat: ChatRequest
-) -> ProcessedPrompt:
+async def _prompt(deps: ChatDeps, principal: TenantPrincipal, chat: ChatRequest) -> ProcessedPrompt:
     """The prompt's token ids (and images).
 
     The chat template over the messages, or a Completions prompt tokenized as it is (token-id
     prompts are taken as they are: ``parse_completion_request`` checked their range).
     """
-    engine = state.engine
+    engine = deps.engine
     limits = engine.input_limits
     chat.check_size(engine.max_model_len, limits.max_token_bytes, limits.image_tokens)
     if chat.prompt is not None:
@@ -270,9 +284,7 @@ async def _prompt(
     return prompt
 
 
-async def _complete(
-    state: GatewayState, run: ChatRun, chat: ChatRequest, response_id: str
-) -> Response:
+async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id: str) -> Response:
     """Wait for the whole answer (or the client leaving) and return ``chat.completion``."""
     out = await _unless_client_left(run, run.final())
     await run.durable()  # 503 if the row could not be made durable
@@ -283,8 +295,8 @@ async def _complete(
             created=int(time.time()),
             model=chat.model,
             want_logprobs=chat.logprobs,
-            token_bytes=state.engine.token_bytes,
-            echo=await _echo(state, chat, out.prompt_token_ids),
+            token_bytes=deps.engine.token_bytes,
+            echo=await _echo(deps, chat, out.prompt_token_ids),
         )
         return Response(body, media_type="application/json")
     body = completion_body(
@@ -293,14 +305,14 @@ async def _complete(
         created=int(time.time()),
         model=chat.model,
         want_logprobs=chat.logprobs,
-        token_bytes=state.engine.token_bytes,
-        tool_calls=_tool_parsers(state, chat),
+        token_bytes=deps.engine.token_bytes,
+        tool_calls=_tool_parsers(deps, chat),
     )
     return Response(body, media_type="application/json")
 
 
 async def _stream(
-    state: GatewayState,
+    deps: ChatDeps,
     run: ChatRun,
     chat: ChatRequest,
     response_id: str,
@@ -319,10 +331,10 @@ async def _stream(
         include_usage=chat.include_usage,
         continuous_usage=chat.continuous_usage,
         want_logprobs=chat.logprobs,
-        token_bytes=state.engine.token_bytes,
-        tool_calls=_tool_parsers(state, chat),
+        token_bytes=deps.engine.token_bytes,
+        tool_calls=_tool_parsers(deps, chat),
         text_completion=chat.prompt is not None,
-        echo=await _echo(state, chat, run.request.prompt_token_ids),
+        echo=await _echo(deps, chat, run.request.prompt_token_ids),
     )
     return EventStream(chunk_stream(run, first, meta, writable), headers=HEADERS)
 
@@ -348,21 +360,21 @@ def _ended(run: ChatRun, exchange: Exchange) -> Callable[[], None]:
     return ended
 
 
-async def _echo(state: GatewayState, chat: ChatRequest, prompt_ids: list[int]) -> str:
+async def _echo(deps: ChatDeps, chat: ChatRequest, prompt_ids: list[int]) -> str:
     """Completions' ``echo``: the prompt's text ("" unless asked for)."""
     if not chat.echo:
         return ""
     if isinstance(chat.prompt, str):
         return chat.prompt
-    return await state.engine.detokenize(prompt_ids)
+    return await deps.engine.detokenize(prompt_ids)
 
 
-def _tool_parsers(state: GatewayState, chat: ChatRequest) -> Callable[[], Any]:
+def _tool_parsers(deps: ChatDeps, chat: ChatRequest) -> Callable[[], Any]:
     """Makes a fresh tool-call parser per choice (None when the request offers no tools)."""
     tools = chat.tools
     if tools is None:
         return lambda: None
-    fmt = state.engine.input_limits.tool_call_format
+    fmt = deps.engine.input_limits.tool_call_format
     return lambda: tools.streamer(fmt)
 
 

@@ -5,7 +5,7 @@ Life of an admitted request (the controller drives it)::
     admit (429: no usage row)
       -> UsageLedger            from here on exactly one usage row and one ticket release
       -> parse, resolve model, process messages, check lengths     (4xx: row "error", 0 tokens)
-      -> ChatRun: a task in state.in_flight pumps engine outputs into a queue
+      -> ChatRun: a task in deps.in_flight pumps engine outputs into a queue
            finished "stop"/"length"       -> row "ok"
            engine refusal / death / abort -> row "error" (refusal: 0 tokens)
            a fault in its part of a step  -> row "error" ("internal_error"); 500, or an
@@ -37,7 +37,10 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from loraplex.engine.async_llm import EngineDeadError, RequestFailedError
 from loraplex.engine.errors import EngineOverloadedError
@@ -45,27 +48,78 @@ from loraplex.engine.quarantine import QueryOfDeathError, TenantThrottledError
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.structured_output import StructuredOutputError
 from loraplex.gateway.db.types import utcnow
+from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.adapters.upload import NAME_RE
 from loraplex.gateway.errors import APIError, not_found, rate_limited
-from loraplex.gateway.limits.ratelimit import RateLimitExceeded
+from loraplex.gateway.limits.admission import AdmissionControl
+from loraplex.gateway.limits.ratelimit import Limiter, RateLimitExceeded
 from loraplex.gateway.metrics.latency import ModelSeries, TokenClock
+from loraplex.gateway.metrics.registry import GatewayMetrics
+from loraplex.gateway.server.config import GatewayConfig
+from loraplex.gateway.server.engine_client import EngineClient
 from loraplex.gateway.services.adapters import find_adapter
+from loraplex.gateway.services.tenants import TenantLimits
 from loraplex.gateway.usage.records import UsageRecord
+from loraplex.gateway.usage.writer import UsageWriter
 
 if TYPE_CHECKING:
-    from loraplex.gateway.auth.middleware import TenantPrincipal
+    from loraplex.gateway.auth.principals import TenantPrincipal
     from loraplex.gateway.limits.admission import AdmissionTicket
     from loraplex.gateway.limits.ratelimit import Ticket
-    from loraplex.gateway.server.state import GatewayState
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatDeps:
+    """What a generation request works with: the handler's dependencies, passed on as one.
+
+    Attributes:
+        config: Gateway settings.
+        engine: The engine.
+        sessions: Async session factory (adapter names).
+        limiter: Per-key rate limits.
+        admission: Global bounds on outstanding requests and tokens.
+        usage: The usage writer.
+        metrics: Prometheus counters and latency histograms.
+        default_limits: The server-wide limits of tenants that set none.
+        in_flight: The runs now going (graceful shutdown waits for them).
+    """
+
+    config: GatewayConfig
+    engine: EngineClient
+    sessions: async_sessionmaker
+    limiter: Limiter
+    admission: AdmissionControl
+    usage: UsageWriter
+    metrics: GatewayMetrics
+    default_limits: TenantLimits
+    in_flight: set[asyncio.Task]
+
 
 MODEL_NOT_FOUND = "model_not_found"
 _MAX_ADAPTER_NAME = 64
 _MAX_MODEL_COLUMN = 256
 
 
-async def resolve_model(state: GatewayState, tenant_id: str, model: str) -> str | None:
+def provide_chat_deps(
+    config: Injected[GatewayConfig],
+    engine: Injected[EngineClient],
+    sessions: Injected[async_sessionmaker],
+    limiter: Injected[Limiter],
+    admission: Injected[AdmissionControl],
+    usage: Injected[UsageWriter],
+    metrics: Injected[GatewayMetrics],
+    default_limits: Injected[TenantLimits],
+    in_flight: Injected[set[asyncio.Task]],
+) -> ChatDeps:
+    """The ``chat_deps`` dependency: the app's dependencies a generation request uses."""
+    return ChatDeps(
+        config, engine, sessions, limiter, admission, usage, metrics, default_limits, in_flight
+    )
+
+
+async def resolve_model(deps: ChatDeps, tenant_id: str, model: str) -> str | None:
     """The adapter digest ``model`` names for this tenant; None for the base model.
 
     A name that no adapter may have (``NAME_RE``: NUL or other control characters, too long)
@@ -75,34 +129,34 @@ async def resolve_model(state: GatewayState, tenant_id: str, model: str) -> str 
         APIError: 404 ``model_not_found`` for an unknown name or another tenant's adapter
             (the same answer, so a name's existence never leaks across tenants).
     """
-    if model == state.engine.model_name:
+    if model == deps.engine.model_name:
         return None
     row = None
     if NAME_RE.fullmatch(model):
-        async with state.sessions() as session:
+        async with deps.sessions() as session:
             row = await find_adapter(session, tenant_id, model)
     if row is None:
         raise not_found(
             f"the model {model[:_MAX_ADAPTER_NAME]!r} does not exist: use "
-            f"{state.engine.model_name!r} or the name of one of your adapters",
+            f"{deps.engine.model_name!r} or the name of one of your adapters",
             code=MODEL_NOT_FOUND,
             param="model",
         )
     return row.digest
 
 
-async def admit_rate(state: GatewayState, principal: TenantPrincipal) -> Ticket:
+async def admit_rate(deps: ChatDeps, principal: TenantPrincipal) -> Ticket:
     """The key's rate-limit admission for one request.
 
     Raises:
         APIError: 429 with ``Retry-After`` past a limit (counted in
             ``loraplex_rate_limited_requests``).
     """
-    limits = principal.limits.or_defaults(state.default_limits)
+    limits = principal.limits.or_defaults(deps.default_limits)
     try:
-        return await state.limiter.acquire(principal.key_id, limits)
+        return await deps.limiter.acquire(principal.key_id, limits)
     except RateLimitExceeded as exc:
-        state.metrics.rate_limited.labels(principal.tenant_id, exc.limit).inc()
+        deps.metrics.rate_limited.labels(principal.tenant_id, exc.limit).inc()
         raise rate_limited(
             f"rate limit exceeded: {exc.limit} of this key; retry after "
             f"{max(1.0, exc.retry_after):.0f} s",
@@ -114,7 +168,7 @@ class UsageLedger:
     """What one admitted request used; writes its usage row and frees its ticket, once.
 
     Args:
-        state: The gateway.
+        deps: What the request works with.
         principal: The caller.
         ticket: The rate limiter's admission, released with the tokens used.
         usage_id: The usage row's key: the server's id of this request (its response id),
@@ -130,13 +184,13 @@ class UsageLedger:
 
     def __init__(
         self,
-        state: GatewayState,
+        deps: ChatDeps,
         principal: TenantPrincipal,
         ticket: Ticket,
         usage_id: str,
         client_request_id: str | None = None,
     ) -> None:
-        self.state = state
+        self.deps = deps
         self.principal = principal
         self.ticket = ticket
         self.usage_id = usage_id
@@ -209,7 +263,7 @@ class UsageLedger:
         tenant = self.principal.tenant_id
         latency = time.perf_counter() - self.started
         try:
-            self.durable = self.state.usage.submit(
+            self.durable = self.deps.usage.submit(
                 UsageRecord(
                     request_id=self.usage_id,
                     tenant_id=tenant,
@@ -228,7 +282,7 @@ class UsageLedger:
                     client_request_id=self.client_request_id,
                 )
             )
-            self.state.metrics.record_request(
+            self.deps.metrics.record_request(
                 tenant,
                 status,
                 self.prompt_tokens,
@@ -274,7 +328,7 @@ class ChatRun:
     One reader at a time (the HTTP side of the request) calls :meth:`next` / :meth:`next_nowait`.
 
     Args:
-        state: The gateway (the task joins ``state.in_flight``).
+        deps: The gateway (the task joins ``deps.in_flight``).
         request: The engine request.
         ledger: Its usage; the run closes it when it ends, whatever the way.
         structured_param: The body field that asked for structured output: a spec the engine
@@ -289,13 +343,13 @@ class ChatRun:
 
     def __init__(
         self,
-        state: GatewayState,
+        deps: ChatDeps,
         request: EngineRequest,
         ledger: UsageLedger,
         structured_param: str = "",
         deliver: bool = False,
     ) -> None:
-        self.state = state
+        self.deps = deps
         self.request = request
         self.structured_param = structured_param
         self.ledger = ledger
@@ -308,7 +362,7 @@ class ChatRun:
         self._reader: asyncio.Future[None] | None = None  # set while next() waits
         self._watcher: asyncio.Future[None] | None = None
         self.task = asyncio.create_task(self._pump(), name=f"loraplex-{request.request_id}")
-        state.in_flight.add(self.task)
+        deps.in_flight.add(self.task)
         self.task.add_done_callback(self._done)
 
     def watch_client(
@@ -443,7 +497,7 @@ class ChatRun:
         ledger = self.ledger
         status, error_type = "error", "internal_error"
         try:
-            async for out in self.state.engine.generate(self.request):
+            async for out in self.deps.engine.generate(self.request):
                 ledger.observe(out)
                 if out.finished:  # recorded before anyone can see it: a late cancel is moot
                     status, error_type = _final_status(out)
@@ -498,7 +552,7 @@ class ChatRun:
 
     def _done(self, task: asyncio.Task) -> None:
         """Leave ``in_flight``; a task cancelled before it ever ran still closes its ledger."""
-        self.state.in_flight.discard(task)
+        self.deps.in_flight.discard(task)
         watcher, self._watcher = self._watcher, None
         if watcher is not None:  # dropped: its CancelledError's traceback holds our frame
             watcher.cancel()

@@ -19,23 +19,27 @@ from __future__ import annotations
 import uuid
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 from litestar import Request, Response, get, post
 from litestar.di import Provide
 
-from loraplex.gateway.auth.middleware import TenantPrincipal
+from loraplex.gateway.auth.principals import TenantPrincipal
+from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.chat.body import convert_body
 from loraplex.gateway.domains.chat.schemas import CONTEXT_LENGTH_EXCEEDED, check_messages, utf8_len
-from loraplex.gateway.domains.chat.service import UsageLedger, admit_rate, resolve_model
+from loraplex.gateway.domains.chat.service import (
+    ChatDeps,
+    UsageLedger,
+    admit_rate,
+    provide_chat_deps,
+    resolve_model,
+)
 from loraplex.gateway.domains.chat.tools import check_tool_messages
 from loraplex.gateway.errors import APIError, bad_request, pool_busy
 from loraplex.gateway.server.fair_pool import PoolBusyError
 from loraplex.gateway.transport.json_body import decode_object
-
-if TYPE_CHECKING:
-    from loraplex.gateway.server.state import GatewayState
 
 
 class TokenizePromptBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -74,29 +78,35 @@ def _documented_detokenize(data: DetokenizeBody) -> None:  # pragma: no cover
 @post(
     "/tokenize",
     status_code=200,
-    dependencies={"documented_body": Provide(_documented_tokenize, sync_to_thread=False)},
+    dependencies={
+        "documented_body": Provide(_documented_tokenize, sync_to_thread=False),
+        "chat_deps": Provide(provide_chat_deps, sync_to_thread=False),
+    },
 )
-async def tokenize(request: Request) -> Response:
+async def tokenize(request: Request, chat_deps: Injected[ChatDeps]) -> Response:
     """Token ids of a prompt or of chat messages (see the module doc).
 
     Raises:
         APIError: 400 naming the field, 404 unknown model, 429 rate limited, 503 engine down.
     """
-    return await _metered(request, _tokenize)
+    return await _metered(request, chat_deps, _tokenize)
 
 
 @post(
     "/detokenize",
     status_code=200,
-    dependencies={"documented_body": Provide(_documented_detokenize, sync_to_thread=False)},
+    dependencies={
+        "documented_body": Provide(_documented_detokenize, sync_to_thread=False),
+        "chat_deps": Provide(provide_chat_deps, sync_to_thread=False),
+    },
 )
-async def detokenize(request: Request) -> Response:
+async def detokenize(request: Request, chat_deps: Injected[ChatDeps]) -> Response:
     """The text of token ids (see the module doc).
 
     Raises:
         APIError: 400 naming the field, 404 unknown model, 429 rate limited, 503 engine down.
     """
-    return await _metered(request, _detokenize)
+    return await _metered(request, chat_deps, _detokenize)
 
 
 @get("/version", exclude_from_auth=True, sync_to_thread=False)
@@ -108,19 +118,18 @@ def version() -> dict[str, str]:
         return {"version": "0+unknown"}
 
 
-async def _metered(request: Request, handle: Any) -> Response:
-    """Rate limit, run ``handle(state, principal, data, ledger)``, write the usage row."""
-    state: GatewayState = request.app.state.gateway
+async def _metered(request: Request, deps: ChatDeps, handle: Any) -> Response:
+    """Rate limit, run ``handle(deps, principal, data, ledger)``, write the usage row."""
     principal: TenantPrincipal = request.user
-    if not state.engine.is_running:
+    if not deps.engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_unavailable")
-    state.usage.admit()
+    deps.usage.admit()
     body = await request.body()
-    ticket = await admit_rate(state, principal)
-    ledger = UsageLedger(state, principal, ticket, f"tok-{uuid.uuid4().hex}")
+    ticket = await admit_rate(deps, principal)
+    ledger = UsageLedger(deps, principal, ticket, f"tok-{uuid.uuid4().hex}")
     try:
         data = decode_object(body)
-        answer = await handle(state, principal, data, ledger)
+        answer = await handle(deps, principal, data, ledger)
     except BaseException as exc:
         error_type = exc.code or "invalid_request_error" if isinstance(exc, APIError) else None
         ledger.close("error", error_type or "internal_error")
@@ -132,13 +141,13 @@ async def _metered(request: Request, handle: Any) -> Response:
 
 
 async def _tokenize(
-    state: GatewayState, principal: TenantPrincipal, data: dict, ledger: UsageLedger
+    deps: ChatDeps, principal: TenantPrincipal, data: dict, ledger: UsageLedger
 ) -> dict[str, Any]:
-    engine = state.engine
+    engine = deps.engine
     kind = TokenizeChatBody if "messages" in data else TokenizePromptBody
     req = convert_body(data, kind)
     ledger.model = req.model
-    ledger.adapter_digest = await resolve_model(state, principal.tenant_id, req.model)
+    ledger.adapter_digest = await resolve_model(deps, principal.tenant_id, req.model)
     limits = engine.input_limits
     tenant = principal.tenant_id
     try:
@@ -171,12 +180,12 @@ async def _tokenize(
 
 
 async def _detokenize(
-    state: GatewayState, principal: TenantPrincipal, data: dict, ledger: UsageLedger
+    deps: ChatDeps, principal: TenantPrincipal, data: dict, ledger: UsageLedger
 ) -> dict[str, Any]:
-    engine = state.engine
+    engine = deps.engine
     req = convert_body(data, DetokenizeBody)
     ledger.model = req.model
-    ledger.adapter_digest = await resolve_model(state, principal.tenant_id, req.model)
+    ledger.adapter_digest = await resolve_model(deps, principal.tenant_id, req.model)
     if len(req.tokens) > engine.max_model_len:
         raise bad_request(
             f"'tokens' holds {len(req.tokens)} ids; at most {engine.max_model_len}",

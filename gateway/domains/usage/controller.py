@@ -6,11 +6,14 @@ from typing import Any
 
 from litestar import Request, get
 from litestar.params import FromQuery
+from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from loraplex.gateway.auth.middleware import TenantPrincipal
+from loraplex.gateway.auth.principals import TenantPrincipal
+from loraplex.gateway.di import Injected
 from loraplex.gateway.errors import bad_request
 from loraplex.gateway.services.errors import InvalidInputError
 from loraplex.gateway.usage.records import parse_time, usage_summary
+from loraplex.gateway.usage.writer import UsageWriter
 
 FLUSH_TIMEOUT_S = 10.0
 
@@ -18,6 +21,8 @@ FLUSH_TIMEOUT_S = 10.0
 @get("/v1/usage")
 async def get_usage(
     request: Request,
+    usage: Injected[UsageWriter],
+    sessions: Injected[async_sessionmaker],
     since: FromQuery[str | None] = None,
     until: FromQuery[str | None] = None,
 ) -> dict[str, Any]:
@@ -31,7 +36,6 @@ async def get_usage(
             the usage database is unreachable or the rows before this call are not written
             within ``FLUSH_TIMEOUT_S`` (the totals would be incomplete).
     """
-    state = request.app.state.gateway
     principal: TenantPrincipal = request.user
     bounds = {}
     for name, value in (("since", since), ("until", until)):
@@ -39,6 +43,6 @@ async def get_usage(
             bounds[name] = parse_time(value)
         except InvalidInputError as exc:
             raise bad_request(f"'{name}': {exc}", param=name) from None
-    await state.usage.flush(timeout=FLUSH_TIMEOUT_S)
-    async with state.sessions() as session:
+    await usage.flush(timeout=FLUSH_TIMEOUT_S)
+    async with sessions() as session:
         return await usage_summary(session, principal.tenant_id, **bounds)
