@@ -9,7 +9,7 @@ import pytest
 from bench.fake_engine import InstantEngine
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.gateway.auth.middleware import TenantPrincipal
+from loraplex.gateway.auth.principals import TenantPrincipal
 from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger
 from loraplex.gateway.errors import APIError
 from loraplex.gateway.limits.ratelimit import RateLimiter

@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from loraplex.gateway.auth.middleware import KeyCache, TenantPrincipal
+from loraplex.gateway.auth.key_cache import KeyCache
+from loraplex.gateway.auth.principals import TenantPrincipal
 from loraplex.gateway.services.tenants import TenantLimits
 
 PRINCIPAL = TenantPrincipal("t1", "acme", "k1", TenantLimits(None, None, None))
