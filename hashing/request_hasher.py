@@ -16,8 +16,8 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
+from loraplex.hashing.block_encoder import BlockEncoder, shared_encoder
 from loraplex.hashing.block_hash import (
-    BlockEncoder,
     BlockHash,
     HashAlgorithm,
     encode_extra_keys,
@@ -72,7 +72,7 @@ class RequestBlockHasher:
         cache_salt: str | None = None,
         placeholders: Sequence[MMPlaceholder] = (),
     ) -> None:
-        self._encoder = _encoder(block_size, algorithm)
+        self._encoder = shared_encoder(block_size, algorithm)
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self._tokens = bytearray()
@@ -192,12 +192,6 @@ class RequestBlockHasher:
                     hashes.append(parent)
             i = stop
         return hashes[first_new:]
-
-
-@lru_cache(maxsize=64)
-def _encoder(block_size: int, algorithm: HashAlgorithm) -> BlockEncoder:
-    """One shared (immutable) encoder per block size and algorithm."""
-    return BlockEncoder(block_size, algorithm)
 
 
 @lru_cache(maxsize=1024)
