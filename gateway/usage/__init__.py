@@ -1,5 +1,7 @@
 """The usage ledger: one row per request, durable before the response ends.
 
+* :mod:`.ledger`: :class:`~.ledger.UsageLedger`, one admitted request's counts until its row
+  is written (exactly once) and its rate-limit ticket released.
 * :mod:`.records`: :class:`~.records.UsageRecord`, its rows in the database (``usage_events``)
   and the per-tenant summary ``GET /v1/usage`` answers.
 * :mod:`.spool`: the append-only spool file a record reaches first.

@@ -10,10 +10,11 @@ from bench.fake_engine import InstantEngine
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.auth.principals import TenantPrincipal
-from loraplex.gateway.domains.chat.service import ChatRun, UsageLedger
+from loraplex.gateway.domains.chat.service import ChatRun
 from loraplex.gateway.errors import APIError
 from loraplex.gateway.limits.ratelimit import RateLimiter
 from loraplex.gateway.services.tenants import TenantLimits
+from loraplex.gateway.usage.ledger import UsageLedger
 
 LIMITS = TenantLimits(None, None, None)
 

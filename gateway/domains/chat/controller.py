@@ -57,7 +57,6 @@ from loraplex.gateway.domains.chat.schemas import ChatRequest, parse_chat_reques
 from loraplex.gateway.domains.chat.service import (
     ChatDeps,
     ChatRun,
-    UsageLedger,
     admit_rate,
     provide_chat_deps,
     resolve_model,
@@ -73,6 +72,7 @@ from loraplex.gateway.errors import (
 from loraplex.gateway.limits.admission import OverloadedError
 from loraplex.gateway.server.fair_pool import PoolBusyError
 from loraplex.gateway.transport.http_protocol import Exchange, exchange_of
+from loraplex.gateway.usage.ledger import UsageLedger
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,64}$")  # printable ASCII, no spaces

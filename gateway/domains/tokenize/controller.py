@@ -31,7 +31,6 @@ from loraplex.gateway.domains.chat.body import convert_body
 from loraplex.gateway.domains.chat.schemas import CONTEXT_LENGTH_EXCEEDED, check_messages, utf8_len
 from loraplex.gateway.domains.chat.service import (
     ChatDeps,
-    UsageLedger,
     admit_rate,
     provide_chat_deps,
     resolve_model,
@@ -40,6 +39,7 @@ from loraplex.gateway.domains.chat.tools import check_tool_messages
 from loraplex.gateway.errors import APIError, bad_request, pool_busy
 from loraplex.gateway.server.fair_pool import PoolBusyError
 from loraplex.gateway.transport.json_body import decode_object
+from loraplex.gateway.usage.ledger import UsageLedger
 
 
 class TokenizePromptBody(msgspec.Struct, forbid_unknown_fields=True):
