@@ -3,7 +3,8 @@
 Handlers get the gateway's services as Litestar dependencies, by parameter name
 (:func:`dependencies`): ``engine``, ``limiter``, ``admission``, ``usage``, ``sessions``,
 ``metrics``, ``config``, ``store``, ``key_cache``, ``secret``, ``default_limits``,
-``adapter_registry``, ``in_flight`` and ``draining``, each declared ``Injected[...]``
+``adapter_registry``, ``in_flight``, ``draining`` and ``chat_deps`` (the hot routes' bundle
+of them), each declared ``Injected[...]``
 (``gateway.di``). Handlers never see the :class:`GatewayState`: only the providers here read
 its attributes. The auth middleware runs before dependencies are resolved, so it is handed the
 state at construction, typed as the :class:`~gateway.auth.middleware.KeyAuth` protocol (the
@@ -24,6 +25,7 @@ from litestar.openapi import OpenAPIConfig
 from loraplex.gateway.auth.middleware import KeyAuthMiddleware
 from loraplex.gateway.auth.redact import RedactingFilter
 from loraplex.gateway.domains import adapters, admin, chat, system, tokenize, usage
+from loraplex.gateway.domains.chat.service import ChatDeps
 from loraplex.gateway.errors import EXCEPTION_HANDLERS
 from loraplex.gateway.server.engine_watch import watch_engine
 from loraplex.gateway.server.state import GatewayState
@@ -88,7 +90,10 @@ DEPENDENCIES = {
     "in_flight": "in_flight",
     "draining": "draining",
 }
-"""Each app-level dependency's name and the :class:`GatewayState` attribute it provides."""
+"""Each app-level dependency's name and the :class:`GatewayState` attribute it provides; one
+more, ``chat_deps``, bundles those of the generation and tokenizer routes (``ChatDeps``)."""
+
+DEPENDENCY_NAMES = (*DEPENDENCIES, "chat_deps")
 
 
 def dependencies(state: GatewayState) -> dict[str, Provide]:
@@ -105,7 +110,23 @@ def dependencies(state: GatewayState) -> dict[str, Provide]:
 
         return Provide(dependency, sync_to_thread=False)
 
-    return {name: provide(attribute) for name, attribute in DEPENDENCIES.items()}
+    def chat_deps() -> ChatDeps:
+        return ChatDeps(
+            config=state.config,
+            engine=state.engine,
+            sessions=state.sessions,
+            limiter=state.limiter,
+            admission=state.admission,
+            usage=state.usage,
+            metrics=state.metrics,
+            default_limits=state.default_limits,
+            in_flight=state.in_flight,
+            draining=state.draining,
+        )
+
+    provided = {name: provide(attribute) for name, attribute in DEPENDENCIES.items()}
+    provided["chat_deps"] = Provide(chat_deps, sync_to_thread=False)
+    return provided
 
 
 def _quiet_keys(config: AppConfig) -> AppConfig:

@@ -54,9 +54,9 @@ def test_docs_show_the_body_types():
     from litestar.di import Provide
 
     from loraplex.gateway.domains import chat, tokenize
-    from loraplex.gateway.server.app import DEPENDENCIES
+    from loraplex.gateway.server.app import DEPENDENCY_NAMES
 
-    unused = {name: Provide(lambda: None, sync_to_thread=False) for name in DEPENDENCIES}
+    unused = {name: Provide(lambda: None, sync_to_thread=False) for name in DEPENDENCY_NAMES}
     app = Litestar(route_handlers=[*chat.ROUTES, *tokenize.ROUTES], dependencies=unused)
     schema = app.openapi_schema.to_schema()
     components = schema["components"]["schemas"]

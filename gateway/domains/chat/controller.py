@@ -58,7 +58,6 @@ from loraplex.gateway.domains.chat.service import (
     ChatDeps,
     ChatRun,
     admit_rate,
-    provide_chat_deps,
     resolve_model,
 )
 from loraplex.gateway.domains.chat.streaming import HEADERS, EventStream, StreamMeta, chunk_stream
@@ -95,12 +94,9 @@ def _documented_completion(data: CompletionBody) -> None:  # pragma: no cover - 
     status_code=200,
     dependencies={
         "documented_body": Provide(_documented_chat, sync_to_thread=False),
-        "chat_deps": Provide(provide_chat_deps, sync_to_thread=False),
     },
 )
-async def chat_completions(
-    request: Request, draining: Injected[bool], chat_deps: Injected[ChatDeps]
-) -> Response:
+async def chat_completions(request: Request, chat_deps: Injected[ChatDeps]) -> Response:
     """Answer one chat request, as JSON or as server-sent events (``stream: true``).
 
     Raises:
@@ -108,7 +104,7 @@ async def chat_completions(
             429 rate limited, 503 draining, engine unavailable or usage unrecordable (the
             usage database unreachable past the backlog limit); always OpenAI's error body.
     """
-    return await _generate(request, draining, chat_deps, "chatcmpl-", parse_chat_request)
+    return await _generate(request, chat_deps, "chatcmpl-", parse_chat_request)
 
 
 @post(
@@ -116,27 +112,22 @@ async def chat_completions(
     status_code=200,
     dependencies={
         "documented_body": Provide(_documented_completion, sync_to_thread=False),
-        "chat_deps": Provide(provide_chat_deps, sync_to_thread=False),
     },
 )
-async def completions(
-    request: Request, draining: Injected[bool], chat_deps: Injected[ChatDeps]
-) -> Response:
+async def completions(request: Request, chat_deps: Injected[ChatDeps]) -> Response:
     """Answer one (legacy) Completions request: a text or token-id prompt, no chat template.
 
     Raises:
         APIError: as :func:`chat_completions`; ``suffix``, several prompts, ``best_of`` other
             than ``n`` and ``echo`` with ``logprobs`` are 400s naming the field.
     """
-    return await _generate(request, draining, chat_deps, "cmpl-", parse_completion_request)
+    return await _generate(request, chat_deps, "cmpl-", parse_completion_request)
 
 
-async def _generate(
-    request: Request, draining: bool, deps: ChatDeps, id_prefix: str, parse: Any
-) -> Response:
+async def _generate(request: Request, deps: ChatDeps, id_prefix: str, parse: Any) -> Response:
     """The flow both endpoints share (the order of checks in the module doc)."""
     principal: TenantPrincipal = request.user
-    if draining:
+    if deps.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     if not deps.engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_unavailable")

@@ -46,7 +46,6 @@ from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.quarantine import QueryOfDeathError, TenantThrottledError
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.structured_output import StructuredOutputError
-from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.adapters.upload import NAME_RE
 from loraplex.gateway.errors import APIError, not_found, rate_limited
 from loraplex.gateway.limits.admission import AdmissionControl
@@ -68,7 +67,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ChatDeps:
-    """What a generation request works with: the handler's dependencies, passed on as one.
+    """What a generation request works with: the ``chat_deps`` dependency.
+
+    One dependency made per request from the app's services (``gateway.server.app``), rather
+    than one parameter each: Litestar resolves a handler's sibling dependencies in a task
+    group, a task each, which cost the chat route about 0.2 ms of CPU per request.
 
     Attributes:
         config: Gateway settings.
@@ -80,6 +83,7 @@ class ChatDeps:
         metrics: Prometheus counters and latency histograms.
         default_limits: The server-wide limits of tenants that set none.
         in_flight: The runs now going (graceful shutdown waits for them).
+        draining: The server is shutting down (new requests get 503).
     """
 
     config: GatewayConfig
@@ -91,27 +95,11 @@ class ChatDeps:
     metrics: GatewayMetrics
     default_limits: TenantLimits
     in_flight: set[asyncio.Task]
+    draining: bool = False
 
 
 MODEL_NOT_FOUND = "model_not_found"
 _MAX_ADAPTER_NAME = 64
-
-
-def provide_chat_deps(
-    config: Injected[GatewayConfig],
-    engine: Injected[EngineClient],
-    sessions: Injected[async_sessionmaker],
-    limiter: Injected[Limiter],
-    admission: Injected[AdmissionControl],
-    usage: Injected[UsageWriter],
-    metrics: Injected[GatewayMetrics],
-    default_limits: Injected[TenantLimits],
-    in_flight: Injected[set[asyncio.Task]],
-) -> ChatDeps:
-    """The ``chat_deps`` dependency: the app's dependencies a generation request uses."""
-    return ChatDeps(
-        config, engine, sessions, limiter, admission, usage, metrics, default_limits, in_flight
-    )
 
 
 async def resolve_model(deps: ChatDeps, tenant_id: str, model: str) -> str | None:

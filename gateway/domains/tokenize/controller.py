@@ -32,7 +32,6 @@ from loraplex.gateway.domains.chat.schemas import CONTEXT_LENGTH_EXCEEDED, check
 from loraplex.gateway.domains.chat.service import (
     ChatDeps,
     admit_rate,
-    provide_chat_deps,
     resolve_model,
 )
 from loraplex.gateway.domains.chat.tools import check_tool_messages
@@ -80,7 +79,6 @@ def _documented_detokenize(data: DetokenizeBody) -> None:  # pragma: no cover
     status_code=200,
     dependencies={
         "documented_body": Provide(_documented_tokenize, sync_to_thread=False),
-        "chat_deps": Provide(provide_chat_deps, sync_to_thread=False),
     },
 )
 async def tokenize(request: Request, chat_deps: Injected[ChatDeps]) -> Response:
@@ -97,7 +95,6 @@ async def tokenize(request: Request, chat_deps: Injected[ChatDeps]) -> Response:
     status_code=200,
     dependencies={
         "documented_body": Provide(_documented_detokenize, sync_to_thread=False),
-        "chat_deps": Provide(provide_chat_deps, sync_to_thread=False),
     },
 )
 async def detokenize(request: Request, chat_deps: Injected[ChatDeps]) -> Response:
