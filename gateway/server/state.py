@@ -1,7 +1,8 @@
 """Everything the routes share, built once per app.
 
-Nothing reads this object during a request: :func:`gateway.server.app.create_app` hands its
-parts to the handlers as Litestar dependencies and to the auth middleware at construction.
+Handlers never see this object: :func:`gateway.server.app.create_app`'s dependency providers
+read its attributes for each request and hand the handlers the parts they name, and the auth
+middleware is given it at construction as a ``gateway.auth.middleware.KeyAuth``.
 """
 
 from __future__ import annotations
