@@ -184,7 +184,7 @@ class InstantEngine:
         return True
 
     def stats(self) -> dict[str, Any]:
-        """The ``AsyncLLM.stats`` keys, all idle."""
+        """The ``EngineCore.stats`` keys, all idle."""
         return {
             "kv_blocks_total": 0,
             "kv_blocks_in_use": 0,

@@ -7,7 +7,7 @@ base model (Zipf), a unique question of 10-40 words after the system prompt, 16 
 greedy, EOS ignored; each tenant's requests carry its cache salt (so tenants share nothing, as
 in ``serve``). Prompts are processed once, by the gateway-side processor, before the runs.
 The requests run closed-loop with ``--concurrency`` in flight, through the same
-``ReplicaSetClient`` the gateway uses, on:
+``ReplicaRouter`` (``engine.client.replicas``) under the gateway's one front, on:
 
 - ``one-big``: one replica whose KV pool has ``N`` times the blocks;
 - ``router``: ``N`` replicas, this router (cached blocks + resident adapter - queued tokens);
@@ -38,11 +38,13 @@ import torch
 
 from bench.multi_lora import write_adapters
 from loraplex.adapters.store import AdapterStore
+from loraplex.engine.client.front import AsyncLLM
+from loraplex.engine.client.replicas import ReplicaRouter
+from loraplex.engine.client.router import RoutingPolicy
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.gateway.routing import ReplicaSetClient, RoutingPolicy
-from loraplex.gateway.server.build import start_engine
+from loraplex.gateway.server.build import start_cores
 from loraplex.gateway.settings import data_dir
 
 POOL_BLOCKS = 256  # per replica: less than the hot working set
@@ -162,15 +164,14 @@ def run_config(name, path, store_root, adapters, requests, args, prepared: list)
     config = EngineConfig(model=str(path), num_kv_blocks=blocks, max_loras=2, max_cpu_loras=16,
                           max_lora_rank=16, max_num_seqs=args.concurrency)  # fmt: skip
     policy = {"router": "cache", "round-robin": "round_robin", "least-loaded": "least_loaded"}
-    client = start_engine(config, store_root, in_process=False, replicas=replicas,
-                          ray_address="local" if args.ray else None)  # fmt: skip
+    cores = start_cores(config, store_root, in_process=False, replicas=replicas,
+                        ray_address="local" if args.ray else None)  # fmt: skip
+    client = None
     try:
-        if name == "one-big":  # the whole machine, one pool of N times the blocks
-            client = ReplicaSetClient({"replica-0": client}, RoutingPolicy(block_size=16))
-        else:
-            client = ReplicaSetClient(
-                client.replicas, RoutingPolicy(block_size=16, policy=policy[name])
-            )
+        # one-big: the whole machine, one pool of N times the blocks
+        each = cores.replicas if isinstance(cores, ReplicaRouter) else {"replica-0": cores}
+        router = ReplicaRouter(each, RoutingPolicy(block_size=16, policy=policy.get(name, "cache")))
+        client = AsyncLLM(router, config)
 
         async def go():
             if not prepared:
@@ -181,9 +182,9 @@ def run_config(name, path, store_root, adapters, requests, args, prepared: list)
 
         result = asyncio.run(go())
         result["adapter_loads"] = client.stats().get("lora_loads", 0)
-        result["routed"] = dict(client.num_routed)
+        result["routed"] = dict(router.num_routed)
     finally:
-        client.shutdown()
+        (client or cores).shutdown()
     ttfts = result.pop("ttfts")
     result["hit_rate"] = result["cached"] / result["prompt"]
     result["tokens_per_s"] = result["tokens"] / result["seconds"]

@@ -8,9 +8,10 @@ the same for both ways, so neither hits its prefix cache), after one untimed ful
 
 - **gateway**: ``loraplex serve`` (a child process with its own engine core process), driven
   over HTTP with streaming (``stream: true``) by this process with httpx;
-- **direct**: a :class:`ProcessEngineClient` in this process (an engine core process of its
-  own, same flags), its ``generate`` streams read directly: chat template, tokenizer and
-  detokenizer on this side, no HTTP, no auth, no usage ledger.
+- **direct**: the engine's front (``engine.client.front.AsyncLLM``) in this process over a
+  core process client (an engine core process of its own, same flags), its ``generate``
+  streams read directly: chat template, tokenizer and detokenizer on this side, no HTTP, no
+  auth, no usage ledger.
 
 Reported per way: TTFT (send to first content) and ITL (gaps between successive content
 arrivals of one stream) p50 and p99 over all streams, and the ratio gateway/direct of ITL p99
@@ -247,7 +248,7 @@ def main() -> None:
     chats = prompts(num)
 
     from loraplex.engine.config import EngineConfig
-    from loraplex.gateway.server.process_client import ProcessEngineClient
+    from loraplex.gateway.server.build import start_engine
 
     with tempfile.TemporaryDirectory(prefix="loraplex-serving-") as tmp:
         port = free_port()
@@ -256,7 +257,7 @@ def main() -> None:
         direct = None
         try:
             config = EngineConfig(model=model, num_kv_blocks=num_kv_blocks)
-            direct = ProcessEngineClient(config, str(Path(tmp) / "direct-store"), "bench")
+            direct = start_engine(config, str(Path(tmp) / "direct-store"), in_process=False)
             wait_healthy(base_url, server)
             r = httpx.post(
                 f"{base_url}/admin/tenants",

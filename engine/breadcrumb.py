@@ -5,7 +5,7 @@ Before each call into native code on one request's behalf (a grammar's token mas
 consumed by its matcher, a matcher copied, a grammar compiled), the core writes that request's
 id into a small file mapped into its memory (``MAP_SHARED``), and clears it after. The stores
 are plain memory writes (no system call, ~0.2 us); the kernel keeps the page when the process
-dies, so the core client (``engine.core_client``) reads the slot after a death and knows the
+dies, so the core client (``engine.client.process``) reads the slot after a death and knows the
 culprit for certain (``engine.quarantine``: refused from the first death, not the second).
 
 Two slots, one per thread that calls native code on a request's behalf: :data:`STEP` (the

@@ -137,7 +137,7 @@ class EngineConfig:
     is heard again."""
     dead_timeout_s: float = 10.0
     """An engine core process silent this many seconds is killed, its requests end with 503
-    and a new one starts (engine.core_client); at least 1."""
+    and a new one starts (engine.client.process); at least 1."""
     step_timeout_s: float = 600.0
     """An engine core in one step for this many seconds is hung (it still beats, but its loop
     is stuck): killed and replaced the same way."""

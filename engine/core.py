@@ -8,9 +8,10 @@
              runner.apply_kv_trims(sched.kv_trims)              # the KV manager's trims
              return outs
 
-Synchronous and single-threaded. The client side (``LLM`` in process, ``AsyncLLM`` on a
-thread, the gateway's engine clients) owns tokenization, detokenization, stop strings and
-``RequestOutput``s (``engine.output_processor``): the core deals only in token ids.
+Synchronous and single-threaded. The client side (``LLM`` in process, the front
+``engine.client.front.AsyncLLM`` over a core client) owns tokenization, detokenization, stop
+strings and ``RequestOutput``s (``engine.client.output_processor``): the core deals only in
+token ids.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where an engine core runs: a child process of this one, or a Ray actor anywhere.
 
-``engine.core_client.CoreProcessClient`` talks to a core over two ZMQ sockets and watches it
+``engine.client.process.ProcessCoreClient`` talks to a core over two ZMQ sockets and watches it
 for death; a launcher decides where the core's loop (``engine.core_proc.run_core``) runs and
 gives back a handle with ``multiprocessing.Process``'s shape (``is_alive``, ``join``,
 ``kill``, ``exitcode``, ``pid``, ``sentinel``), so the client's restart logic is the same:

@@ -1,6 +1,6 @@
 """The engine core's own process: load the model, then step while there is work.
 
-:func:`run_core` is the entry point of the child process that ``engine.core_client`` starts. It
+:func:`run_core` is the entry point of the child process that ``engine.client.process`` starts. It
 builds an :class:`EngineCore` (adapters read from the gateway's adapter store by digest), sends
 :class:`~engine.core_wire.Ready`, then loops: drain the client's messages (a blocking poll only
 while nothing is in flight), run one step, push its outputs with the core's statistics. A step
@@ -63,6 +63,7 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
 
     from loraplex.engine import core_wire as wire
     from loraplex.engine.breadcrumb import Breadcrumb
+    from loraplex.engine.client.core_client import core_info
     from loraplex.engine.core import EngineCore
 
     logging.basicConfig(level=os.environ.get("LORAPLEX_CORE_LOG_LEVEL", "WARNING"))
@@ -80,25 +81,7 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
         adapter_loader=_store_loader(store_root, lambda: core),
         breadcrumb=Breadcrumb(crumb) if crumb else None,
     )
-    model = core.model
-    push.send(
-        enc.encode(
-            wire.Ready(
-                wire.CoreInfo(
-                    max_model_len=core.max_model_len,
-                    adapter_limits=core.adapter_limits,
-                    image_token_id=getattr(model, "image_token_id", None),
-                    num_image_tokens=getattr(model, "num_image_tokens", 0),
-                    num_parameters=sum(p.numel() for p in model.parameters()),
-                    dtype=str(core.dtype).removeprefix("torch."),
-                    device=str(core.device),
-                    kv_pool=core.kv_sizing.describe(),
-                    pid=os.getpid(),
-                    vocab_size=model.vocab_size,
-                )
-            )
-        )
-    )
+    push.send(enc.encode(wire.Ready(core_info(core))))
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     last_stats = 0.0

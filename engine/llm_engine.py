@@ -8,8 +8,10 @@
                               core.finish_request(...)            stop strings found, back
                            -> list[RequestOutput]
 
-``LLM`` drives it to completion for a batch and ``AsyncLLM`` on a thread for streaming; the
-gateway's engine clients hold the same two halves on either side of a process boundary.
+``LLM`` drives it to completion for a batch, in the caller's thread. For streaming, the front
+``engine.client.front.AsyncLLM`` holds the same two halves on either side of an
+``engine.client.core_client.EngineCoreClient`` (a thread, a process, a Ray actor or a router);
+``AsyncLLM.in_process(engine=...)`` serves this engine's core and processor that way.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from loraplex.engine.client.output_processor import OutputProcessor
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.errors import rejection_error
-from loraplex.engine.output_processor import OutputProcessor
 from loraplex.engine.processing import load_processor
 from loraplex.engine.request import EngineRequest, RequestOutput
 

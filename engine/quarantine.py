@@ -2,7 +2,7 @@
 
 Whatever native fault still reaches an engine core (a bug in a kernel, a library, a model's
 code) kills the process and every request in it; the client restarts it
-(``engine.core_client``). If the fault is tied to one request, a client that sends it again
+(``engine.client.process``). If the fault is tied to one request, a client that sends it again
 kills the new core too, and a supervisor that restarts the server only lets it go on. This is
 the "query of death" of large search and storage services (Google's SRE book, "Addressing
 Cascading Failures"): the defence is to remember what was in flight at each death and refuse

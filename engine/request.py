@@ -75,7 +75,7 @@ class EngineRequest:
 
         Whoever computes them with the engine's ``block_size`` and ``prefix_hash`` gets the
         hashes the engine's prefix cache uses: the engine itself at admission, and a router
-        choosing the replica that holds the request's leading blocks (``gateway.routing``).
+        choosing the replica that holds the request's leading blocks (``engine.client.replicas``).
 
         Returns:
             A ``hashing.RequestBlockHasher`` over the prompt (``.block_hashes``: one per

@@ -258,7 +258,8 @@ EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
 def pool_busy() -> APIError:
     """429 ``too_many_pending_requests``.
 
-    The tenant has too many jobs waiting for the input workers (``fair_pool.PoolBusyError``).
+    The tenant has too many jobs waiting for the input workers
+    (``engine.client.fair_pool.PoolBusyError``).
     """
     return APIError(
         429,

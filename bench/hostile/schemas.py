@@ -181,7 +181,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def engine_deaths(log_path: Path) -> int:
-    """Engine-core deaths the server logged (``engine.core_client``'s death line)."""
+    """Engine-core deaths the server logged (``engine.client.process``'s death line)."""
     if not log_path.exists():
         return 0
     return log_path.read_text(errors="replace").count(") died with status")

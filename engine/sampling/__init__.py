@@ -1,4 +1,7 @@
-"""Sampling: per-request params, the batched sampler, logprobs, detokenization and stops.
+"""Sampling: per-request params, the batched sampler and logprobs (the core's side).
+
+Detokenization and stop strings are the client's (``engine.client.detokenizer``,
+``engine.client.stop``): the core never calls them.
 
 Public API::
 
@@ -8,13 +11,9 @@ Public API::
     Sampler(generator=None)(logits [N, V], params [N], generators [N] | None,
                             default_generator=None) -> SamplerOutput
     make_generator(seed, device) -> torch.Generator
-    IncrementalDetokenizer(tokenizer, params, eos_token_ids=..., prompt_token_ids=None)
-        .append(token_id) -> str; .finish(reason) -> str; .text, .finish_reason, .stop_reason
-    StopChecker(stop, include_stop_str_in_output).append(delta) -> str
     TokenBytes(tokenizer)(token_ids) -> each token's exact UTF-8 bytes (OpenAI logprobs)
 """
 
-from loraplex.engine.sampling.detokenizer import IncrementalDetokenizer, TextStream
 from loraplex.engine.sampling.logprobs import TokenBytes, TopLogprobs, gather_logprobs
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.sampling.sampler import (
@@ -24,15 +23,11 @@ from loraplex.engine.sampling.sampler import (
     filter_probs,
     make_generator,
 )
-from loraplex.engine.sampling.stop import StopChecker
 
 __all__ = [
-    "IncrementalDetokenizer",
     "Sampler",
     "SamplerOutput",
     "SamplingParams",
-    "StopChecker",
-    "TextStream",
     "TokenBytes",
     "TopLogprobs",
     "exponential_race",

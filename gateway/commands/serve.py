@@ -279,7 +279,7 @@ def serve_engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfi
     """The engine config ``serve`` runs: the engine flags, the core process's timeouts checked.
 
     ``--engine-dead-timeout`` and ``--engine-step-timeout``: how long a silent or stuck engine
-    core process is waited for (``engine.core_client``); they watch a process, so they are
+    core process is waited for (``engine.client.process``); they watch a process, so they are
     refused with ``--no-engine-process``.
 
     Raises:

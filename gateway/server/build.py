@@ -16,7 +16,7 @@ from litestar import Litestar
 from loraplex.engine.config import EngineConfig
 from loraplex.gateway.server.app import create_app
 from loraplex.gateway.server.config import GatewayConfig
-from loraplex.gateway.server.engine_client import EngineClient, LocalEngineClient
+from loraplex.gateway.server.engine_client import EngineClient
 from loraplex.gateway.server.state import GatewayState, build_state
 
 
@@ -40,8 +40,8 @@ def start_engine(
         engine_config: The engine's settings.
         store_root: The adapter store.
         in_process: The engine core on a thread of this process (``LLM``, tests); else in its
-            own process (``serve``'s default: ``gateway.server.process_client``).
-        replicas: Engine cores behind one router (``gateway.routing``); more than 1 records
+            own process (``serve``'s default: ``engine.client.process``).
+        replicas: Engine cores behind one router (``engine.client.replicas``); more than 1 records
             KV events in every core, and on a CPU splits the automatic KV share between them.
         ray_address: Place the cores as Ray actors on this cluster (``"auto"``, an address,
             or ``"local"`` for a new local instance) instead of child processes.
@@ -55,25 +55,62 @@ def start_engine(
     """
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
+    from loraplex.engine.client.front import AsyncLLM
+
+    cores = start_cores(
+        engine_config,
+        store_root,
+        in_process=in_process,
+        replicas=replicas,
+        ray_address=ray_address,
+        quarantine=quarantine,
+    )
+    try:
+        return AsyncLLM(cores, engine_config, model_name=served_name(engine_config))
+    except BaseException:
+        cores.shutdown()
+        raise
+
+
+def start_cores(
+    engine_config: EngineConfig,
+    store_root: str | Path,
+    *,
+    in_process: bool = True,
+    replicas: int = 1,
+    ray_address: str | None = None,
+    quarantine: Any = None,
+) -> Any:
+    """The core client the front talks to (see :func:`start_engine` for the arguments).
+
+    One core on a thread (``engine.client.inproc``), in a child process
+    (``engine.client.process``), or ``replicas`` of them (child processes, Ray actors, or in
+    process) behind a router (``engine.client.replicas``).
+
+    Raises:
+        ValueError, RuntimeError: as :func:`start_engine`.
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
     if replicas > 1 or ray_address is not None:
         return _start_replicas(
             engine_config, store_root, in_process, replicas, ray_address, quarantine
         )
     if not in_process:
-        from loraplex.gateway.server.process_client import ProcessEngineClient
+        from loraplex.engine.client.process import ProcessCoreClient
 
-        return ProcessEngineClient(
-            engine_config, str(store_root), served_name(engine_config), quarantine=quarantine
-        )
+        core = ProcessCoreClient(engine_config, str(store_root), quarantine=quarantine)
+        core.start()
+        return core
     from loraplex.adapters.object_store import open_store
-    from loraplex.engine.async_llm import AsyncLLM
-    from loraplex.engine.llm_engine import LLMEngine
+    from loraplex.engine.client.inproc import InprocCoreClient
+    from loraplex.engine.core import EngineCore
 
     store = open_store(store_root)
     holder: dict[str, Any] = {}
 
     def load(digest: str) -> Any:
-        limits = holder["client"].adapter_limits
+        limits = holder["core"].adapter_limits
         return store.load(
             digest,
             target_shapes=limits.target_shapes,
@@ -81,10 +118,8 @@ def start_engine(
             max_rank=limits.max_rank,
         )
 
-    engine = LLMEngine(engine_config, adapter_loader=load)
-    client = LocalEngineClient(AsyncLLM(engine=engine), served_name(engine_config))
-    holder["client"] = client
-    return client
+    holder["core"] = EngineCore(engine_config, adapter_loader=load)
+    return InprocCoreClient(holder["core"])
 
 
 def _start_replicas(
@@ -94,10 +129,11 @@ def _start_replicas(
     replicas: int,
     ray_address: str | None,
     quarantine: Any = None,
-) -> EngineClient:
+) -> Any:
     """``replicas`` cores (child processes, Ray actors, or in process) behind a router."""
+    from loraplex.engine.client.replicas import ReplicaRouter
+    from loraplex.engine.client.router import RoutingPolicy
     from loraplex.engine.quarantine import Quarantine
-    from loraplex.gateway.routing import ReplicaSetClient, RoutingPolicy
 
     quarantine = quarantine if quarantine is not None else Quarantine()  # one for all
 
@@ -115,29 +151,25 @@ def _start_replicas(
     ray = None
     if ray_address is not None:
         ray = RayLauncher(ray_address, num_gpus=1 if config.device == "cuda" else 0)
-    clients: dict[str, EngineClient] = {}
+    cores: dict[str, Any] = {}
     try:
         for i in range(replicas):
             if ray is None and in_process:
-                clients[f"replica-{i}"] = start_engine(config, store_root)
+                cores[f"replica-{i}"] = start_cores(config, store_root)
                 continue
-            from loraplex.gateway.server.process_client import ProcessEngineClient
+            from loraplex.engine.client.process import ProcessCoreClient
 
             launcher = ray or ProcessLauncher(_replica_env(config, i))
-            clients[f"replica-{i}"] = ProcessEngineClient(
-                config,
-                str(store_root),
-                served_name(config),
-                launcher=launcher,
-                quarantine=quarantine,
+            core = ProcessCoreClient(
+                config, str(store_root), launcher=launcher, quarantine=quarantine
             )
+            core.start()
+            cores[f"replica-{i}"] = core
     except BaseException:
-        for client in clients.values():
-            client.shutdown()
+        for core in cores.values():
+            core.shutdown()
         raise
-    return ReplicaSetClient(
-        clients, RoutingPolicy(block_size=config.block_size), prefix_hash=config.prefix_hash
-    )
+    return ReplicaRouter(cores, RoutingPolicy(block_size=config.block_size))
 
 
 def _visible_gpus() -> list[str]:

@@ -7,7 +7,7 @@ and exits non-zero, so a supervisor (systemd, Docker's restart policy, Kubernete
 the whole process. Without that hook (tests, embedded use) only the log line and ``/health``
 tell.
 
-An engine core in its own process (``gateway.server.process_client``) is restarted by its
+An engine core in its own process (``engine.client.process``) is restarted by its
 client: while it is ``recovering`` the gateway keeps running (``/health`` answers 503); only a
 client that gave up restarting counts as dead here.
 """

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from loraplex.engine.async_llm import AsyncLLM
+from loraplex.engine.client.front import AsyncLLM
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
@@ -199,7 +199,7 @@ def test_unreadable_or_unsupported_model_directory(tiny_text_dir, tmp_path):
 
 
 def test_async_streaming_and_disconnect(tiny_llava_dir, llm):
-    async_llm = AsyncLLM(engine=llm.engine)
+    async_llm = AsyncLLM.in_process(engine=llm.engine)
 
     async def scenario():
         req = llm.make_request(

@@ -10,9 +10,10 @@ import asyncio
 
 import pytest
 
-from loraplex.engine.async_llm import AsyncLLM, EngineDeadError
+from loraplex.engine.client.front import AsyncLLM
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import MAX_FAILING_STEPS, EngineFaultError
+from loraplex.engine.errors import EngineDeadError
 from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
@@ -168,12 +169,12 @@ def test_a_broken_engine_gives_up_after_a_few_steps(llm):
 
 
 def test_async_engine_dies_cleanly_and_says_so(tiny_text_dir):
-    llm = AsyncLLM(EngineConfig(model=tiny_text_dir, num_kv_blocks=64))
+    llm = AsyncLLM.in_process(EngineConfig(model=tiny_text_dir, num_kv_blocks=64))
 
     def broken(items):
         raise RuntimeError("device lost")
 
-    llm.engine.runner.forward = broken
+    llm.core.engine_core.runner.forward = broken
 
     async def main():
         results = []

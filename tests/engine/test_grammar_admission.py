@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from loraplex.engine.async_llm import AsyncLLM
+from loraplex.engine.client.front import AsyncLLM
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.grammar_sandbox import Verdict
 from loraplex.engine.llm import LLM
@@ -121,7 +121,7 @@ def test_a_grammar_that_crashes_the_compiler_fails_alone(tiny_text_dir):
 
 def test_async_clients_get_the_refusal_as_an_error(tiny_text_dir):
     engine = LLMEngine(EngineConfig(model=str(tiny_text_dir), num_kv_blocks=64))
-    llm = AsyncLLM(engine=engine)
+    llm = AsyncLLM.in_process(engine=engine)
     prompt = list(engine.tokenizer("Hello").input_ids)
 
     async def run():

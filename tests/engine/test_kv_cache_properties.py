@@ -32,6 +32,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from loraplex.engine.client.replica_view import ReplicaView
 from loraplex.engine.kv_cache import (
     BlockCopy,
     BlockTable,
@@ -41,7 +42,6 @@ from loraplex.engine.kv_cache import (
     PrefixMatch,
 )
 from loraplex.engine.kv_events import KVEventLog
-from loraplex.gateway.routing import ReplicaView
 from loraplex.hashing.request_hasher import RequestBlockHasher
 
 # A tiny vocabulary and a few shared prefixes, so prompts share blocks often.

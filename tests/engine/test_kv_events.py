@@ -2,10 +2,11 @@
 exactly the engine's cached block hashes and resident adapters, through evictions, adapter
 slot churn and preemption; and a request's hashes computed outside the engine match them."""
 
+from loraplex.engine.client.replica_view import ReplicaView
+from loraplex.engine.client.router import Router
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.gateway.routing import ReplicaView, Router
 
 from .conftest import long_text, user
 from .test_lora_parity import adapter_dirs, run  # noqa: F401, F811 - fixture and helper

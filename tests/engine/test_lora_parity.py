@@ -238,11 +238,11 @@ def test_slots_bound_each_step_and_waiting_adapters_keep_fifo(tiny_llava_dir, ad
 def test_hot_add_and_remove_while_serving(tiny_llava_dir, adapter_dirs):
     import asyncio
 
-    from loraplex.engine.async_llm import AsyncLLM
+    from loraplex.engine.client.front import AsyncLLM
 
     llm = LLM(EngineConfig(model=tiny_llava_dir, max_lora_rank=16))
     adapter = llm.engine.core.adapters.read(adapter_dirs["mlp-r8"])
-    async_llm = AsyncLLM(engine=llm.engine)
+    async_llm = AsyncLLM.in_process(engine=llm.engine)
 
     async def scenario():
         await async_llm.add_lora(adapter)

@@ -31,7 +31,7 @@ def user(*parts) -> dict:
 
 def prompt_ids(engine_client, messages) -> list[int]:
     """The prompt token ids the engine makes of ``messages`` (chat template, images expanded)."""
-    return engine_client.llm.engine.inputs(messages).prompt_token_ids
+    return engine_client.inputs(messages).prompt_token_ids
 
 
 def full_blocks(n_tokens: int) -> int:

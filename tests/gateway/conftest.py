@@ -93,7 +93,7 @@ def live(engine_client, tmp_path):
     """
     from tests.gateway.live import LiveGateway
 
-    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    store = adapter_store_dir(Path(engine_client.config.model))
     with LiveGateway(engine_client, tmp_path / "data", adapter_store_dir=store) as gw:
         yield gw
     deadline = time.monotonic() + 10

@@ -62,10 +62,10 @@ def test_an_adapter_in_the_bucket_is_served_by_every_gateway_and_replica(
                 seen.append(out.choices[0].message.content)
             assert seen == [expected.outputs[0].text] * 4
             assert AdapterStore(cache).digests() == [digest]  # a core downloaded it
-            for replica in client.replicas.values():  # each core loads it (bucket or cache)
-                asyncio.run(replica.core.add_lora(digest))
+            for replica in client.core.replicas.values():  # each core loads it (bucket or cache)
+                asyncio.run(replica.add_lora(digest))
                 with pytest.raises(RuntimeError, match="KeyError"):
-                    asyncio.run(replica.core.add_lora("e" * 64))
+                    asyncio.run(replica.add_lora("e" * 64))
             with b.client(tenant["api_key"]) as c:
                 assert c.delete("/v1/adapters/my-lora").status_code in (200, 204)
             assert a.state.store.digests() == []

@@ -445,7 +445,7 @@ def tight(engine_client, tmp_path):
     unpacking to 512 KiB."""
     from tests.gateway.conftest import adapter_store_dir
 
-    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    store = adapter_store_dir(Path(engine_client.config.model))
     with LiveGateway(
         engine_client,
         tmp_path / "tight",

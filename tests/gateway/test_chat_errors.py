@@ -313,7 +313,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(live, engine_client):
     assert (row.status, row.error_type) == ("aborted", "client_disconnected")
     assert 3 <= row.completion_tokens < 3000 and row.prompt_tokens > 0
     assert wait_for(lambda: engine_client.stats()["kv_blocks_in_use"] == 0)
-    assert not engine_client.llm.engine.requests
+    assert not engine_client.core.engine_core.scheduler.requests
     assert not live.state.in_flight
 
 
@@ -327,7 +327,7 @@ def test_engine_abort_mid_stream_is_an_error_event_then_done(live, engine_client
     with pytest.raises(openai.APIError) as info:
         for i, chunk in enumerate(stream):
             if i == 3:
-                engine_client.llm.abort(chunk.id)  # the engine drops it (as on its shutdown)
+                engine_client.abort(chunk.id)  # the engine drops it (as on its shutdown)
     assert "aborted" in info.value.message
     row = _aborted_row(live, key)
     assert (row.status, row.error_type) == ("error", "engine_abort")
@@ -342,7 +342,7 @@ def test_client_that_gives_up_before_the_answer_aborts_the_request(
     live, engine_client, monkeypatch
 ):
     # No EOS for this test's sequences: 3000 random tokens always outlast the client's 0.5 s.
-    monkeypatch.setattr(engine_client.llm.engine.scheduler, "eos_token_ids", frozenset())
+    monkeypatch.setattr(engine_client.core.engine_core.scheduler, "eos_token_ids", frozenset())
     tenant = live.create_tenant("impatient")
     key = tenant["api_key"]
     with httpx.Client(base_url=live.base_url, timeout=0.5) as c:

@@ -61,7 +61,7 @@ def test_a_dead_engine_fails_health_and_the_server_exits_non_zero(tiny_text_dir,
             def broken(items):
                 raise RuntimeError("device lost")
 
-            client.llm.engine.runner.forward = broken
+            client.core.engine_core.runner.forward = broken
             statuses = [
                 c.post("/v1/chat/completions", json=body, headers=auth).status_code
                 for _ in range(MAX_FAILING_STEPS)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from loraplex.gateway.server.fair_pool import FairWorkerPool, PoolBusyError
+from loraplex.engine.client.fair_pool import FairWorkerPool, PoolBusyError
 
 
 class Gate:

@@ -23,7 +23,7 @@ def poison_tenant(monkeypatch, engine_client, tenant_id, batches):
     Each failing batch's tenants (cache salts) are appended to ``batches``. Every step is also
     slowed by 5 ms so the bystanders' streams are surely in flight when the fault strikes.
     """
-    runner = engine_client.llm.engine.runner
+    runner = engine_client.core.engine_core.runner
     forward = runner.forward
 
     def faulty(items):

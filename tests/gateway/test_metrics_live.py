@@ -108,7 +108,7 @@ def test_histograms_count_requests_and_output_tokens(live, tiny_adapter):
 
 
 def test_adapter_labels_are_capped_through_the_app(engine_client, tmp_path, tiny_adapter):
-    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    store = adapter_store_dir(Path(engine_client.config.model))
     with LiveGateway(
         engine_client, tmp_path / "data", adapter_store_dir=store, metrics_max_adapter_labels=1
     ) as live:

@@ -45,7 +45,7 @@ def usage(gw, key):
 
 
 def test_key_flows_on_postgresql(engine_client, pg_url, tmp_path):
-    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    store = adapter_store_dir(Path(engine_client.config.model))
     data = tmp_path / "data"
     with LiveGateway(engine_client, data, db=pg_url, adapter_store_dir=store) as gw:
         assert gw.state.db.dialect.name == "postgresql"
@@ -122,7 +122,7 @@ def test_two_gateways_on_one_database_share_keys_usage_and_revocations(
     PostgreSQL database and one data directory (its key secret and adapter store): a key made
     through one works on the other, usage from both is one ledger, and a key revoked through
     one is refused by the other within ``auth_cache_seconds``."""
-    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    store = adapter_store_dir(Path(engine_client.config.model))
     data = tmp_path / "data"
     kw = {"db": pg_url, "adapter_store_dir": store}
     with LiveGateway(engine_client, data, **kw) as a, LiveGateway(engine_client, data, **kw) as b:

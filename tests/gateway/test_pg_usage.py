@@ -91,7 +91,7 @@ class Lines(logging.Handler):
 
 
 def test_a_database_outage_serves_spools_answers_503_and_replays(engine_client, pg_url, tmp_path):
-    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    store = adapter_store_dir(Path(engine_client.config.model))
     target = make_url(pg_url)
     data = tmp_path / "data"
     received = {}  # response id -> completion tokens, for every answer a client got whole
@@ -159,7 +159,7 @@ def test_a_database_outage_serves_spools_answers_503_and_replays(engine_client, 
 def test_a_nul_in_model_is_a_4xx_and_later_rows_are_written(engine_client, pg_url, tmp_path):
     """Issue 13: a NUL in ``model`` got a 500 on PostgreSQL and its row blocked every row after
     it (50/50 lost, GET /v1/usage hung)."""
-    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    store = adapter_store_dir(Path(engine_client.config.model))
     with LiveGateway(engine_client, tmp_path / "data", db=pg_url, adapter_store_dir=store) as gw:
         tenant = gw.create_tenant("nul")
         key = tenant["api_key"]

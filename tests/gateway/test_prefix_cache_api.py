@@ -73,7 +73,7 @@ def test_image_blocks_are_reused_only_for_the_same_pixels(live, engine_client):
     other = [user(image_part(data_url(photo("coffee", 128))), text)]
     assert as_png[0]["content"][0] != as_webp[0]["content"][0]
 
-    processed = engine_client.llm.engine.inputs(as_png)
+    processed = engine_client.inputs(as_png)
     ids = processed.prompt_token_ids
     image = processed.images[0].placeholder
     assert ids == prompt_ids(engine_client, as_jpeg) == prompt_ids(engine_client, other)
@@ -92,6 +92,6 @@ def test_image_blocks_are_reused_only_for_the_same_pixels(live, engine_client):
     font = ImageFont.load_default(size=20)
     pins = [render_text(s, (336, 336), font) for s in ("PIN 1234", "PIN 9876")]
     first, second = ([user(image_part(data_url(p)), "What is the PIN?")] for p in pins)
-    offset = engine_client.llm.engine.inputs(first).images[0].placeholder.offset
+    offset = engine_client.inputs(first).images[0].placeholder.offset
     assert cached(client, first)[0] <= full_blocks(offset)
     assert cached(client, second)[0] == full_blocks(offset)

@@ -9,11 +9,12 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from loraplex.engine.client.front import AsyncLLM
+from loraplex.engine.client.process import ProcessCoreClient
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core_launch import ProcessLauncher
 from loraplex.engine.core_proc import CRASH_ON_TOKENS_ENV
 from loraplex.engine.quarantine import Quarantine, QuarantinePolicy
-from loraplex.gateway.server.process_client import ProcessEngineClient
 from tests.gateway.chat_support import BackgroundStream, long_stream_body, usage_events, wait_for
 from tests.gateway.live import LiveGateway
 
@@ -47,13 +48,14 @@ def engine_with_fault(tiny_text_dir, tmp_path_factory, where: str):
     data = tmp_path_factory.mktemp("qod")
     quarantine = Quarantine(data / "quarantine.jsonl", QuarantinePolicy(tenant_deaths=3))
     config = EngineConfig(model=str(tiny_text_dir), served_model_name="tiny", num_kv_blocks=128)
-    client = ProcessEngineClient(
+    core = ProcessCoreClient(
         config,
         str(data / "store"),
-        "tiny",
         launcher=ProcessLauncher({CRASH_ON_TOKENS_ENV: marker}),
         quarantine=quarantine,
     )
+    core.start()
+    client = AsyncLLM(core, config, model_name="tiny")
     return client, data, quarantine
 
 

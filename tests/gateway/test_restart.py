@@ -38,7 +38,7 @@ def add(totals, u, images=0):
 
 
 def test_usage_survives_a_restart_and_the_shutdown_flushes(engine_client, tmp_path):
-    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    store = adapter_store_dir(Path(engine_client.config.model))
     data = tmp_path / "data"
     hi = [{"role": "user", "content": "Say hello."}]
     with LiveGateway(engine_client, data, adapter_store_dir=store, usage_flush_seconds=3) as gw:

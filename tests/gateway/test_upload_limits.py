@@ -174,7 +174,7 @@ def test_archive_bombs_stop_at_the_derived_caps(live, good_dir, maker):
 def one_slot(engine_client, tmp_path):
     from tests.gateway.conftest import adapter_store_dir
 
-    store = adapter_store_dir(Path(engine_client.llm.engine.config.model))
+    store = adapter_store_dir(Path(engine_client.config.model))
     with LiveGateway(
         engine_client, tmp_path / "one", adapter_store_dir=store, max_concurrent_uploads=1
     ) as gw:

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from loraplex.engine.async_llm import EngineDeadError
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import EngineDeadError
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.server.build import start_engine
@@ -37,6 +37,11 @@ def collect(client, request):
     return asyncio.run(run())
 
 
+def route(client, request):
+    """The replica the front's router picks for ``request``."""
+    return client.core.route(request.block_hasher(16).block_hashes, request.lora_digest)
+
+
 def make(client, rid, text, max_tokens=8):
     prompt = asyncio.run(client.process([{"role": "user", "content": text}]))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -52,13 +57,13 @@ def test_ray_replicas_serve_route_and_replace_a_dead_one(ray_set, tiny_text_dir,
     finally:
         single.shutdown()
     first = make(ray_set, "a", text)
-    home = ray_set.route(first)
+    home = route(ray_set, first)
     assert collect(ray_set, first)[-1].outputs[0].token_ids == want
     again = make(ray_set, "b", text)
-    assert ray_set.route(again) == home  # its blocks are there
+    assert route(ray_set, again) == home  # its blocks are there
     assert collect(ray_set, again)[-1].num_cached_tokens > 0
 
-    victim = ray_set.replicas[home].core
+    victim = ray_set.core.replicas[home]
     long_request = make(ray_set, "c", text, max_tokens=400)
 
     async def kill_mid_stream():
@@ -70,17 +75,17 @@ def test_ray_replicas_serve_route_and_replace_a_dead_one(ray_set, tiny_text_dir,
                     ray.kill(victim._proc.actor, no_restart=True)
         return time.monotonic()
 
-    assert ray_set.route(make(ray_set, "probe", text)) == home
+    assert route(ray_set, make(ray_set, "probe", text)) == home
     asyncio.run(kill_mid_stream())
     t0 = time.monotonic()
-    while ray_set.route(make(ray_set, "x", "hi")) == home and time.monotonic() - t0 < 5:
+    while route(ray_set, make(ray_set, "x", "hi")) == home and time.monotonic() - t0 < 5:
         time.sleep(0.05)
     assert time.monotonic() - t0 < 1.0  # out of the routing table within a second
-    other = next(name for name in ray_set.replicas if name != home)
+    other = next(name for name in ray_set.core.replicas if name != home)
     assert collect(ray_set, make(ray_set, "d", text))[-1].finished
     deadline = time.monotonic() + 120
-    while not ray_set.replicas[home].is_running and time.monotonic() < deadline:
+    while not ray_set.core.replicas[home].is_running and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ray_set.replicas[home].is_running  # a new actor took its place
-    ray_set.refresh()
-    assert ray_set.router.views[home].healthy and ray_set.router.views[other].healthy
+    assert ray_set.core.replicas[home].is_running  # a new actor took its place
+    ray_set.core.refresh()
+    assert ray_set.core.router.views[home].healthy and ray_set.core.router.views[other].healthy

@@ -1,18 +1,20 @@
-"""Two in-process engine replicas behind one ReplicaSetClient: requests sharing a prefix go
-where it is cached, tenants' salts keep their blocks apart, outputs equal one engine's, and a
-stopped replica leaves the routing table while the other serves."""
+"""Two in-process engine cores behind one ReplicaRouter (under one front): requests sharing a
+prefix go where it is cached, tenants' salts keep their blocks apart, outputs equal one
+engine's, and a stopped replica leaves the routing table while the other serves."""
 
 import asyncio
 import re
 
 import pytest
 
-from loraplex.engine.async_llm import EngineDeadError
+from loraplex.engine.client.front import AsyncLLM
+from loraplex.engine.client.replicas import ReplicaRouter
+from loraplex.engine.client.router import RoutingPolicy
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.errors import EngineDeadError
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.gateway.routing import ReplicaSetClient, RoutingPolicy
-from loraplex.gateway.server.build import start_engine
+from loraplex.gateway.server.build import start_cores, start_engine
 from tests.media import long_text
 
 pytestmark = pytest.mark.slow
@@ -21,8 +23,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def replica_set(tiny_text_dir, tmp_path):
     config = EngineConfig(model=str(tiny_text_dir), num_kv_blocks=128, enable_kv_events=True)
-    replicas = {f"r{i}": start_engine(config, tmp_path / "store") for i in range(2)}
-    client = ReplicaSetClient(replicas, RoutingPolicy(block_size=config.block_size))
+    replicas = {f"r{i}": start_cores(config, tmp_path / "store") for i in range(2)}
+    client = AsyncLLM(ReplicaRouter(replicas, RoutingPolicy(block_size=config.block_size)), config)
     yield client
     client.shutdown()
 
@@ -55,17 +57,17 @@ def test_shared_prefixes_follow_their_blocks_and_tenants_stay_apart(replica_set,
         return await asyncio.gather(*(one(r) for r in firsts))
 
     asyncio.run(together())
-    assert replica_set.num_routed == {"r0": 2, "r1": 2}
-    replica_set.refresh()
+    assert replica_set.core.num_routed == {"r0": 2, "r1": 2}
+    replica_set.core.refresh()
     homes = {
         name: view.leading_hits(firsts[0].block_hasher(16).block_hashes)
-        for name, view in replica_set.router.views.items()
+        for name, view in replica_set.core.router.views.items()
     }
     assert sorted(homes.values())[0] == 0 < sorted(homes.values())[1]  # one replica holds it
     for i, text in enumerate(texts):  # one at a time: each goes where its blocks are
         again = request(replica_set, f"b{i}", text, "tenant-a")
-        home = replica_set.route(again)
-        assert replica_set.router.views[home].leading_hits(again.block_hasher(16).block_hashes)
+        home = replica_set.core.route(again.block_hasher(16).block_hashes)
+        assert replica_set.core.router.views[home].leading_hits(again.block_hasher(16).block_hashes)
         outs = collect(replica_set, again)
         assert outs[-1].num_cached_tokens > 0, i
     other = request(replica_set, "c0", texts[0], "tenant-b")  # the same text, another tenant
@@ -89,11 +91,12 @@ def test_outputs_equal_one_engine_and_a_stopped_replica_is_skipped(
             assert got[-1].outputs[0].token_ids == want
     finally:
         single.shutdown()
-    replica_set.replicas["r0"].llm.shutdown()  # its engine dies; the gateway side stays
-    routed = [replica_set.route(request(replica_set, f"d{i}", "hi", "t")) for i in range(3)]
-    assert routed == ["r1"] * 3 and not replica_set.router.views["r0"].healthy
+    replica_set.core.replicas["r0"].shutdown()  # its engine dies; the gateway side stays
+    probes = [request(replica_set, f"d{i}", "hi", "t") for i in range(3)]
+    routed = [replica_set.core.route(r.block_hasher(16).block_hashes) for r in probes]
+    assert routed == ["r1"] * 3 and not replica_set.core.router.views["r0"].healthy
     assert collect(replica_set, request(replica_set, "d9", "hi", "t"))[-1].finished
-    replica_set.replicas["r1"].llm.shutdown()
+    replica_set.core.replicas["r1"].shutdown()
     assert not replica_set.is_running
     with pytest.raises(EngineDeadError):
         collect(replica_set, request(replica_set, "e0", "hi", "t"))
@@ -126,8 +129,8 @@ def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_
             body = long_stream_body("tiny", ignore_eos=True)
             stream = BackgroundStream(live, body, auth).start()
             assert stream.first_chunk.wait(30)
-            busy = next(n for n, r in client.replicas.items() if r.stats()["requests_running"])
-            victim = client.replicas[busy].core
+            busy = next(n for n, r in client.core.replicas.items() if r.stats()["requests_running"])
+            victim = client.core.replicas[busy]
             old_pid, killed = victim.pid, time.monotonic()
             os.kill(old_pid, signal.SIGKILL)
             stream.join(30)
@@ -154,7 +157,7 @@ def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_
             rows = usage_events(live, key)
             assert [row.status for row in rows] == ["aborted", "ok", "ok", "ok"]
             assert rows[0].error_type == "engine_unavailable"
-            assert client.num_routed[busy] >= 1
+            assert client.core.num_routed[busy] >= 1
     finally:
         client.shutdown()
 
@@ -219,8 +222,8 @@ def test_a_frozen_replica_leaves_the_table_within_a_second_and_is_replaced(tiny_
             auth = {"Authorization": f"Bearer {key}"}
             plain = {**long_stream_body("tiny"), "stream": False, "max_tokens": 4}
             # A short freeze (under dead_timeout_s): out of the table, then back, same process.
-            replica = client.replicas["replica-1"]
-            pid = replica.core.pid
+            replica = client.core.replicas["replica-1"]
+            pid = replica.pid
             os.kill(pid, signal.SIGSTOP)
             try:
                 assert wait_for(lambda: not replica.is_running, timeout=1.5)
@@ -228,33 +231,31 @@ def test_a_frozen_replica_leaves_the_table_within_a_second_and_is_replaced(tiny_
             finally:
                 os.kill(pid, signal.SIGCONT)
             assert wait_for(lambda: replica.is_running, timeout=5)
-            assert replica.core.pid == pid and replica.core.restarts == 0
+            assert replica.pid == pid and replica.restarts == 0
 
             body = long_stream_body("tiny", ignore_eos=True)
             stream = BackgroundStream(live, body, auth).start()
             assert stream.first_chunk.wait(30)
-            busy = next(n for n, r in client.replicas.items() if r.stats()["requests_running"])
-            victim = client.replicas[busy]
-            old_pid = victim.core.pid
+            busy = next(n for n, r in client.core.replicas.items() if r.stats()["requests_running"])
+            victim = client.core.replicas[busy]
+            old_pid = victim.pid
             os.kill(old_pid, signal.SIGSTOP)
             frozen = time.monotonic()
             assert wait_for(lambda: not victim.is_running, timeout=1.0)
             assert time.monotonic() - frozen < 1.0 + 0.2  # the poll's own step
-            routed_before = dict(client.num_routed)
+            routed_before = dict(client.core.num_routed)
             with httpx.Client(base_url=live.base_url, timeout=60) as c:
                 assert c.get("/health").status_code == 200  # the other replica serves
                 for _ in range(2):
                     r = c.post("/v1/chat/completions", json=plain, headers=auth)
                     assert r.status_code == 200, r.text
-                assert client.num_routed[busy] == routed_before[busy]  # none went to it
+                assert client.core.num_routed[busy] == routed_before[busy]  # none went to it
                 stream.join(30)
                 waited = stream.ended - frozen
                 assert config.dead_timeout_s - 0.5 < waited < config.dead_timeout_s + 2.0
                 lines = [line for line in stream.lines if line]
                 assert '"engine_unavailable"' in lines[-2] and lines[-1] == "data: [DONE]"
-                assert wait_for(
-                    lambda: victim.is_running and victim.core.pid != old_pid, timeout=120
-                )
+                assert wait_for(lambda: victim.is_running and victim.pid != old_pid, timeout=120)
                 r = c.post("/v1/chat/completions", json=plain, headers=auth)
                 assert r.status_code == 200, r.text
             rows = usage_events(live, key)
@@ -270,10 +271,10 @@ def test_a_core_is_hung_when_silent_or_stuck_in_one_step(tiny_text_dir):
     import time
     from types import SimpleNamespace
 
-    from loraplex.engine.core_client import CoreProcessClient
+    from loraplex.engine.client.process import ProcessCoreClient
 
     config = EngineConfig(model=str(tiny_text_dir), dead_timeout_s=2.0, step_timeout_s=30.0)
-    core = CoreProcessClient(config, None)
+    core = ProcessCoreClient(config, None)
     core._proc = SimpleNamespace(pid=1)
     core._running = True
     core._last_heard = time.monotonic()

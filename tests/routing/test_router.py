@@ -3,8 +3,9 @@ load, the imbalance fallback, health, and the two baselines."""
 
 import pytest
 
+from loraplex.engine.client.replica_view import ReplicaView
+from loraplex.engine.client.router import NoReplicaError, Router, RoutingPolicy
 from loraplex.engine.kv_events import KVEvent, KVEventLog
-from loraplex.gateway.routing import NoReplicaError, ReplicaView, Router, RoutingPolicy
 
 H = [bytes([i]) * 4 for i in range(10)]
 

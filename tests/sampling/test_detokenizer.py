@@ -2,8 +2,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loraplex.engine.sampling import IncrementalDetokenizer, SamplingParams, TextStream
-from loraplex.engine.sampling.detokenizer import _OffsetStream
+from loraplex.engine.client.detokenizer import IncrementalDetokenizer, TextStream, _OffsetStream
+from loraplex.engine.sampling import SamplingParams
 from tests.sampling.test_stop import expected_cut
 
 HC = [HealthCheck.function_scoped_fixture]

@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplex.engine.sampling import StopChecker
+from loraplex.engine.client.stop import StopChecker
 
 
 def feed(checker, deltas):

@@ -46,6 +46,7 @@ from litestar import Request, Response, post
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 
+from loraplex.engine.client.fair_pool import PoolBusyError
 from loraplex.engine.inputs import ProcessedPrompt
 from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
 from loraplex.gateway.auth.principals import TenantPrincipal
@@ -69,7 +70,6 @@ from loraplex.gateway.errors import (
     pool_busy,
 )
 from loraplex.gateway.limits.admission import OverloadedError
-from loraplex.gateway.server.fair_pool import PoolBusyError
 from loraplex.gateway.transport.http_protocol import Exchange, exchange_of
 from loraplex.gateway.usage.ledger import UsageLedger
 

@@ -41,8 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from loraplex.engine.async_llm import EngineDeadError, RequestFailedError
-from loraplex.engine.errors import EngineOverloadedError
+from loraplex.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from loraplex.engine.quarantine import QueryOfDeathError, TenantThrottledError
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.structured_output import StructuredOutputError

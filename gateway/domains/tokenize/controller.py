@@ -25,6 +25,7 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.di import Provide
 
+from loraplex.engine.client.fair_pool import PoolBusyError
 from loraplex.gateway.auth.principals import TenantPrincipal
 from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.chat.body import convert_body
@@ -36,7 +37,6 @@ from loraplex.gateway.domains.chat.service import (
 )
 from loraplex.gateway.domains.chat.tools import check_tool_messages
 from loraplex.gateway.errors import APIError, bad_request, pool_busy
-from loraplex.gateway.server.fair_pool import PoolBusyError
 from loraplex.gateway.transport.json_body import decode_object
 from loraplex.gateway.usage.ledger import UsageLedger
 

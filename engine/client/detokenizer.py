@@ -34,8 +34,8 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from loraplex.engine.client.stop import StopChecker
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.engine.sampling.stop import StopChecker
 
 
 class _OffsetStream:

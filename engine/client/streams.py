@@ -1,7 +1,8 @@
 """Handing outputs from an engine's thread to the asyncio loops that consume them.
 
-Shared by the in-process :class:`engine.async_llm.AsyncLLM` and the core process's client
-(``engine.core_client``): each request has an ``asyncio.Queue`` on its consumer's loop; the
+Used by the front (``engine.client.front.AsyncLLM``), whose sink the core client calls from its
+own thread (the engine thread, the ZMQ reader), and by the in-process core client's calls: each
+request has an ``asyncio.Queue`` on its consumer's loop; the
 engine side fills it with ``loop.call_soon_threadsafe`` (one wake-up per loop per step, not one
 per output), and the consumer reads it with :func:`read_outputs`.
 """

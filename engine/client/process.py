@@ -1,11 +1,12 @@
-"""The client side of an engine core running in its own process (vLLM v1's ``EngineCoreClient``).
+"""An engine core in its own process, as an :class:`EngineCoreClient` (vLLM v1's ``MPClient``).
 
-:class:`CoreProcessClient` starts ``engine.core_proc.run_core`` in a child process (``spawn``:
-no CUDA or thread state is inherited), talks to it with the typed messages of
-``engine.core_wire`` over two ZMQ PUSH/PULL sockets on private IPC paths, and keeps the
-client-side half of the engine: the :class:`OutputProcessor` (detokenizers, stop strings, delta
-outputs). A reader thread polls the core's socket and the child's process sentinel together, so
-a core that dies is noticed at once (well within a second):
+:class:`ProcessCoreClient` starts ``engine.core_proc.run_core`` in a child process (``spawn``:
+no CUDA or thread state is inherited) or a Ray actor (``engine.core_launch``), and talks to it
+with the typed messages of ``engine.core_wire`` over two ZMQ PUSH/PULL sockets on private IPC
+paths (TCP for a remote actor). It deals in token ids only: outputs go to the front's sink
+(``engine.client.front.AsyncLLM``), which detokenizes. A reader thread polls the core's socket
+and the child's process sentinel together, so a core that dies is noticed at once (well within
+a second):
 
 1. every in-flight request's stream ends with :class:`EngineDeadError` (the gateway answers
    503 and records the request as aborted), and pending calls fail with it too;
@@ -24,8 +25,9 @@ fails) but it is ``recovering``: heard again, it serves again. Silent for ``dead
 (10 s), or one step older than ``step_timeout_s`` (600 s), it is killed and handled as a death
 (1-3 above), so no request waits on it for longer than that.
 
-The same async API as :class:`engine.async_llm.AsyncLLM`: ``generate``, ``abort``,
-``add_lora`` (by digest), ``remove_lora``, ``stats``, ``shutdown``.
+A death is blamed on the requests in flight (``engine.quarantine``, the breadcrumb of
+``engine.breadcrumb``): a request that keeps killing cores is refused before it is sent
+(docs/hardening.md).
 """
 
 from __future__ import annotations
@@ -37,18 +39,18 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from loraplex.engine import breadcrumb
 from loraplex.engine import core_wire as wire
+from loraplex.engine.client.core_client import EngineCoreClient, FinishRequest, OutputSink
+from loraplex.engine.client.streams import settle
 from loraplex.engine.core_launch import ProcessLauncher
 from loraplex.engine.errors import EngineDeadError, rejection_error
-from loraplex.engine.output_processor import OutputProcessor
 from loraplex.engine.quarantine import Quarantine, Suspect, request_digest
-from loraplex.engine.request import EngineRequest, RequestOutput
-from loraplex.engine.streams import StreamState, put_all, read_outputs, settle
+from loraplex.engine.request import EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +59,12 @@ RESTART_WINDOW_S = 300.0
 READY_TIMEOUT_S = 900.0  # a big model on a slow disk
 
 
-class CoreProcessClient:
-    """An engine core in a child process, and the output processing on this side.
+class ProcessCoreClient(EngineCoreClient):
+    """An engine core in a child process (or a Ray actor), restarted when it dies.
 
     Args:
         config: The ``EngineConfig`` (sent to the child as its start argument).
         store_root: The adapter store the core reads adapters from by digest, or None.
-        tokenizer: The model's tokenizer (for the output processor); may be given later with
-            :meth:`set_tokenizer`, before the first request.
         launcher: Where cores run (``engine.core_launch``): a child process (the default)
             or a Ray actor.
         quarantine: What deaths this client and its peers (the other replicas, the other
@@ -79,7 +79,6 @@ class CoreProcessClient:
         self,
         config: Any,
         store_root: str | None,
-        tokenizer: Any = None,
         launcher: Any = None,
         quarantine: Quarantine | None = None,
     ) -> None:
@@ -87,7 +86,7 @@ class CoreProcessClient:
         self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.launcher = launcher if launcher is not None else ProcessLauncher()
         self.store_root = store_root
-        self.output_processor = OutputProcessor(tokenizer)
+        self._sink: OutputSink | None = None
         self.info: wire.CoreInfo | None = None
         self.failed = False  # gave up restarting
         self.restarts = 0
@@ -99,8 +98,7 @@ class CoreProcessClient:
         self._outputs_at: collections.deque[float] = collections.deque([0.0] * 3, maxlen=3)
         self._running = False
         self._stopping = threading.Event()
-        self._lock = threading.Lock()  # output processor, streams, calls, the push socket
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # requests sent, calls, the push socket
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._stats: dict[str, Any] = {}
@@ -191,10 +189,9 @@ class CoreProcessClient:
         self._proc.kill()
         raise RuntimeError(f"the engine core was not ready within {READY_TIMEOUT_S:.0f} s")
 
-    def set_tokenizer(self, tokenizer: Any) -> None:
-        """The tokenizer the output processor detokenizes with (before any request)."""
-        with self._lock:
-            self.output_processor = OutputProcessor(tokenizer)
+    def set_sink(self, sink: OutputSink) -> None:
+        """See :class:`EngineCoreClient` (before the first request)."""
+        self._sink = sink
 
     @property
     def is_running(self) -> bool:
@@ -245,14 +242,11 @@ class CoreProcessClient:
         self._dir.cleanup()
 
     # --------------------------------------------------------------------- requests
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs, the last one finished.
+    def add_request(self, request: EngineRequest, block_hashes: Sequence[bytes] = ()) -> None:
+        """Send a request to the core; its outputs come to the sink.
 
         Raises:
-            ValueError: the core refused it (``StructuredOutputError`` for a structured
-                output it cannot enforce).
-            RequestFailedError: a fault admitting it.
-            EngineDeadError: no core is running, or the core died while it ran.
+            EngineDeadError: no core is running.
             QueryOfDeathError: the request (its content) was in flight at repeated core
                 deaths (a ValueError).
             TenantThrottledError: the tenant's requests keep being in flight at core deaths.
@@ -265,46 +259,41 @@ class CoreProcessClient:
         except (ValueError, RuntimeError):
             self.quarantine_refusals += 1
             raise
-        loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
         frame = self._enc.encode(wire.AddRequest(request))  # an unencodable one leaves no trace
         with self._lock:
             if not self._running:  # the core died since the check above
                 raise EngineDeadError("the engine is not running")
-            if rid in self._streams:
-                raise ValueError(f"request id {rid!r} is already in flight")
-            self.output_processor.add_request(request)
-            self._streams[rid] = (loop, stream)
             self._sent[rid] = (digest, request.tenant, time.monotonic())
-            if self._running and self._push is not None:
+            if self._push is not None:
                 self._push.send(frame)
-        state = StreamState()
-        try:
-            async for item in read_outputs(stream, state):
-                yield item
-        finally:
-            with self._lock:
-                self._streams.pop(rid, None)
-                self._sent.pop(rid, None)
-                if not state.finished:
-                    self.output_processor.abort(rid)
-                    self._send(wire.Abort(rid))
+
+    def release(self, request_id: str) -> None:
+        """The request ended: no longer a suspect of a death."""
+        with self._lock:
+            self._sent.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (its stream, if any, is not told: the consumer left)."""
+        """Abort a request in the core."""
         with self._lock:
-            self.output_processor.abort(request_id)
             self._send(wire.Abort(request_id))
 
-    async def add_lora(self, digest: str) -> None:
+    def finish_requests(self, finishes: list[FinishRequest]) -> None:
+        """See :class:`EngineCoreClient`."""
+        with self._lock:
+            for f in finishes:
+                self._send(f)
+
+    async def add_lora(self, adapter: Any) -> None:
         """Load an adapter of the store into the core's CPU tier (later requests find it).
+
+        ``adapter``: a ``LoraAdapter`` or its digest; the core reads it from the store.
 
         Raises:
             RuntimeError: the core could not load it (the message says why).
             EngineDeadError: no core is running.
         """
-        await self._call("add_lora", digest)
+        await self._call("add_lora", adapter if isinstance(adapter, str) else adapter.digest)
 
     async def remove_lora(self, digest: str) -> bool:
         """Drop an adapter from the core; False while a running request uses it."""
@@ -390,12 +379,9 @@ class CoreProcessClient:
                 if msg.events:
                     self._kv_events.extend(msg.events)  # a deque: safe across threads
                 if msg.outputs:
-                    self._deliver_outputs(msg.outputs)
+                    self._sink.on_outputs(msg.outputs)
             elif isinstance(msg, wire.Rejected):
-                error = rejection_error(msg.message, msg.kind)
-                with self._lock:
-                    self.output_processor.remove(msg.request_id)
-                self._deliver(msg.request_id, error)
+                self._sink.on_error(msg.request_id, rejection_error(msg.message, msg.kind))
             elif isinstance(msg, wire.CallResult):
                 with self._lock:
                     target = self._calls.pop(msg.call_id, None)
@@ -403,43 +389,12 @@ class CoreProcessClient:
                     error = None if msg.error is None else RuntimeError(msg.error)
                     target[0].call_soon_threadsafe(settle, target[1], msg.value, error)
 
-    def _deliver_outputs(self, outputs: list) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        with self._lock:
-            processed = self.output_processor.process(outputs)
-            for f in processed.finish:  # stop strings found here: the core stops them
-                self._send(wire.FinishRequest(f.request_id, f.reason, f.stop_reason, f.index))
-            for out in processed.request_outputs:
-                target = self._streams.get(out.request_id)
-                if target is not None:
-                    by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put_all, items)
-            except RuntimeError:  # the consumer's loop is closed
-                pass
-
-    def _deliver(self, rid: str, item: Any) -> None:
-        with self._lock:
-            target = self._streams.get(rid)
-        if target is not None:
-            try:
-                target[0].call_soon_threadsafe(target[1].put_nowait, item)
-            except RuntimeError:
-                pass
-
     def _fail_all(self, error: EngineDeadError) -> None:
-        """End every stream and call with ``error``; forget every request."""
+        """End every request (the sink's ``on_dead``) and call with ``error``."""
         with self._lock:
-            streams = list(self._streams.items())
             calls, self._calls = list(self._calls.values()), {}
-            for rid in list(self.output_processor.requests):
-                self.output_processor.remove(rid)
-        for _, (loop, queue) in streams:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, error)
-            except RuntimeError:
-                pass
+        if self._sink is not None:
+            self._sink.on_dead(error)
         for loop, future in calls:
             try:
                 loop.call_soon_threadsafe(settle, future, None, error)

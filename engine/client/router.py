@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from loraplex.gateway.routing.replica_view import ReplicaView
+from loraplex.engine.client.replica_view import ReplicaView
 
 
 class NoReplicaError(RuntimeError):

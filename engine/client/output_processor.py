@@ -3,11 +3,11 @@
 vLLM v1's ``OutputProcessor``, at our size. The engine core (``engine.core``) deals only in
 token ids and decides every finish it can see from them (EOS, stop token ids, ``max_tokens``,
 the model length, faults); this processor, on the client's side of the core (in process for
-``LLM``, on the gateway's side of the process boundary for serving), owns per request:
+``LLM``, in the front ``engine.client.front.AsyncLLM`` for serving), owns per request:
 
 - one :class:`IncrementalDetokenizer` per output index, and with it the stop-string search;
   a stop string found ends that output here and goes back to the core as a
-  :class:`FinishRequest` (the one way back: the core then frees the sequence's blocks);
+  ``engine.core_wire.FinishRequest`` (the one way back: the core then frees the sequence's blocks);
 - the time to first token;
 - what each output carries (``engine.request.RequestOutputKind``): only what is new since the
   previous output (``DELTA``, streaming) or, once, everything (``FINAL_ONLY``). Nothing is
@@ -25,33 +25,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.engine.client.detokenizer import IncrementalDetokenizer
+from loraplex.engine.core_wire import FinishRequest
 from loraplex.engine.request import (
     CompletionOutput,
     EngineRequest,
     RequestOutput,
     RequestOutputKind,
 )
-from loraplex.engine.sampling.detokenizer import IncrementalDetokenizer
 from loraplex.engine.scheduling.output import EngineCoreOutput, Logprob
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class FinishRequest:
-    """A finish the client side found, for ``EngineCore.finish_request``.
-
-    Attributes:
-        request_id: The request.
-        reason: ``"stop"`` (a stop string) or ``"error"`` (a fault detokenizing it).
-        stop_reason: The stop string.
-        index: The output it ends, None for the whole request.
-    """
-
-    request_id: str
-    reason: str
-    stop_reason: str | None
-    index: int | None
 
 
 @dataclass
@@ -60,7 +44,9 @@ class ProcessedOutputs:
 
     Attributes:
         request_outputs: One per request with news (``DELTA``) or finished (``FINAL_ONLY``).
-        finish: Finishes to send back to the core.
+        finish: Finishes to send back to the core (``engine.core_wire.FinishRequest``: the
+            reason ``"stop"`` with the stop string, or ``"error"``; the output index, None
+            for the whole request).
     """
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
