@@ -133,7 +133,7 @@ def test_upload_files_list_get_delete(live, good_dir):
         assert body["created_at"].endswith("+00:00")
         assert live.state.store.has(body["digest"])
         # warmed in the engine: the first chat does not pay a cold load
-        assert body["digest"] in live.state.engine.llm.engine.lora_manager.cpu_digests
+        assert body["digest"] in live.state.engine.core.engine_core.lora_manager.cpu_digests
 
         listing = c.get("/v1/adapters").json()
         assert listing == {"object": "list", "data": [body]}
@@ -146,7 +146,7 @@ def test_upload_files_list_get_delete(live, good_dir):
         assert c.get("/v1/adapters").json() == {"object": "list", "data": []}
         # nobody else holds the weights: they left the engine and the store
         assert not live.state.store.has(body["digest"])
-        assert body["digest"] not in live.state.engine.llm.engine.lora_manager.cpu_digests
+        assert body["digest"] not in live.state.engine.core.engine_core.lora_manager.cpu_digests
         # the name is free again
         assert upload_dir(c, "my-adapter_v1.0", good_dir).status_code == 201
 
