@@ -53,9 +53,12 @@ class EngineCoreClient(ABC):
 
     Attributes:
         info: The core's model and pool (``engine.core_wire.CoreInfo``), set once started.
+        wants_block_hashes: Whether ``add_request`` reads the request's block hashes (a
+            router does); the front computes them only then.
     """
 
     info: CoreInfo | None = None
+    wants_block_hashes: bool = False
 
     @abstractmethod
     def set_sink(self, sink: OutputSink) -> None:

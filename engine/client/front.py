@@ -265,7 +265,7 @@ class AsyncLLM:
     # ----------------------------------------------------------------------- requests
     def _block_hashes(self, request: EngineRequest) -> list[bytes]:
         """The request's block hashes, for a router that reads them (computed once here)."""
-        if not getattr(self.core, "wants_block_hashes", False):
+        if not self.core.wants_block_hashes:
             return []
         return request.block_hasher(self.config.block_size, self.config.prefix_hash).block_hashes
 
