@@ -7,7 +7,7 @@ vLLM v1's ``AsyncLLM`` over ``EngineCoreClient``, at loraplex's size:
   (:mod:`.output_processor`, :mod:`.detokenizer`, :mod:`.stop`) and the per-request streams
   (``LLM`` in ``engine.llm`` is the synchronous loop over the same output processor);
 - :mod:`.core_client`: :class:`~.core_client.EngineCoreClient`, transport and liveness only,
-  token ids in and :class:`~engine.scheduler_output.EngineCoreOutput` out, with three kinds:
+  token ids in and :class:`~engine.scheduling.output.EngineCoreOutput` out, with three kinds:
   :mod:`.inproc` (the core on a thread of this process), :mod:`.process` (a child process or a
   Ray actor over ZMQ, restarted when it dies) and :mod:`.replicas` (a router over N of them,
   itself a core client).

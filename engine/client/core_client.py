@@ -2,7 +2,7 @@
 
 A core client is transport and liveness only. It deals in token ids: it takes an
 :class:`~engine.request.EngineRequest` whose prompt is already processed, and hands the core's
-:class:`~engine.scheduler_output.EngineCoreOutput` batches to the one :class:`OutputSink` the
+:class:`~engine.scheduling.output.EngineCoreOutput` batches to the one :class:`OutputSink` the
 front (``engine.client.front.AsyncLLM``) gave it. It never tokenizes, detokenizes, or keeps a
 per-request stream. Three kinds implement it:
 
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from loraplex.engine.core_wire import CoreInfo, FinishRequest
 from loraplex.engine.request import EngineRequest
-from loraplex.engine.scheduler_output import EngineCoreOutput
+from loraplex.engine.scheduling.output import EngineCoreOutput
 
 __all__ = ["CoreInfo", "EngineCoreClient", "FinishRequest", "OutputSink", "core_info"]
 

@@ -16,7 +16,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.errors import EngineDeadError
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.engine.scheduler_output import EngineCoreOutput
+from loraplex.engine.scheduling.output import EngineCoreOutput
 
 
 class FakeCore(EngineCoreClient):
