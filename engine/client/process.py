@@ -54,6 +54,8 @@ from loraplex.engine.request import EngineRequest
 
 logger = logging.getLogger(__name__)
 
+_NOBLOCK = 1  # zmq.NOBLOCK (zmq is imported where it is used)
+
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
 READY_TIMEOUT_S = 900.0  # a big model on a slow disk
@@ -222,7 +224,7 @@ class ProcessCoreClient(EngineCoreClient):
         with self._lock:
             if self._push is not None and self._running:
                 try:
-                    self._push.send(self._enc.encode(wire.Shutdown()))
+                    self._push.send(self._enc.encode(wire.Shutdown()), _NOBLOCK)
                 except Exception:  # noqa: BLE001 - best effort; the process is killed below
                     pass
         if self._proc is not None:
@@ -264,9 +266,9 @@ class ProcessCoreClient(EngineCoreClient):
         with self._lock:
             if not self._running:  # the core died since the check above
                 raise EngineDeadError("the engine is not running")
+            if not self._push_now(frame):
+                raise EngineDeadError("the engine is not running")
             self._sent[rid] = (digest, request.tenant, time.monotonic())
-            if self._push is not None:
-                self._push.send(frame)
 
     def release(self, request_id: str) -> None:
         """The request ended: no longer a suspect of a death."""
@@ -333,8 +335,25 @@ class ProcessCoreClient(EngineCoreClient):
 
     def _send(self, msg: Any) -> None:
         """Push a message to the core (caller holds ``_lock``); dropped while none runs."""
-        if self._running and self._push is not None:
-            self._push.send(self._enc.encode(msg))
+        if self._running:
+            self._push_now(self._enc.encode(msg))
+
+    def _push_now(self, frame: bytes) -> bool:
+        """Push a frame without blocking (caller holds ``_lock``); False when no core takes it.
+
+        The socket has no high-water mark, so a send only fails when the core's end is gone:
+        a core that just died, before the reader marks it so. A blocking send would then wait
+        for a peer that never comes, holding the lock the reader needs to handle the death.
+        """
+        import zmq
+
+        if self._push is None:
+            return False
+        try:
+            self._push.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     # ----------------------------------------------------------------- reader thread
     def _read(self) -> None:
