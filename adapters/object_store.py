@@ -36,6 +36,7 @@ from typing import Any
 
 from loraplex.adapters.base_model import BaseModelInfo
 from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.adapters.store import DIGEST_RE, AdapterStore, DigestStore, validate_stored
 from loraplex.adapters.validation import (
     CONFIG_NAME,
@@ -166,9 +167,7 @@ class ObjectAdapterStore(DigestStore):
         self,
         digest: str,
         *,
-        target_shapes: dict[str, tuple[int, int]],
-        num_layers: int,
-        max_rank: int,
+        limits: AdapterLimits,
         info: BaseModelInfo | None = None,
     ) -> LoraAdapter:
         """Re-validate a stored adapter: from the local cache if there, else downloaded.
@@ -179,17 +178,16 @@ class ObjectAdapterStore(DigestStore):
             KeyError: no adapter with this digest.
             AdapterError: the stored files no longer validate or no longer hash to ``digest``.
         """
-        limits = dict(target_shapes=target_shapes, num_layers=num_layers, max_rank=max_rank)
         if self.cache is not None and self._path(digest) is not None:
             try:
-                adapter = self.cache.load(digest, **limits, info=info)
+                adapter = self.cache.load(digest, limits=limits, info=info)
                 self.cache.touch(digest)
                 return adapter
             except (KeyError, AdapterError, OSError):  # not cached, evicted meanwhile, or bad
                 self.cache.delete(digest)
         config_bytes, weights_bytes = self.read_files(digest)
         self.downloads += 1
-        adapter = validate_stored(digest, config_bytes, weights_bytes, **limits, info=info)
+        adapter = validate_stored(digest, config_bytes, weights_bytes, limits=limits, info=info)
         if self.cache is not None:
             try:
                 self.cache.write_files(digest, config_bytes, weights_bytes)

@@ -1,6 +1,6 @@
 """Where the engine finds an adapter's weights by digest: a registered directory or the store.
 
-The LoRA manager (``adapters.manager``) keeps adapters in host memory and device slots and asks
+The LoRA manager (``engine.lora.slots``) keeps adapters in host memory and device slots and asks
 :meth:`AdapterRegistry.load` for one it does not hold (first use, or evicted from the CPU
 tier). Adapters added from a directory (``LLM``, ``loraplex generate``) are re-read from it;
 the server's tenants' adapters come from the content-addressed store through ``loader``.
@@ -11,33 +11,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from loraplex.adapters.errors import AdapterError
-
-
-@dataclass(frozen=True)
-class AdapterLimits:
-    """What an adapter is validated against (``adapters.validation``).
-
-    Attributes:
-        target_shapes: ``projection name -> (in_features, out_features)`` of the served model.
-        num_layers: Decoder layers of the served model.
-        max_rank: ``--max-lora-rank``.
-    """
-
-    target_shapes: dict[str, tuple[int, int]]
-    num_layers: int
-    max_rank: int
-
-    def kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``adapters.validation``'s loaders."""
-        return {
-            "target_shapes": self.target_shapes,
-            "num_layers": self.num_layers,
-            "max_rank": self.max_rank,
-        }
+from loraplex.adapters.limits import AdapterLimits
 
 
 class AdapterRegistry:
@@ -100,4 +77,4 @@ class AdapterRegistry:
         """
         from loraplex.adapters.validation import load_adapter_dir
 
-        return load_adapter_dir(path, **self.limits.kwargs())
+        return load_adapter_dir(path, limits=self.limits)

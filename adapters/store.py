@@ -33,6 +33,7 @@ from typing import Any
 
 from loraplex.adapters.base_model import BaseModelInfo
 from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.adapters.validation import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -60,7 +61,12 @@ def _private_root(root: Path) -> None:
 
 
 def validate_stored(
-    digest: str, config_bytes: bytes, weights_bytes: bytes, **limits: Any
+    digest: str,
+    config_bytes: bytes,
+    weights_bytes: bytes,
+    *,
+    limits: AdapterLimits,
+    info: BaseModelInfo | None = None,
 ) -> LoraAdapter:
     """A stored adapter's files, validated again and checked against the digest it is kept under.
 
@@ -68,13 +74,14 @@ def validate_stored(
         digest: The key it was stored under.
         config_bytes: ``adapter_config.json``.
         weights_bytes: ``adapter_model.safetensors``.
-        **limits: ``target_shapes``, ``num_layers``, ``max_rank``, ``info`` (see
+        limits: What the adapter must fit.
+        info: Optional facts about the served model (see
             :func:`adapters.validation.load_adapter_files`).
 
     Raises:
         AdapterError: the files no longer validate or no longer hash to ``digest``.
     """
-    adapter = load_adapter_files(config_bytes, weights_bytes, **limits)
+    adapter = load_adapter_files(config_bytes, weights_bytes, limits=limits, info=info)
     if adapter.digest != digest:
         raise AdapterError(f"stored adapter {digest} is corrupt: its content hashes differently")
     return adapter
@@ -109,9 +116,7 @@ class DigestStore:
         config_bytes: bytes,
         weights_bytes: bytes,
         *,
-        target_shapes: dict[str, tuple[int, int]],
-        num_layers: int,
-        max_rank: int,
+        limits: AdapterLimits,
         info: BaseModelInfo | None = None,
     ) -> LoraAdapter:
         """Validate an adapter and store it (an existing digest is reused).
@@ -119,9 +124,7 @@ class DigestStore:
         Args:
             config_bytes: ``adapter_config.json``.
             weights_bytes: ``adapter_model.safetensors``.
-            target_shapes: See :func:`adapters.validation.load_adapter_files`.
-            num_layers: Decoder layers of the served model.
-            max_rank: The largest rank served.
+            limits: What the adapter must fit (:class:`adapters.limits.AdapterLimits`).
             info: Optional facts about the served model.
 
         Returns:
@@ -131,32 +134,29 @@ class DigestStore:
             AdapterError: the adapter is invalid; nothing was written.
             OSError: the write failed; nothing that counts as stored was left behind.
         """
-        adapter = load_adapter_files(
-            config_bytes,
-            weights_bytes,
-            target_shapes=target_shapes,
-            num_layers=num_layers,
-            max_rank=max_rank,
-            info=info,
-        )
+        adapter = load_adapter_files(config_bytes, weights_bytes, limits=limits, info=info)
         self.write_files(adapter.digest, config_bytes, weights_bytes)
         return adapter
 
-    def put_dir(self, path: str | os.PathLike[str], **limits: Any) -> LoraAdapter:
-        """Validate a PEFT adapter directory and store it (``limits``: see :meth:`put_files`).
+    def put_dir(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        limits: AdapterLimits,
+        info: BaseModelInfo | None = None,
+    ) -> LoraAdapter:
+        """Validate a PEFT adapter directory and store it (arguments: see :meth:`put_files`).
 
         Raises:
             AdapterError: missing or pickle files, or an invalid adapter; nothing was written.
         """
-        return self.put_files(*read_adapter_dir(path), **limits)
+        return self.put_files(*read_adapter_dir(path), limits=limits, info=info)
 
     def load(
         self,
         digest: str,
         *,
-        target_shapes: dict[str, tuple[int, int]],
-        num_layers: int,
-        max_rank: int,
+        limits: AdapterLimits,
         info: BaseModelInfo | None = None,
     ) -> LoraAdapter:
         """Read and re-validate a stored adapter (arguments as :meth:`put_files`).
@@ -166,15 +166,7 @@ class DigestStore:
             AdapterError: the stored files no longer validate or no longer hash to ``digest``.
         """
         config_bytes, weights_bytes = self.read_files(digest)
-        return validate_stored(
-            digest,
-            config_bytes,
-            weights_bytes,
-            target_shapes=target_shapes,
-            num_layers=num_layers,
-            max_rank=max_rank,
-            info=info,
-        )
+        return validate_stored(digest, config_bytes, weights_bytes, limits=limits, info=info)
 
     def delete(self, digest: str) -> bool:
         """Remove a stored adapter; False if there was none.

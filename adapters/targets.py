@@ -212,5 +212,10 @@ def _spec(config: LoraConfig, matcher: TargetMatcher, module: str) -> TargetSpec
     alpha = (config.alpha_pattern or {}).get(
         matcher.alpha_keys.key_for(module, budget), config.lora_alpha
     )
-    scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+    scale = lora_scale(alpha, rank, bool(config.use_rslora))
     return TargetSpec(module=module, rank=int(rank), alpha=float(alpha), scale=float(scale))
+
+
+def lora_scale(alpha: float, rank: int, use_rslora: bool) -> float:
+    """PEFT's scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA (Kalajdzievski 2023)."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank

@@ -31,6 +31,7 @@ import torch
 
 from loraplex.adapters.base_model import BaseModelInfo
 from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.adapters.peft_config import parse_lora_config
 from loraplex.adapters.safetensors_io import PICKLE_SUFFIXES, load_tensors, read_header
 from loraplex.adapters.sizes import (
@@ -78,9 +79,7 @@ def load_adapter_files(
     config_bytes: bytes,
     weights_bytes: bytes,
     *,
-    target_shapes: dict[str, tuple[int, int]],
-    num_layers: int,
-    max_rank: int,
+    limits: AdapterLimits,
     info: BaseModelInfo | None = None,
 ) -> LoraAdapter:
     """Validate an uploaded adapter and load its weights.
@@ -88,10 +87,9 @@ def load_adapter_files(
     Args:
         config_bytes: ``adapter_config.json``.
         weights_bytes: ``adapter_model.safetensors``.
-        target_shapes: ``projection -> (in_features, out_features)`` of the served model
-            (see :func:`adapters.base_model.target_shapes_from_config`).
-        num_layers: Decoder layers of the served model.
-        max_rank: The largest rank served.
+        limits: The served model's targets (``projection -> (in_features, out_features)``,
+            see :func:`adapters.base_model.target_shapes_from_config`), decoder layers and
+            largest rank.
         info: Optional facts about the served model (LLaVA or not, its other modules, its
             names); without it both layouts are accepted and only tensor names are checked
             for modules outside the decoder.
@@ -103,6 +101,7 @@ def load_adapter_files(
         AdapterError: anything wrong, with a message naming it (see the module docstring).
     """
     info = info or BaseModelInfo()
+    target_shapes, num_layers, max_rank = limits.target_shapes, limits.num_layers, limits.max_rank
     config = parse_lora_config(config_bytes, max_rank=max_rank)
     largest = max_weights_bytes(target_shapes, num_layers, max_rank)
     if len(weights_bytes) > largest:
@@ -176,9 +175,7 @@ def read_adapter_dir(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
 def load_adapter_dir(
     path: str | os.PathLike[str],
     *,
-    target_shapes: dict[str, tuple[int, int]],
-    num_layers: int,
-    max_rank: int,
+    limits: AdapterLimits,
     info: BaseModelInfo | None = None,
 ) -> LoraAdapter:
     """Validate a PEFT adapter directory and load it (see :func:`load_adapter_files`).
@@ -187,14 +184,7 @@ def load_adapter_dir(
         AdapterError: see :func:`read_adapter_dir` and :func:`load_adapter_files`.
     """
     config_bytes, weights_bytes = read_adapter_dir(path)
-    return load_adapter_files(
-        config_bytes,
-        weights_bytes,
-        target_shapes=target_shapes,
-        num_layers=num_layers,
-        max_rank=max_rank,
-        info=info,
-    )
+    return load_adapter_files(config_bytes, weights_bytes, limits=limits, info=info)
 
 
 def adapter_digest(

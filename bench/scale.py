@@ -212,8 +212,8 @@ def main() -> None:
     store = AdapterStore(store_root)
     prefix = "base_model.model.model.language_model"
     dirs = write_adapters(root / "adapters-llava", cfg, 2 * args.tenants, prefix=prefix)
-    from loraplex.adapters.registry import AdapterLimits
-    from loraplex.engine.lora import target_shapes
+    from loraplex.adapters.limits import AdapterLimits
+    from loraplex.engine.lora.layers import target_shapes
     from loraplex.engine.models.loader import load_model
 
     model, _ = load_model(str(path), torch.float32, torch.device("cpu"))
@@ -222,7 +222,7 @@ def main() -> None:
         num_layers=model.num_layers,
         max_rank=16,
     )
-    adapters = [store.put_dir(d, **limits.kwargs()) for d in dirs]
+    adapters = [store.put_dir(d, limits=limits) for d in dirs]
     requests = workload(args.requests, args.tenants, [a.digest for a in adapters])
     results: dict[str, dict] = {}
     prepared: list = []

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from loraplex.adapters.manager import LoRAManager
-from loraplex.adapters.registry import AdapterLimits, AdapterRegistry
+from loraplex.adapters.limits import AdapterLimits
+from loraplex.adapters.registry import AdapterRegistry
 from loraplex.engine.attention import get_attention_backend
 from loraplex.engine.breadcrumb import STEP, Breadcrumb
 from loraplex.engine.config import EngineConfig
@@ -40,8 +40,9 @@ from loraplex.engine.loading import (
     load_engine_model,
     size_kv_pool,
 )
-from loraplex.engine.lora import LoRAStepContext, install_lora, target_shapes
-from loraplex.engine.lora_backend import select_lora_backend
+from loraplex.engine.lora.backend import select_lora_backend
+from loraplex.engine.lora.layers import install_lora, target_shapes
+from loraplex.engine.lora.slots import LoRAManager
 from loraplex.engine.model_runner import ModelRunner
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.sampler import Sampler
@@ -157,8 +158,8 @@ class EngineCore:
             loader=self.adapters.load,
         )
         # The LoRA backend is chosen once, here: Triton kernels with the Triton attention backend.
-        lora_context = LoRAStepContext(backend=select_lora_backend(config.attention_backend))
-        install_lora(self.model, self.lora_manager.buffers, lora_context)
+        lora_backend = select_lora_backend(config.attention_backend)
+        install_lora(self.model, self.lora_manager.buffers, lora_backend)
         backend = get_attention_backend(config.attention_backend)
         # After the weights and LoRA slots, before the pool: what the machine has left.
         draft_model = load_draft_model(loaded)  # its KV is part of every block's bytes
@@ -230,7 +231,7 @@ class EngineCore:
             sampler=Sampler(generator, self.eos_token_ids),
             num_cpu_blocks=num_cpu_blocks,
             vision_cache=VisionCache(config.vision_cache_entries),
-            lora_context=lora_context,
+            lora_backend=lora_backend,
             proposer=(
                 NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                 if config.speculative_method == "ngram"

@@ -253,6 +253,6 @@ def _store_loader(store_root: str | None, get_core: Any) -> Any:
     store = open_store(store_root, cache_dir=cache_dir)
 
     def load(digest: str) -> Any:
-        return store.load(digest, **get_core().adapter_limits.kwargs())
+        return store.load(digest, limits=get_core().adapter_limits)
 
     return load

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import torch
 
-from loraplex.adapters.registry import AdapterLimits
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.engine.kv_events import KVEvent
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.scheduling.output import EngineCoreOutput

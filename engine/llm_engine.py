@@ -96,7 +96,7 @@ class LLMEngine:
 
     @property
     def adapter_limits(self) -> Any:
-        """What adapters must fit (``adapters.registry.AdapterLimits``)."""
+        """What adapters must fit (``adapters.limits.AdapterLimits``)."""
         return self.core.adapter_limits
 
     @property

@@ -16,7 +16,7 @@ import torch
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv_profile import plan_kv_pool
 from loraplex.engine.kv_sizing import KVPoolSizing
-from loraplex.engine.lora import target_shapes
+from loraplex.engine.lora.layers import target_shapes
 from loraplex.engine.model_runner import kv_block_bytes
 from loraplex.engine.models.loader import load_model
 

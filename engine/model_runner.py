@@ -34,7 +34,7 @@ from loraplex.engine.attention import AttentionBackend
 from loraplex.engine.attention.metadata import step_inputs
 from loraplex.engine.kv_cache.block_table import BlockTable
 from loraplex.engine.kv_profile import pool_zeros
-from loraplex.engine.lora import LoRAStepContext
+from loraplex.engine.lora.backend import LoRABackend
 from loraplex.engine.request import ImageInput
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.sampling.penalties import TokenHistory, needs_history
@@ -89,8 +89,9 @@ class ModelRunner:
         sampler: The sampler (its shared generator serves unseeded sequences).
         num_cpu_blocks: Blocks of the CPU swap pool (0: no swap pool).
         vision_cache: Cache of image encodings, None to always encode.
-        lora_context: The step context of the model's LoRA layers (``engine.lora``), None
-            when the model serves no adapters.
+        lora_backend: The LoRA backend of the model's LoRA layers (``engine.lora``), whose
+            step metadata the runner updates before each forward pass; None when the model
+            serves no adapters.
         proposer: Speculative decoding's n-gram proposer, None for none.
         draft: Speculative decoding's draft model (``engine.spec_decode.draft``), None for
             none.
@@ -109,7 +110,7 @@ class ModelRunner:
         sampler: Sampler,
         num_cpu_blocks: int = 0,
         vision_cache: VisionCache | None = None,
-        lora_context: LoRAStepContext | None = None,
+        lora_backend: LoRABackend | None = None,
         proposer: NgramProposer | None = None,
         num_speculative_tokens: int = 0,
         draft: DraftProposer | None = None,
@@ -124,7 +125,7 @@ class ModelRunner:
         self.dtype = dtype
         self.sampler = sampler
         self.vision_cache = vision_cache
-        self.lora_context = lora_context
+        self.lora_backend = lora_backend
         self.num_images_encoded = 0
         self.last_forward_seconds = 0.0  # model forward + logits of the last step
         self.seqs: dict[str, _RunnerSeq] = {}
@@ -393,15 +394,15 @@ class ModelRunner:
 
     def _set_lora(self, items: list[ScheduledSeq]) -> None:
         """Tell the LoRA layers which slot each of the step's tokens uses (-1: base)."""
-        if self.lora_context is None:
+        if self.lora_backend is None:
             return
         token_slots: list[int] = []
         for item in items:
             token_slots.extend([item.lora_slot] * item.num_new_tokens)
         if any(s >= 0 for s in token_slots):
-            self.lora_context.set_token_slots(token_slots, self.device)
+            self.lora_backend.update_metadata(token_slots, self.device)
         else:
-            self.lora_context.clear()
+            self.lora_backend.clear()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

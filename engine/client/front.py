@@ -98,7 +98,7 @@ class AsyncLLM:
         tokenizer: The model's tokenizer.
         inputs: The input processor (``engine.processing``): messages to a prompt.
         max_model_len: Most tokens (prompt + completion) of one sequence.
-        adapter_limits: What adapters must fit (``adapters.registry.AdapterLimits``).
+        adapter_limits: What adapters must fit (``adapters.limits.AdapterLimits``).
         input_limits: Cheap bounds on a prompt, checked before it is processed.
 
     Raises:

@@ -112,7 +112,7 @@ class Scheduler:
         max_loras: Most distinct adapters in one step.
         max_model_len: Longest sequence; reaching it finishes one with ``"length"``.
         eos_token_ids: Tokens that finish a sequence with ``"stop"`` (unless ``ignore_eos``).
-        lora_manager: Acquires and releases adapter slots (``adapters.manager.LoRAManager``);
+        lora_manager: Acquires and releases adapter slots (``engine.lora.slots.LoRAManager``);
             None when the engine serves no adapters.
         preemption: ``"recompute"`` or ``"swap"``.
         cpu_pool: The CPU block pool for ``"swap"`` (falls back to recompute when full).

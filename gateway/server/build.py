@@ -113,9 +113,7 @@ def start_cores(
         limits = holder["core"].adapter_limits
         return store.load(
             digest,
-            target_shapes=limits.target_shapes,
-            num_layers=limits.num_layers,
-            max_rank=limits.max_rank,
+            limits=limits,
         )
 
     holder["core"] = EngineCore(engine_config, adapter_loader=load)

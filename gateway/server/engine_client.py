@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from loraplex.adapters.registry import AdapterLimits
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.engine.client.front import InputLimits
 from loraplex.engine.inputs import ProcessedPrompt
 from loraplex.engine.request import EngineRequest, RequestOutput

@@ -20,6 +20,7 @@ from loraplex.adapters.base_model import (
     target_shapes_from_config,
 )
 from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.adapters.store import AdapterStore
 
 MAX_RANK = 16
@@ -45,12 +46,12 @@ def served(model_dir) -> dict:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    return {
-        "target_shapes": target_shapes_from_config(config),
-        "num_layers": num_layers_from_config(config),
-        "max_rank": MAX_RANK,
-        "info": base_model_info(config, names=("tiny", str(model_dir))),
-    }
+    limits = AdapterLimits(
+        target_shapes=target_shapes_from_config(config),
+        num_layers=num_layers_from_config(config),
+        max_rank=MAX_RANK,
+    )
+    return {"limits": limits, "info": base_model_info(config, names=("tiny", str(model_dir)))}
 
 
 @pytest.fixture(scope="session")

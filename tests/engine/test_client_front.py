@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from loraplex.adapters.registry import AdapterLimits
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.engine.client.core_client import CoreInfo, EngineCoreClient
 from loraplex.engine.client.front import AsyncLLM
 from loraplex.engine.client.replicas import ReplicaRouter

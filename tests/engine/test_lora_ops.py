@@ -1,11 +1,13 @@
-"""The torch LoRA ops: both paths of add_lora against a per-token loop (Punica semantics)."""
+"""The LoRA backends: every layout of the torch backend against a per-token loop (Punica
+semantics), the Triton backend against the torch one."""
 
 import pytest
 import torch
 
-from loraplex.adapters.manager import SlotBuffers
-from loraplex.engine.lora import LoRAStepContext, add_lora
-from loraplex.engine.lora_backend import TorchLoRABackend, TritonLoRABackend, select_lora_backend
+from loraplex.engine.lora.backend import select_lora_backend
+from loraplex.engine.lora.slots import SlotBuffers
+from loraplex.engine.lora.torch_backend import TorchLoRABackend
+from loraplex.engine.lora.triton_backend import TritonLoRABackend
 
 
 @pytest.mark.parametrize("layout", ["scattered", "grouped"])
@@ -43,23 +45,24 @@ def test_add_lora_matches_a_per_token_loop(popularity, num_slots, layout):
             r = ranks[s]
             expected[i] += scales[s] * (x[i] @ a[s, :r].T) @ b[s, :, :r].T
     for batched in (False, True, None):
-        ctx = LoRAStepContext()
-        ctx.set_token_slots(slots, torch.device("cpu"), batched=batched)
+        ctx = TorchLoRABackend(batched=batched)
+        ctx.update_metadata(slots, torch.device("cpu"))
         runs = [s for i, s in enumerate(slots) if s >= 0 and (i == 0 or slots[i - 1] != s)]
         assert ctx.contiguous == (len(runs) == len(set(runs)))
         if layout == "grouped":
             assert ctx.contiguous and ctx.perm is None
         if batched is not None and not ctx.contiguous:
             assert (ctx.slot_ids is not None) == batched
-        out = add_lora(y0.clone(), x, buffers, ctx)
+        assert ctx.active
+        out = ctx.apply(y0.clone(), x, buffers)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         ctx.clear()
-        assert ctx.groups == [] and ctx.slot_ids is None
+        assert not ctx.active and ctx.segments == [] and ctx.slot_ids is None
 
 
 @pytest.mark.parametrize("layout", ["scattered", "grouped"])
 def test_the_triton_backend_equals_the_torch_backend(layout):
-    """The two implementations of ``engine.lora_backend`` on the same step (interpreter)."""
+    """The two implementations of ``engine.lora.backend`` on the same step (interpreter)."""
     gen = torch.Generator().manual_seed(11)
     tokens, fan_in, fan_out, max_rank, max_loras = 19, 16, 24, 8, 4
     ranks = [8, 0, 4, 2]
@@ -76,10 +79,9 @@ def test_the_triton_backend_equals_the_torch_backend(layout):
     y0 = torch.randn(tokens, fan_out, generator=gen)
     out = {}
     for backend in (TorchLoRABackend(), TritonLoRABackend()):
-        ctx = LoRAStepContext(backend=backend)
-        ctx.set_token_slots(slots, torch.device("cpu"))
-        assert ctx.use_triton == (backend.name == "triton")
-        out[backend.name] = add_lora(y0.clone(), x, buffers, ctx)
+        backend.update_metadata(slots, torch.device("cpu"))  # each prepares its own metadata
+        assert backend.active
+        out[backend.name] = backend.apply(y0.clone(), x, buffers)
     torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
     assert not torch.equal(out["torch"], y0)  # the adapters did something
 

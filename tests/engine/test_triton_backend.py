@@ -78,7 +78,7 @@ def run(model_dir, adapter_dirs, backend):
             max_lora_rank=8,
         )
     )
-    assert llm.engine.runner.lora_context.backend.name == backend  # chosen once, by the core
+    assert llm.engine.runner.lora_backend.name == backend  # chosen once, by the core
     digests = [llm.engine.add_lora_dir(d).digest for d in adapter_dirs]
     gen = torch.Generator().manual_seed(7)
     prefix = torch.randint(16, 200, (36,), generator=gen).tolist()

@@ -105,9 +105,7 @@ def register_adapter(live, tenant_id: str, name: str, path) -> str:
     limits = live.state.engine.adapter_limits
     stored = live.state.store.put_dir(
         path,
-        target_shapes=limits.target_shapes,
-        num_layers=limits.num_layers,
-        max_rank=limits.max_rank,
+        limits=limits,
     )
     add_adapter_row(live, tenant_id, name, stored.digest)
     return stored.digest

@@ -33,7 +33,7 @@ def test_an_adapter_in_the_bucket_is_served_by_every_gateway_and_replica(
 
     limits = engine_client.adapter_limits
     oracle_digest = (
-        AdapterStore(adapter_store_dir(llava_dir)).put_dir(tiny_adapter, **limits.kwargs()).digest
+        AdapterStore(adapter_store_dir(llava_dir)).put_dir(tiny_adapter, limits=limits).digest
     )
     messages = [user(image_part(data_url(photo("coffee", 96))), "Describe it")]
     expected = engine_direct(engine_client, messages, oracle_digest, max_tokens=6, temperature=0.0)

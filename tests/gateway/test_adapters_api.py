@@ -110,9 +110,7 @@ def digest_of(adapter_dir: Path, live) -> str:
     limits = live.state.engine.adapter_limits
     return load_adapter_dir(
         adapter_dir,
-        target_shapes=limits.target_shapes,
-        num_layers=limits.num_layers,
-        max_rank=limits.max_rank,
+        limits=limits,
     ).digest
 
 

@@ -117,9 +117,7 @@ async def store_adapter(
         adapters.store.put_files,
         config_bytes,
         weights_bytes,
-        target_shapes=limits.target_shapes,
-        num_layers=limits.num_layers,
-        max_rank=limits.max_rank,
+        limits=limits,
     )
 
 

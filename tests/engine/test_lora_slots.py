@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from loraplex.adapters.errors import AdapterError
-from loraplex.adapters.manager import LoRAManager, lora_scale
+from loraplex.adapters.targets import lora_scale
+from loraplex.engine.lora.slots import LoRAManager
 
 SHAPES = {(0, "q_proj"): (8, 8), (0, "down_proj"): (12, 8), (1, "q_proj"): (8, 8)}
 

@@ -12,7 +12,6 @@ evicted: :meth:`LoRAManager.acquire` returns None instead, and the scheduler wai
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -47,9 +46,7 @@ def slot_view(
 
 
 class SlotBuffers:
-    """One projection's stacked slot weights (the LoRA manager writes, the LoRA layers read).
-
-    The one type of them: ``engine.lora`` and ``engine.lora_backend`` use it too.
+    """One projection's stacked slot weights (the LoRA manager writes, the backends read).
 
     Attributes:
         lora_a: ``[max_loras, max_rank, in_features]``.
@@ -277,8 +274,3 @@ class LoRAManager:
             buf.ranks[slot] = r
             buf.views[slot] = slot_view(buf.lora_a, buf.lora_b, slot, r, float(scale))
         self.num_loads += 1
-
-
-def lora_scale(alpha: float, rank: int, use_rslora: bool) -> float:
-    """PEFT's scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA (Kalajdzievski 2023)."""
-    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
