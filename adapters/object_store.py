@@ -13,7 +13,7 @@ filesystem is fsspec's for the URL's scheme (``s3fs`` for ``s3://``, ``gcsfs`` f
 ``adlfs`` for ``az://``; installed separately); credentials and endpoints come from the usual
 places (the environment, instance roles; ``AWS_ENDPOINT_URL`` for MinIO or another
 S3-compatible store). An engine keeps up to
-``max_cpu_loras`` adapters in host memory; engine cores (``engine.core_proc``) also keep what
+``max_cpu_loras`` adapters in host memory; engine cores (``engine.core.process``) also keep what
 they download in a local cache directory (``cache_dir``: an :class:`~adapters.store.AdapterStore`
 bounded by ``cache_bytes``, least recently used first out), which is safe to share between the
 cores of a machine because entries are keyed by digest and every load checks it.

@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from loraplex.engine.inputs import ProcessedPrompt
+from loraplex.engine.client.inputs import ProcessedPrompt
 from loraplex.engine.request import (
     CompletionOutput,
     EngineRequest,

@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import save_file
 
 from bench.throughput import padded_generate
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.settings import data_dir
@@ -47,7 +47,7 @@ PROJ = {
 
 def model_dir(quick: bool) -> Path:
     """The small text model: the tiny one for ``--quick``, the 26M ``bench`` preset otherwise."""
-    from loraplex.engine.tiny_model import init_tiny
+    from loraplex.engine.models.tiny_model import init_tiny
 
     name = "tiny-text" if quick else "tiny-text-bench"
     target = data_dir() / "bench" / name

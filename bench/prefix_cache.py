@@ -20,8 +20,8 @@ import time
 import torch
 
 from bench.throughput import model_dir
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 

@@ -57,7 +57,7 @@ WORDS = (
 
 def model_dir() -> Path:
     """The built-in tiny LLaVA, written once into the data directory."""
-    from loraplex.engine.tiny_model import init_tiny
+    from loraplex.engine.models.tiny_model import init_tiny
 
     target = data_dir() / "bench" / "tiny-llava"
     if not (target / "config.json").exists():

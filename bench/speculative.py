@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest, RequestOutputKind
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.spec_decode.layer_skip import write_layer_skip_draft

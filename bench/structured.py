@@ -25,11 +25,11 @@ import time
 import torch
 
 from bench.throughput import model_dir, workload
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest, RequestOutputKind
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.engine.structured_output import StructuredOutputSpec
+from loraplex.engine.structured_output.grammar import StructuredOutputSpec
 
 SCHEMA = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 200}
 

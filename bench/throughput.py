@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.settings import data_dir
@@ -34,7 +34,7 @@ SYSTEM_TOKENS = 256
 
 def model_dir() -> Path:
     """The bench-preset text model, written once into the data directory."""
-    from loraplex.engine.tiny_model import init_tiny
+    from loraplex.engine.models.tiny_model import init_tiny
 
     target = data_dir() / "bench" / "tiny-text-bench"
     if not (target / "config.json").exists():
@@ -180,7 +180,7 @@ def main() -> None:
     hf_batches = [16] if args.quick else [8, 16, 32]
     torch.manual_seed(0)
     path = model_dir()
-    from loraplex.engine.tiny_model import parameter_count
+    from loraplex.engine.models.tiny_model import parameter_count
 
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompts = workload(num_requests, vocab)

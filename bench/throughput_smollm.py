@@ -6,7 +6,7 @@ embeddings, 134.5M parameters), random weights, float32. Workload (issue 14): 32
 100-400 random prompt tokens, 64 output tokens each (EOS ignored), greedy, no shared prefix.
 
 loraplex runs them with the engine's default flags, so the KV pool is the one sized from the
-machine (``engine.kv_sizing``); for comparison the same batch with the old fixed 256 MiB pool
+machine (``engine.kv_cache.sizing``); for comparison the same batch with the old fixed 256 MiB pool
 (``kv_cache_memory_bytes``), which ran it in about twice the steps. transformers runs
 ``generate`` over left-padded batches of 8, 16 and 32 in the same run; the best is the baseline.
 Reported: output tokens/s, engine steps, the pool, and the ratio to transformers.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.settings import data_dir
@@ -31,7 +31,7 @@ OLD_DEFAULT_BYTES = 256 * 1024 * 1024
 
 def model_dir() -> Path:
     """The smollm-135m-shaped text model, written once into the data directory (13 s)."""
-    from loraplex.engine.tiny_model import init_tiny
+    from loraplex.engine.models.tiny_model import init_tiny
 
     target = data_dir() / "bench" / "smollm-135m-shape"
     if not (target / "config.json").exists():
@@ -74,7 +74,7 @@ def run_loraplex(path: Path, prompts, output_tokens: int, **config) -> dict:
 def main(quick: bool) -> None:
     """Run the preset and print the table and the JSON line."""
     from bench.throughput import run_transformers
-    from loraplex.engine.tiny_model import parameter_count
+    from loraplex.engine.models.tiny_model import parameter_count
 
     num_requests, output_tokens = (2, 8) if quick else (32, 64)
     hf_batches = [2] if quick else [8, 16, 32]

@@ -6,7 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from loraplex.engine.kv_sizing import DEFAULT_CPU_KV_CACHE_SHARE, DEFAULT_GPU_MEMORY_UTILIZATION
+from loraplex.engine.kv_cache.sizing import (
+    DEFAULT_CPU_KV_CACHE_SHARE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+)
 from loraplex.hashing.image_limits import (
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_IMAGES,
@@ -125,7 +128,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4
     """Ngram: longest suffix matched (tried first)."""
     enable_kv_events: bool = False
-    """Record KV events (engine.kv_events: block hashes stored and removed, adapters loaded
+    """Record KV events (engine.kv_cache.events: block hashes stored and removed, adapters loaded
     and unloaded) for a router; set by the replica set, off for one engine (nobody would drain
     them)."""
     num_cpu_threads: int | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loraplex.engine.structured_output import StructuredOutputError
+from loraplex.engine.structured_output.grammar import StructuredOutputError
 
 
 class EngineDeadError(RuntimeError):

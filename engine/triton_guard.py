@@ -12,7 +12,7 @@ def keep_triton_out() -> bool:
     installed (a quarter of a second, and 30 lines of ``nanobind: leaked ...`` at exit). A
     ``None`` entry in ``sys.modules`` makes that import raise ``ModuleNotFoundError``, which
     torch takes as "no triton" (its ``has_triton_package``). It is process-wide and lasts:
-    ``loraplex serve`` and the engine core process (``engine.core_proc``) call it in their own
+    ``loraplex serve`` and the engine core process (``engine.core.process``) call it in their own
     process when the Triton backend is not selected;
     code that runs in-process beside other work (``generate``, called by tests) does not.
 

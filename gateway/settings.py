@@ -75,7 +75,7 @@ def resolve_model(model: str | None, data: Path) -> str:
         return model
     target = data / TINY_MODEL_SUBDIR
     if not (target / "config.json").exists():
-        from loraplex.engine.tiny_model import init_tiny
+        from loraplex.engine.models.tiny_model import init_tiny
 
         init_tiny(target, seed=0)
     return str(target)

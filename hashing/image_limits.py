@@ -28,7 +28,7 @@ MAX_SIDE = 32_768
 #: phone's scrolling screenshot (1080 x 20,000, 18.5:1). The model sees only the centre crop.
 DEFAULT_MAX_ASPECT_RATIO = 20.0
 
-#: Most images in one request (``engine.inputs.InputProcessor``).
+#: Most images in one request (``engine.client.inputs.InputProcessor``).
 DEFAULT_MAX_IMAGES = 8
 
 #: Pixels of all of one request's images together, from their headers: five 12 MP phone

@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from loraplex.engine.tiny_model import init_tiny  # noqa: E402
+from loraplex.engine.models.tiny_model import init_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,8 @@ def make_llm():
     one (their tests must leave it clean: no request in flight, every block back). A test that
     breaks its engine on purpose builds its own.
     """
+    from loraplex.engine.client.llm import LLM
     from loraplex.engine.config import EngineConfig
-    from loraplex.engine.llm import LLM
 
     made: dict = {}
 

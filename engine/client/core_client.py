@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from loraplex.engine.core_wire import CoreInfo, FinishRequest
+from loraplex.engine.core.wire import CoreInfo, FinishRequest
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.scheduling.output import EngineCoreOutput
 
@@ -52,7 +52,7 @@ class EngineCoreClient(ABC):
     """One engine core (or a set of them) as the front sees it.
 
     Attributes:
-        info: The core's model and pool (``engine.core_wire.CoreInfo``), set once started.
+        info: The core's model and pool (``engine.core.wire.CoreInfo``), set once started.
         wants_block_hashes: Whether ``add_request`` reads the request's block hashes (a
             router does); the front computes them only then.
     """
@@ -109,7 +109,7 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def drain_kv_events(self) -> list[Any]:
-        """The core's KV events since the last call, oldest first (``engine.kv_events``)."""
+        """The core's KV events since the last call, oldest first (``engine.kv_cache.events``)."""
 
     def describe(self) -> dict[str, Any]:
         """What was loaded: ``num_parameters``, ``dtype``, ``device``, ``kv_pool``, ``pid``."""

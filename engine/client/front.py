@@ -16,8 +16,8 @@ or a router over several (``engine.client.replicas``). The front does not know w
 
 A consumer that stops iterating (client disconnect, cancellation) aborts its request, which
 frees its blocks at the core's next step boundary. The gateway serves one front
-(``gateway.server.build.start_engine``); ``LLM`` (``engine.llm``) is the synchronous loop over
-the same output processor with the core in the caller's thread.
+(``gateway.server.build.start_engine``); ``LLM`` (``engine.client.llm``) is the synchronous loop
+over the same output processor with the core in the caller's thread.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import Any
 
 from loraplex.engine.client.core_client import EngineCoreClient
 from loraplex.engine.client.fair_pool import FairWorkerPool, default_workers
+from loraplex.engine.client.inputs import ProcessedPrompt
 from loraplex.engine.client.output_processor import OutputProcessor
 from loraplex.engine.client.streams import StreamState, put_all, read_outputs
 from loraplex.engine.errors import EngineDeadError, RequestFailedError
-from loraplex.engine.inputs import ProcessedPrompt
 from loraplex.engine.request import EngineRequest, RequestOutput
 
 __all__ = ["AsyncLLM", "EngineDeadError", "InputLimits", "RequestFailedError", "decode", "encode"]
@@ -96,7 +96,7 @@ class AsyncLLM:
     Attributes:
         core: The core client.
         tokenizer: The model's tokenizer.
-        inputs: The input processor (``engine.processing``): messages to a prompt.
+        inputs: The input processor (``engine.client.processing``): messages to a prompt.
         max_model_len: Most tokens (prompt + completion) of one sequence.
         adapter_limits: What adapters must fit (``adapters.limits.AdapterLimits``).
         input_limits: Cheap bounds on a prompt, checked before it is processed.
@@ -116,9 +116,9 @@ class AsyncLLM:
     ) -> None:
         from pathlib import Path
 
-        from loraplex.engine.processing import load_processor, max_token_bytes
+        from loraplex.engine.client.processing import load_processor, max_token_bytes
         from loraplex.engine.sampling.logprobs import TokenBytes
-        from loraplex.engine.tool_call_format import detect_tool_call_format
+        from loraplex.engine.structured_output.tool_call_format import detect_tool_call_format
 
         info = core.info
         self.core = core
@@ -176,7 +176,7 @@ class AsyncLLM:
             ValueError: neither a config nor an engine, or an unusable model.
         """
         from loraplex.engine.client.inproc import InprocCoreClient
-        from loraplex.engine.llm_engine import LLMEngine
+        from loraplex.engine.client.llm_engine import LLMEngine
 
         owns = engine is None
         if engine is None:
@@ -219,7 +219,7 @@ class AsyncLLM:
         return dict(self.core.stats())
 
     def drain_kv_events(self) -> list[Any]:
-        """The core's KV events since the last call (``engine.kv_events``).
+        """The core's KV events since the last call (``engine.kv_cache.events``).
 
         None behind a router: it consumes its replicas' events itself.
         """

@@ -33,7 +33,7 @@ class InprocCoreClient(EngineCoreClient):
     """An ``EngineCore`` stepped on a background thread.
 
     Args:
-        engine_core: The core (``engine.core.EngineCore``).
+        engine_core: The core (``engine.core.engine_core.EngineCore``).
         owns_core: Stop the core's helpers (its grammar sandbox) when this client stops; an
             engine shared with others (tests) is left running.
 

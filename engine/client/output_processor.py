@@ -1,13 +1,13 @@
 """The client side of the engine core: token ids in, text and ``RequestOutput``s out.
 
-vLLM v1's ``OutputProcessor``, at our size. The engine core (``engine.core``) deals only in
-token ids and decides every finish it can see from them (EOS, stop token ids, ``max_tokens``,
-the model length, faults); this processor, on the client's side of the core (in process for
-``LLM``, in the front ``engine.client.front.AsyncLLM`` for serving), owns per request:
+vLLM v1's ``OutputProcessor``, at our size. The engine core (``engine.core.engine_core``) deals
+only in token ids and decides every finish it can see from them (EOS, stop token ids,
+``max_tokens``, the model length, faults); this processor, on the client's side of the core (in
+process for ``LLM``, in the front ``engine.client.front.AsyncLLM`` for serving), owns per request:
 
 - one :class:`IncrementalDetokenizer` per output index, and with it the stop-string search;
   a stop string found ends that output here and goes back to the core as a
-  ``engine.core_wire.FinishRequest`` (the one way back: the core then frees the sequence's blocks);
+  ``engine.core.wire.FinishRequest`` (the one way back: the core then frees the sequence's blocks);
 - the time to first token;
 - what each output carries (``engine.request.RequestOutputKind``): only what is new since the
   previous output (``DELTA``, streaming) or, once, everything (``FINAL_ONLY``). Nothing is
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.client.detokenizer import IncrementalDetokenizer
-from loraplex.engine.core_wire import FinishRequest
+from loraplex.engine.core.wire import FinishRequest
 from loraplex.engine.request import (
     CompletionOutput,
     EngineRequest,
@@ -44,7 +44,7 @@ class ProcessedOutputs:
 
     Attributes:
         request_outputs: One per request with news (``DELTA``) or finished (``FINAL_ONLY``).
-        finish: Finishes to send back to the core (``engine.core_wire.FinishRequest``: the
+        finish: Finishes to send back to the core (``engine.core.wire.FinishRequest``: the
             reason ``"stop"`` with the stop string, or ``"error"``; the output index, None
             for the whole request).
     """

@@ -1,8 +1,8 @@
 """An engine core in its own process, as an :class:`EngineCoreClient` (vLLM v1's ``MPClient``).
 
-:class:`ProcessCoreClient` starts ``engine.core_proc.run_core`` in a child process (``spawn``:
-no CUDA or thread state is inherited) or a Ray actor (``engine.core_launch``), and talks to it
-with the typed messages of ``engine.core_wire`` over two ZMQ PUSH/PULL sockets on private IPC
+:class:`ProcessCoreClient` starts ``engine.core.process.run_core`` in a child process (``spawn``:
+no CUDA or thread state is inherited) or a Ray actor (``engine.core.launch``), and talks to it
+with the typed messages of ``engine.core.wire`` over two ZMQ PUSH/PULL sockets on private IPC
 paths (TCP for a remote actor). It deals in token ids only: outputs go to the front's sink
 (``engine.client.front.AsyncLLM``), which detokenizes. A reader thread polls the core's socket
 and the child's process sentinel together, so a core that dies is noticed at once (well within
@@ -18,15 +18,15 @@ a second):
    crashes at start-up cannot spin.
 
 A core that stops answering without dying (frozen, swapped out, its node cut off, its loop
-stuck) is caught by its heartbeat (``engine.core_proc``: every 0.1 s from a thread of its own,
+stuck) is caught by its heartbeat (``engine.core.process``: every 0.1 s from a thread of its own,
 with the running step's age). Silent for the config's ``unresponsive_timeout_s`` (1 s), it is
 not running as far as ``is_running`` goes (a replica set stops routing to it, ``/health``
 fails) but it is ``recovering``: heard again, it serves again. Silent for ``dead_timeout_s``
 (10 s), or one step older than ``step_timeout_s`` (600 s), it is killed and handled as a death
 (1-3 above), so no request waits on it for longer than that.
 
-A death is blamed on the requests in flight (``engine.quarantine``, the breadcrumb of
-``engine.breadcrumb``): a request that keeps killing cores is refused before it is sent
+A death is blamed on the requests in flight (``engine.client.quarantine``, the breadcrumb of
+``engine.core.breadcrumb``): a request that keeps killing cores is refused before it is sent
 (docs/hardening.md).
 """
 
@@ -43,13 +43,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loraplex.engine import breadcrumb
-from loraplex.engine import core_wire as wire
 from loraplex.engine.client.core_client import EngineCoreClient, FinishRequest, OutputSink
+from loraplex.engine.client.quarantine import Quarantine, Suspect, request_digest
 from loraplex.engine.client.streams import settle
-from loraplex.engine.core_launch import ProcessLauncher
+from loraplex.engine.core import breadcrumb, wire
+from loraplex.engine.core.launch import ProcessLauncher
 from loraplex.engine.errors import EngineDeadError, rejection_error
-from loraplex.engine.quarantine import Quarantine, Suspect, request_digest
 from loraplex.engine.request import EngineRequest
 
 logger = logging.getLogger(__name__)
@@ -67,10 +66,10 @@ class ProcessCoreClient(EngineCoreClient):
     Args:
         config: The ``EngineConfig`` (sent to the child as its start argument).
         store_root: The adapter store the core reads adapters from by digest, or None.
-        launcher: Where cores run (``engine.core_launch``): a child process (the default)
+        launcher: Where cores run (``engine.core.launch``): a child process (the default)
             or a Ray actor.
         quarantine: What deaths this client and its peers (the other replicas, the other
-            gateways of the data directory) have seen (``engine.quarantine``); a new one in
+            gateways of the data directory) have seen (``engine.client.quarantine``); a new one in
             memory when None.
 
     Raises:
@@ -326,7 +325,7 @@ class ProcessCoreClient(EngineCoreClient):
     def drain_kv_events(self) -> list[Any]:
         """The core's KV events received since the last call, oldest first.
 
-        See ``engine.kv_events``; none unless the config has ``enable_kv_events``.
+        See ``engine.kv_cache.events``; none unless the config has ``enable_kv_events``.
         """
         events = []
         while self._kv_events:
@@ -468,7 +467,7 @@ class ProcessCoreClient(EngineCoreClient):
         return [Suspect(*self._sent[rid][:2]) for rid in named if rid in self._sent]
 
     def _suspects(self) -> list[Suspect]:
-        """The requests a death is blamed on (caller holds ``_lock``; ``engine.quarantine``).
+        """The requests a death is blamed on (caller holds ``_lock``; ``engine.client.quarantine``).
 
         Those sent since the third-latest ``Outputs`` arrived (the core took them in its last
         two loops: a request that kills it at admission or in its first step is among them),

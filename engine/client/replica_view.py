@@ -1,6 +1,6 @@
 """A router's mirror of one replica: the block hashes and adapters it holds, and its load.
 
-Built from the replica's KV events (``engine.kv_events``) in the order it published them. The
+Built from the replica's KV events (``engine.kv_cache.events``) in the order it published them. The
 view can only be behind the replica, never ahead of it in a way that matters: a hash the view
 lacks costs a missed routing opportunity, a hash it still has after an eviction sends a
 request to a replica that recomputes a block it hoped to reuse. Neither changes an output.
@@ -36,7 +36,7 @@ class ReplicaView:
         self.num_events = 0
 
     def apply(self, events: Iterable[Any]) -> None:
-        """Apply the replica's events (``engine.kv_events.KVEvent``), oldest first."""
+        """Apply the replica's events (``engine.kv_cache.events.KVEvent``), oldest first."""
         for event in events:
             self.num_events += 1
             kind = event.kind

@@ -5,7 +5,7 @@ N replicas, and computes its block hashes once; this client only picks a core. F
 request it:
 
 1. brings the router's views up to date: each replica's KV events since the last request
-   (``engine.kv_events``) and its health (a replica that is not running leaves the routing
+   (``engine.kv_cache.events``) and its health (a replica that is not running leaves the routing
    table at once and rejoins, with an empty view, when it runs again);
 2. asks the router (``engine.client.router``) for a replica with the request's block hashes
    (the engines' own: tokens, adapter, images, the tenant's cache salt) and adapter, and counts

@@ -26,7 +26,7 @@ class BlockPool:
 
     Attributes:
         events: Where hashes dropped from the cache are reported (``removed`` on eviction
-            and uncaching, ``cleared`` on reset; ``engine.kv_events.KVEventLog``), or None.
+            and uncaching, ``cleared`` on reset; ``engine.kv_cache.events.KVEventLog``), or None.
 
     Raises:
         ValueError: ``num_blocks`` is not positive.

@@ -21,8 +21,8 @@ from operator import is_not
 
 from loraplex.engine.kv_cache.block import KVCacheBlock
 from loraplex.engine.kv_cache.block_pool import BlockPool
+from loraplex.engine.kv_cache.events import KVEventLog
 from loraplex.engine.kv_cache.stats import PrefixCacheStats
-from loraplex.engine.kv_events import KVEventLog
 
 _is_block = partial(is_not, None)
 
@@ -93,7 +93,7 @@ class KVCacheManager:
         block_size: Token slots per block.
         enable_caching: Automatic prefix caching on or off.
         events: Where the cache's changes are reported (hashes stored, removed, cleared:
-            ``engine.kv_events``, for a router), or None.
+            ``engine.kv_cache.events``, for a router), or None.
 
     Raises:
         ValueError: a non-positive ``num_blocks`` or ``block_size``.

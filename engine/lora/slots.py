@@ -140,7 +140,7 @@ class LoRAManager:
         self._free_slots = list(range(max_loras - 1, -1, -1))
         self.num_loads = 0  # adapters copied into a device slot
         # Called with (digest, True) when an adapter enters a device slot and (digest, False)
-        # when it leaves one (a router mirrors residency: engine.kv_events); None: nobody.
+        # when it leaves one (a router mirrors residency: engine.kv_cache.events); None: nobody.
         self.on_residency: Callable[[str, bool], None] | None = None
 
     # --------------------------------------------------------------------------- tiers

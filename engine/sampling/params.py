@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from loraplex.engine.structured_output import StructuredOutputSpec
+from loraplex.engine.structured_output.grammar import StructuredOutputSpec
 
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20
@@ -84,7 +84,7 @@ class SamplingParams:
             be sampled and stop strings are not looked for (vLLM's); ``0 <= min_tokens <=
             max_tokens``.
         structured_output: Constrain the output to a JSON schema, any JSON object, a regex or
-            a grammar (``engine.structured_output``); None for free text.
+            a grammar (``engine.structured_output.grammar``); None for free text.
 
     Raises:
         ValueError: A field is out of range; the message names the field.

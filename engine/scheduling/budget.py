@@ -2,8 +2,8 @@
 
 Work is counted in token-equivalents: computing the token at position ``p`` costs
 ``1 + p * attention_cost``, where ``attention_cost = 1 / alpha`` is a token's attention work per
-context position over the rest of its forward pass (``engine.core.attention_cost`` derives it
-from the model's shapes; context length weighs on small models far more).
+context position over the rest of its forward pass (``engine.core.engine_core.attention_cost``
+derives it from the model's shapes; context length weighs on small models far more).
 
 A step's prefill work is the whole token budget; at most ``long_prefill_token_threshold``
 while a running sequence decodes (its next token waits for the step: Sarathi-Serve's

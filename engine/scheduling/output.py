@@ -90,13 +90,13 @@ class ScheduledSeq:
         fork_ids: ``n > 1``: the step samples one token for each of these ids (the sequence
             itself first), and the scheduler forks the others from it; empty otherwise.
         token_bitmask: Structured output: the ids its grammar allows for the sampled token,
-            one bit each (``engine.structured_output.grammar_bitmask``); None when free.
+            one bit each (``engine.structured_output.grammar.grammar_bitmask``); None when free.
         spec_token_ids: Speculative decoding: ``k`` proposed tokens that follow its last
             token. ``num_new_tokens`` is then ``1 + k`` (its last token and the proposals, the
             proposals in lookahead slots) and the target's token is sampled at every one of
             those positions (``engine.spec_decode.verify``).
         spec_bitmasks: Structured output with proposals: the mask of the position after each
-            proposal (``engine.structured_output.speculative_bitmasks``), one per proposal;
+            proposal (``engine.structured_output.grammar.speculative_bitmasks``), one per proposal;
             ``token_bitmask`` is the first position's.
         num_draft_tokens: Speculative decoding with a draft model: the runner drafts this
             many proposals itself at the start of the step (``engine.spec_decode.draft``);

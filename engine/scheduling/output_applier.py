@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from loraplex.engine.breadcrumb import STEP, Breadcrumb
+from loraplex.engine.core.breadcrumb import STEP, Breadcrumb
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.scheduling.output import EngineCoreOutput, Logprob, ScheduledSeq
 from loraplex.engine.sequence import Sequence, SequenceStatus
@@ -33,7 +33,7 @@ class OutputApplier:
         max_model_len: Longest sequence; reaching it finishes one with ``"length"``.
         spec_stats: Where verified proposals are counted (the engine's statistics).
         breadcrumb: Where each call into a grammar matcher (native code) is marked with its
-            request (``engine.breadcrumb``).
+            request (``engine.core.breadcrumb``).
     """
 
     def __init__(

@@ -21,10 +21,10 @@ to ``PREEMPTED`` and applies what :meth:`Preemptor.evict` reports.
 from __future__ import annotations
 
 from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.kv_cache.swap import CpuBlockPool
 from loraplex.engine.scheduling.fair_queue import FairQueue, tenant_of
 from loraplex.engine.scheduling.output import SchedulerOutput
 from loraplex.engine.sequence import Sequence
-from loraplex.engine.swap import CpuBlockPool
 
 POLICIES = ("recompute", "swap")
 """Preemption policies."""

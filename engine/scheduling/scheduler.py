@@ -57,8 +57,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.engine.breadcrumb import STEP, Breadcrumb
+from loraplex.engine.core.breadcrumb import STEP, Breadcrumb
 from loraplex.engine.kv_cache import KVCacheManager, SlotAllocation
+from loraplex.engine.kv_cache.swap import CpuBlockPool
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.scheduling.budget import PrefillBudget
 from loraplex.engine.scheduling.fair_queue import FairQueue, tenant_of
@@ -75,8 +76,7 @@ from loraplex.engine.scheduling.preemption import Preemptor
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.spec_decode import AdaptiveK, SpecDecodeStats
 from loraplex.engine.spec_decode.adaptive import DRAFT_MAX_FAILED_PROBES
-from loraplex.engine.structured_output import grammar_bitmask, speculative_bitmasks
-from loraplex.engine.swap import CpuBlockPool
+from loraplex.engine.structured_output.grammar import grammar_bitmask, speculative_bitmasks
 
 
 @dataclass
@@ -126,7 +126,7 @@ class Scheduler:
             speculate, with ``num_draft_tokens``; otherwise (n-gram) a decode speculates on
             the proposals the last step returned.
         breadcrumb: Where each call into a sequence's grammar matcher (native code) is marked
-            with its request (``engine.breadcrumb``); marks nothing when None.
+            with its request (``engine.core.breadcrumb``); marks nothing when None.
 
     Attributes:
         preemptor: Victim choice and the KV side of preemption

@@ -39,7 +39,7 @@ import torch
 
 from loraplex.engine.attention.metadata import step_inputs
 from loraplex.engine.kv_cache.block_table import BlockTable
-from loraplex.engine.kv_profile import pool_zeros
+from loraplex.engine.kv_cache.profile import pool_zeros
 
 logger = logging.getLogger(__name__)
 

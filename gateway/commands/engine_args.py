@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.kv_sizing import parse_size
+from loraplex.engine.kv_cache.sizing import parse_size
 from loraplex.gateway.commands.config_flags import FlagSpec, add_config_flags, config_kwargs
 
 

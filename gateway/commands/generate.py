@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     Lines that fail validation are reported as ``{"index": i, "error": {...}}`` in the output
     and the command exits 1; the valid ones still run.
     """
-    from loraplex.engine.llm import LLM
+    from loraplex.engine.client.llm import LLM
     from loraplex.engine.request import RequestOutputKind
     from loraplex.engine.sampling.params import SamplingParams
 

@@ -28,7 +28,7 @@ def register(subparsers) -> None:
 
 
 def _init_tiny(args: argparse.Namespace) -> int:
-    from loraplex.engine.tiny_model import init_tiny
+    from loraplex.engine.models.tiny_model import init_tiny
 
     kwargs = {"seed": args.seed, "text_only": args.text_only}
     if args.preset:

@@ -487,7 +487,7 @@ def _serve(args: argparse.Namespace, sockets: list, port: int, metrics_port: int
     gateway_config = gateway_config_from_args(args, served_name(engine_config))
     gateway_config = gateway_config.replace(port=port, metrics_port=metrics_port)
     admin_key, admin_path, created = load_or_create_admin_key(directory, args.admin_key)
-    from loraplex.engine.quarantine import Quarantine
+    from loraplex.engine.client.quarantine import Quarantine
 
     client = start_engine(
         engine_config,

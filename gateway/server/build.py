@@ -45,7 +45,7 @@ def start_engine(
             KV events in every core, and on a CPU splits the automatic KV share between them.
         ray_address: Place the cores as Ray actors on this cluster (``"auto"``, an address,
             or ``"local"`` for a new local instance) instead of child processes.
-        quarantine: Core deaths and quarantined requests (``engine.quarantine.Quarantine``),
+        quarantine: Core deaths and quarantined requests (``engine.client.quarantine.Quarantine``),
             one for every replica; ``serve`` keeps it in the data directory. None: a new one in
             memory. An engine in this process has none: a native fault ends the process.
 
@@ -104,7 +104,7 @@ def start_cores(
         return core
     from loraplex.adapters.object_store import open_store
     from loraplex.engine.client.inproc import InprocCoreClient
-    from loraplex.engine.core import EngineCore
+    from loraplex.engine.core.engine_core import EngineCore
 
     store = open_store(store_root)
     holder: dict[str, Any] = {}
@@ -129,9 +129,9 @@ def _start_replicas(
     quarantine: Any = None,
 ) -> Any:
     """``replicas`` cores (child processes, Ray actors, or in process) behind a router."""
+    from loraplex.engine.client.quarantine import Quarantine
     from loraplex.engine.client.replicas import ReplicaRouter
     from loraplex.engine.client.router import RoutingPolicy
-    from loraplex.engine.quarantine import Quarantine
 
     quarantine = quarantine if quarantine is not None else Quarantine()  # one for all
 
@@ -141,7 +141,7 @@ def _start_replicas(
             cpu_kv_cache_share=config.cpu_kv_cache_share / replicas,
             num_cpu_threads=config.num_cpu_threads or max(1, (os.cpu_count() or 1) // replicas),
         )
-    from loraplex.engine.core_launch import ProcessLauncher, RayLauncher
+    from loraplex.engine.core.launch import ProcessLauncher, RayLauncher
 
     if config.device == "cuda" and ray_address is None and not in_process:
         per_gpu = -(-replicas // max(1, len(_visible_gpus())))  # replicas sharing one GPU

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from loraplex.adapters.limits import AdapterLimits
 from loraplex.engine.client.front import InputLimits
-from loraplex.engine.inputs import ProcessedPrompt
+from loraplex.engine.client.inputs import ProcessedPrompt
 from loraplex.engine.request import EngineRequest, RequestOutput
 
 __all__ = ["AdapterLimits", "EngineClient", "InputLimits"]
@@ -100,7 +100,7 @@ class EngineClient(Protocol):
         ...
 
     def drain_kv_events(self) -> list[Any]:
-        """The engine's KV events since the last call (``engine.kv_events``), for a router."""
+        """The engine's KV events since the last call (``engine.kv_cache.events``), for a router."""
         ...
 
     def shutdown(self) -> None:

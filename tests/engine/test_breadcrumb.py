@@ -1,19 +1,19 @@
-"""Breadcrumbs (engine/breadcrumb.py): what a process marked survives its SIGSEGV, slot by slot;
-an empty or cleared slot names no one."""
+"""Breadcrumbs (engine/core/breadcrumb.py): what a process marked survives its SIGSEGV, slot by
+slot; an empty or cleared slot names no one."""
 
 import signal
 import subprocess
 import sys
 
-from loraplex.engine import breadcrumb
-from loraplex.engine.breadcrumb import COMPILE, STEP, Breadcrumb
+from loraplex.engine.core import breadcrumb
+from loraplex.engine.core.breadcrumb import COMPILE, STEP, Breadcrumb
 
 
 def test_a_mark_survives_a_native_crash(tmp_path):
     path = breadcrumb.create(tmp_path / "crumb")
     script = (
         "import os, signal\n"
-        "from loraplex.engine.breadcrumb import Breadcrumb, STEP, COMPILE\n"
+        "from loraplex.engine.core.breadcrumb import Breadcrumb, STEP, COMPILE\n"
         f"b = Breadcrumb({str(path)!r})\n"
         "b.set(COMPILE, 'req-compiled'); b.clear(COMPILE)\n"
         "b.set(STEP, 'req-\\u00e9-' + 'x' * 400)\n"  # cut to the slot, UTF-8

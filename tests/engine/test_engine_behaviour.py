@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from loraplex.engine.client.front import AsyncLLM
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.cli import main as cli_main

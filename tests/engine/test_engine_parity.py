@@ -13,8 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
 
 from .conftest import long_text, photo, spec_used, user

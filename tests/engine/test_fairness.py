@@ -1,8 +1,8 @@
 """Fair sharing between tenants on the real engine: a newcomer starts within a few steps while
 another tenant holds every slot, and the preemptions that make room change no token."""
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 

@@ -11,10 +11,10 @@ import asyncio
 import pytest
 
 from loraplex.engine.client.front import AsyncLLM
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.core import MAX_FAILING_STEPS, EngineFaultError
+from loraplex.engine.core.engine_core import MAX_FAILING_STEPS, EngineFaultError
 from loraplex.engine.errors import EngineDeadError
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 

@@ -10,13 +10,13 @@ from concurrent.futures import Future
 import pytest
 
 from loraplex.engine.client.front import AsyncLLM
+from loraplex.engine.client.llm import LLM
+from loraplex.engine.client.llm_engine import LLMEngine
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.grammar_sandbox import Verdict
-from loraplex.engine.llm import LLM
-from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.engine.structured_output import StructuredOutputError, StructuredOutputSpec
+from loraplex.engine.structured_output.grammar import StructuredOutputError, StructuredOutputSpec
+from loraplex.engine.structured_output.sandbox import Verdict
 
 from .test_grammar_sandbox import rule_chain
 

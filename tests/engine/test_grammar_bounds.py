@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from loraplex.engine.grammar_bounds import (
+from loraplex.engine.structured_output.bounds import (
     DEFAULT_BOUNDS,
     BoundError,
     check_regex_bounds,
     check_schema_bounds,
 )
-from loraplex.engine.structured_output import StructuredOutputSpec
+from loraplex.engine.structured_output.grammar import StructuredOutputSpec
 
 
 def chain(links: int, link: str) -> dict:

@@ -11,9 +11,14 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from loraplex.engine.grammar_sandbox import GrammarSandbox, SandboxLimits, Verdict, _cpu_seconds
-from loraplex.engine.grammar_worker import allows_any
-from loraplex.engine.structured_output import tokenizer_json
+from loraplex.engine.structured_output.grammar import tokenizer_json
+from loraplex.engine.structured_output.sandbox import (
+    GrammarSandbox,
+    SandboxLimits,
+    Verdict,
+    _cpu_seconds,
+)
+from loraplex.engine.structured_output.worker import allows_any
 
 
 def rule_chain(links: int) -> str:

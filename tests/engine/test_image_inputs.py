@@ -16,9 +16,9 @@ import pytest
 import torch
 from PIL import Image, ImageFile, WebPImagePlugin
 
+from loraplex.engine.client.inputs import InputProcessor
+from loraplex.engine.client.processing import load_processor
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.inputs import InputProcessor
-from loraplex.engine.processing import load_processor
 from loraplex.hashing.errors import InvalidImageError
 from tests.engine.conftest import photo
 from tests.hashing.test_image_bounds import png_header, webp_vp8x

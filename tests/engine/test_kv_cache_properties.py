@@ -41,7 +41,7 @@ from loraplex.engine.kv_cache import (
     KVCacheManager,
     PrefixMatch,
 )
-from loraplex.engine.kv_events import KVEventLog
+from loraplex.engine.kv_cache.events import KVEventLog
 from loraplex.hashing.request_hasher import RequestBlockHasher
 
 # A tiny vocabulary and a few shared prefixes, so prompts share blocks often.

@@ -2,10 +2,10 @@
 exactly the engine's cached block hashes and resident adapters, through evictions, adapter
 slot churn and preemption; and a request's hashes computed outside the engine match them."""
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.client.replica_view import ReplicaView
 from loraplex.engine.client.router import Router
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
 
 from .conftest import long_text, user

@@ -5,10 +5,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loraplex.engine import kv_profile
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.kv_sizing import GiB, MemoryFigures, MiB, parse_size, size_kv_pool
-from loraplex.engine.llm import LLM
+from loraplex.engine.kv_cache import profile as kv_profile
+from loraplex.engine.kv_cache.sizing import GiB, MemoryFigures, MiB, parse_size, size_kv_pool
 
 # One block of SmolLM-135M's shape: 30 layers x 16 tokens x 3 KV heads x 64 x K,V x 4 bytes.
 SMOL_BLOCK = 2 * 30 * 16 * 3 * 64 * 4

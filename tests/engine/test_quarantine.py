@@ -1,5 +1,5 @@
-"""Query-of-death bookkeeping (issue 27 item 2; engine/quarantine.py): a request present at two
-core deaths is refused from then on, in every process sharing the file; a tenant whose requests
+"""Query-of-death bookkeeping (issue 27 item 2; engine/client/quarantine.py): a request present at
+two core deaths is refused from then on, in every process sharing the file; a tenant whose requests
 keep being there is throttled, bystanders are not; deaths a quarantined request explains are
 known as such."""
 
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from loraplex.engine import quarantine as quarantine_module
-from loraplex.engine.quarantine import (
+from loraplex.engine.client import quarantine as quarantine_module
+from loraplex.engine.client.quarantine import (
     Quarantine,
     QuarantinePolicy,
     QueryOfDeathError,
@@ -19,7 +19,7 @@ from loraplex.engine.quarantine import (
 )
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.engine.structured_output import StructuredOutputSpec
+from loraplex.engine.structured_output.grammar import StructuredOutputSpec
 
 
 class Clock:

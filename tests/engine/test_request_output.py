@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest, RequestOutputKind
 from loraplex.engine.sampling.params import SamplingParams
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.scheduling.budget import PrefillBudget
@@ -66,7 +66,7 @@ def scheduler(num_blocks: int, **kw) -> Scheduler:
 
 @pytest.mark.parametrize("policy", ["recompute", "swap"])
 def test_a_sequence_that_outgrows_the_pool_finishes_with_length(policy):
-    from loraplex.engine.swap import CpuBlockPool
+    from loraplex.engine.kv_cache.swap import CpuBlockPool
 
     s = scheduler(4, preemption=policy, cpu_pool=CpuBlockPool(8) if policy == "swap" else None)
     seq = make_seq("a", 6)

@@ -176,7 +176,7 @@ def test_a_failed_sequence_fails_its_request_and_its_fresh_blocks_leave_the_cach
     policy=st.sampled_from(["recompute", "swap"]),
 )
 def test_the_runners_tables_always_match_the_manager(lens, max_tokens, num_blocks, policy):
-    from loraplex.engine.swap import CpuBlockPool
+    from loraplex.engine.kv_cache.swap import CpuBlockPool
 
     s = make(
         num_blocks=num_blocks,

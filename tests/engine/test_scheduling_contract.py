@@ -1,9 +1,9 @@
 """What the scheduling package hands on: the KV manager's trims to the runner, and an
 adapter's load error in the output's ``error`` field (not its ``stop_reason``)."""
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.scheduling.budget import PrefillBudget

@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.sampling.sampler import Sampler, filter_probs
 from loraplex.engine.spec_decode import AdaptiveK, NgramProposer, accepted_prefix
 from loraplex.engine.spec_decode.adaptive import MAX_BACKOFF
-from loraplex.engine.structured_output import StructuredOutputSpec
+from loraplex.engine.structured_output.grammar import StructuredOutputSpec
 
 from .conftest import long_text, spec_flags
 

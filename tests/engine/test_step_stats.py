@@ -1,6 +1,6 @@
 """``EngineCore.step_stats``: per-step timings stay bounded in a long-running core."""
 
-from loraplex.engine.core import StepStats
+from loraplex.engine.core.engine_core import StepStats
 
 
 def test_totals_count_every_step_and_the_ring_keeps_the_latest():

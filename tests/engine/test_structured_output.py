@@ -1,4 +1,4 @@
-"""Structured output (engine/structured_output.py): every constrained output parses and
+"""Structured output (engine/structured_output/grammar.py): every constrained output parses and
 validates against its schema (checked with ``jsonschema``), in batches that mix constrained and
 free rows, forks, preemption and the prefix cache; what cannot be enforced is refused."""
 
@@ -9,10 +9,10 @@ import jsonschema
 import pytest
 import torch
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.engine.structured_output import (
+from loraplex.engine.structured_output.grammar import (
     MAX_SPEC_CHARS,
     StructuredOutputError,
     StructuredOutputSpec,

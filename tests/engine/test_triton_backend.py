@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
 

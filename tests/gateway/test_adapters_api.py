@@ -520,12 +520,12 @@ def _multipart(data: dict, files: list) -> tuple[bytes, str]:
 # ------------------------------------------------------------------------- used in chat
 @pytest.fixture(scope="module")
 def peft_reference(llava_dir, good_dir):
-    """The adapter directory through ``engine.llm.LLM`` and through transformers + peft."""
+    """The adapter directory through ``engine.client.llm.LLM`` and through transformers + peft."""
     from peft import PeftModel
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
+    from loraplex.engine.client.llm import LLM
     from loraplex.engine.config import EngineConfig
-    from loraplex.engine.llm import LLM
     from loraplex.engine.sampling.params import SamplingParams
     from tests.engine.conftest import photo, user
     from tests.engine.test_engine_parity import hf_greedy

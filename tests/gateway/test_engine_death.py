@@ -9,7 +9,7 @@ import pytest
 import uvicorn
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.core import MAX_FAILING_STEPS
+from loraplex.engine.core.engine_core import MAX_FAILING_STEPS
 from loraplex.gateway.db.session import db_url
 from loraplex.gateway.server.build import build_gateway, start_engine
 from loraplex.gateway.server.config import GatewayConfig

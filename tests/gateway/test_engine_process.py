@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.engine.structured_output import StructuredOutputError, StructuredOutputSpec
+from loraplex.engine.structured_output.grammar import StructuredOutputError, StructuredOutputSpec
 from loraplex.gateway.server.build import start_engine
 from tests.gateway.chat_support import (
     BackgroundStream,

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.core_proc import STATS_EVERY_S
+from loraplex.engine.core.process import STATS_EVERY_S
 from loraplex.gateway.server.build import start_engine
 from tests.engine.test_grammar_bounds import chain
 from tests.gateway.live import LiveGateway

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from loraplex.engine import core_wire as wire
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import wire
 from loraplex.gateway.domains.chat.completions import parse_completion_request
 from loraplex.gateway.domains.chat.schemas import TOKEN_ID_LIMIT, parse_chat_request
 from loraplex.gateway.errors import APIError

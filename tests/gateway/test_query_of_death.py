@@ -11,10 +11,10 @@ from transformers import AutoTokenizer
 
 from loraplex.engine.client.front import AsyncLLM
 from loraplex.engine.client.process import ProcessCoreClient
+from loraplex.engine.client.quarantine import Quarantine, QuarantinePolicy
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.core_launch import ProcessLauncher
-from loraplex.engine.core_proc import CRASH_ON_TOKENS_ENV
-from loraplex.engine.quarantine import Quarantine, QuarantinePolicy
+from loraplex.engine.core.launch import ProcessLauncher
+from loraplex.engine.core.process import CRASH_ON_TOKENS_ENV
 from tests.gateway.chat_support import BackgroundStream, long_stream_body, usage_events, wait_for
 from tests.gateway.live import LiveGateway
 

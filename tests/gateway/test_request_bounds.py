@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from loraplex.engine.processing import max_token_bytes
+from loraplex.engine.client.processing import max_token_bytes
 from tests.gateway.chat_support import image_part, usage_events, user
 from tests.gateway.test_app_basics import assert_openai_error
 

@@ -4,7 +4,7 @@ changes the output as its definition says, and an id outside the vocabulary is a
 import openai
 import pytest
 
-from loraplex.engine.tiny_model import EOS_ID
+from loraplex.engine.models.tiny_model import EOS_ID
 
 MODEL = "tiny-llava"
 MESSAGES = [{"role": "user", "content": "Say something."}]

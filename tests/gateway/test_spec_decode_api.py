@@ -5,8 +5,8 @@ import re
 
 import pytest
 
+from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm import LLM
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.server.build import start_engine
 from tests.gateway.live import NO_LIMITS, LiveGateway

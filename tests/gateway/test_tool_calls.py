@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraplex.engine.models.tiny_tokenizer import LLAVA_CHAT_TEMPLATE
-from loraplex.engine.tool_call_format import HermesFormat, detect_tool_call_format
+from loraplex.engine.structured_output.tool_call_format import HermesFormat, detect_tool_call_format
 from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer, fold
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image, ImageFont
 
 from bench.near_duplicates import images_of, near_duplicate_set, render_text
+from loraplex.engine.client.inputs import InputProcessor
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.inputs import InputProcessor
 from loraplex.hashing.image_keys import exact_image_key, image_key
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from loraplex.engine.models import tiny_tokenizer
+from loraplex.engine.models.tiny_model import IMAGE_ID, SPECIAL_TOKENS, init_tiny, parameter_count
 from loraplex.engine.models.tiny_tokenizer import corpus, train_tokenizer
-from loraplex.engine.tiny_model import IMAGE_ID, SPECIAL_TOKENS, init_tiny, parameter_count
 
 # Pins of the built-in tokenizer: ``init-tiny --seed N`` must write the same tokenizer.json on
 # every Python and library version. If a test below fails after an upgrade, the upgrade changed
@@ -122,7 +122,7 @@ def test_presets_and_overrides(tmp_path):
 
 
 def test_bench_preset_size():
-    from loraplex.engine.tiny_model import TEXT_PRESETS, _text_config, _text_spec
+    from loraplex.engine.models.tiny_model import TEXT_PRESETS, _text_config, _text_spec
 
     cfg = _text_config("bench", {})
     total = sum(torch.Size(shape).numel() for _, shape, _ in _text_spec(cfg, "model."))

@@ -163,8 +163,8 @@ def test_a_killed_replica_fails_only_its_requests_through_the_gateway(tiny_text_
 
 
 def test_process_replicas_on_cuda_get_one_visible_gpu_each(monkeypatch):
-    from loraplex.engine import core_proc
-    from loraplex.engine.core_launch import run_core_with_env
+    from loraplex.engine.core import process as core_proc
+    from loraplex.engine.core.launch import run_core_with_env
     from loraplex.gateway.server.build import _replica_env
 
     cuda = EngineConfig(model="m", device="cuda")

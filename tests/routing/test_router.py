@@ -5,7 +5,7 @@ import pytest
 
 from loraplex.engine.client.replica_view import ReplicaView
 from loraplex.engine.client.router import NoReplicaError, Router, RoutingPolicy
-from loraplex.engine.kv_events import KVEvent, KVEventLog
+from loraplex.engine.kv_cache.events import KVEvent, KVEventLog
 
 H = [bytes([i]) * 4 for i in range(10)]
 

@@ -47,7 +47,7 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException
 
 from loraplex.engine.client.fair_pool import PoolBusyError
-from loraplex.engine.inputs import ProcessedPrompt
+from loraplex.engine.client.inputs import ProcessedPrompt
 from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
 from loraplex.gateway.auth.principals import TenantPrincipal
 from loraplex.gateway.di import Injected

@@ -14,10 +14,11 @@ text), ``guided_regex`` (the whole output matches it), ``guided_choice`` (the ou
 the strings). At most one of these, ``response_format`` included, may ask for a constraint.
 
 Everything else (another ``type``, a missing ``schema``, a ``name`` that is not a string) is a
-400 naming the field, and so is a spec past the structural bounds (``engine.grammar_bounds``:
-depth, properties, enums, regex repetition), checked here before the request goes further.
-Whether the schema itself can be enforced is decided by the grammar sandbox and the engine's
-compiler (``engine.structured_output``), whose refusal is also a 400 naming this field.
+400 naming the field, and so is a spec past the structural bounds
+(``engine.structured_output.bounds``: depth, properties, enums, regex repetition), checked here
+before the request goes further. Whether the schema itself can be enforced is decided by the
+grammar sandbox and the engine's compiler (``engine.structured_output.grammar``), whose refusal is
+also a 400 naming this field.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 import re
 from typing import Any
 
-from loraplex.engine.structured_output import MAX_SPEC_CHARS, StructuredOutputSpec
+from loraplex.engine.structured_output.grammar import MAX_SPEC_CHARS, StructuredOutputSpec
 from loraplex.gateway.errors import bad_request
 
 FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
@@ -66,7 +67,7 @@ def parse_structured_output(data: dict[str, Any]) -> tuple[StructuredOutputSpec 
             spec = StructuredOutputSpec("regex", value)
         else:
             spec = _choice(value)
-        return spec.check_bounds(), name  # its shape (engine.grammar_bounds), linear
+        return spec.check_bounds(), name  # its shape (engine.structured_output.bounds), linear
     except ValueError as exc:  # the spec's own checks (length, shape)
         raise bad_request(str(exc), param=name) from None
 

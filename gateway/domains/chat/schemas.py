@@ -251,7 +251,7 @@ def parse_chat_request(
         try:
             forced = tools.structured_output()
             if forced is not None:
-                forced.check_bounds()  # the tools' schemas' shape (engine.grammar_bounds)
+                forced.check_bounds()  # the tools' schemas' shape (engine.structured_output.bounds)
         except ValueError as exc:
             raise bad_request(str(exc), param="tools") from None
         if forced is not None:

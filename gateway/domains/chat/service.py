@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from loraplex.engine.client.quarantine import QueryOfDeathError, TenantThrottledError
 from loraplex.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
-from loraplex.engine.quarantine import QueryOfDeathError, TenantThrottledError
 from loraplex.engine.request import EngineRequest, RequestOutput
-from loraplex.engine.structured_output import StructuredOutputError
+from loraplex.engine.structured_output.grammar import StructuredOutputError
 from loraplex.gateway.domains.adapters.upload import NAME_RE
 from loraplex.gateway.errors import APIError, not_found, rate_limited
 from loraplex.gateway.limits.admission import AdmissionControl
@@ -349,7 +349,9 @@ class ChatRun:
             self._put(APIError(503, str(exc), code="overloaded", headers={"Retry-After": "1"}))
         except RequestFailedError:  # a fault admitting it; logged by the engine
             self._put(APIError(500, "an internal error ended this request", code="internal_error"))
-        except QueryOfDeathError as exc:  # in flight at repeated core deaths (engine.quarantine)
+        except (
+            QueryOfDeathError
+        ) as exc:  # in flight at repeated core deaths (engine.client.quarantine)
             ledger.forget_outputs()
             error_type = "request_quarantined"
             self._put(APIError(400, str(exc), code="request_quarantined"))

@@ -9,7 +9,7 @@ Three modes, from the request's ``tool_choice`` (:class:`gateway.domains.chat.to
   ``{"name", "parameters"}`` objects (vLLM's form, independent of the model's template); it is
   buffered and parsed at the end, one call per element.
 - **auto**: the model chose. Its text is parsed in the model family's own tool-call format,
-  found from the chat template (``engine.tool_call_format.FORMATS``; Hermes / Qwen
+  found from the chat template (``engine.structured_output.tool_call_format.FORMATS``; Hermes / Qwen
   ``<tool_call>{json}</tool_call>`` is built in). Text outside calls streams as ``content``;
   text that could be the start of a call marker is held back until it is known not to be one;
   a call's text is buffered until its end marker, then sent as one tool-call delta.
@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.engine.tool_call_format import ToolCallFormat
+from loraplex.engine.structured_output.tool_call_format import ToolCallFormat
 
 
 def new_call_id() -> str:

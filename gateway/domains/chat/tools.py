@@ -4,7 +4,7 @@
   tools=...)``), except with ``tool_choice: "none"``, where the model is not told of tools it
   may not call.
 - ``"required"`` and a named function are decoded under a grammar (vLLM's approach, through
-  ``engine.structured_output``): the arguments always validate against the function's
+  ``engine.structured_output.grammar``): the arguments always validate against the function's
   ``parameters`` schema, whatever the model and its template.
 - ``"auto"`` (the default with tools) leaves the choice to the model, whose output is parsed in
   its family's format (``gateway.domains.chat.tool_calls``); a model whose template teaches no
@@ -26,8 +26,8 @@ from typing import Any
 
 import msgspec
 
-from loraplex.engine.structured_output import StructuredOutputSpec
-from loraplex.engine.tool_call_format import FORMATS
+from loraplex.engine.structured_output.grammar import StructuredOutputSpec
+from loraplex.engine.structured_output.tool_call_format import FORMATS
 from loraplex.gateway.domains.chat.body import ChatCompletionBody, NamedToolChoice
 from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer
 from loraplex.gateway.errors import bad_request

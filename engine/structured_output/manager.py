@@ -26,20 +26,20 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from loraplex.engine.breadcrumb import COMPILE, Breadcrumb
-from loraplex.engine.grammar_sandbox import (
-    GrammarSandbox,
-    GrammarSandboxBusyError,
-    SandboxLimits,
-    spec_digest,
-)
-from loraplex.engine.grammar_worker import COMPILE_STACK_BYTES
-from loraplex.engine.structured_output import (
+from loraplex.engine.core.breadcrumb import COMPILE, Breadcrumb
+from loraplex.engine.structured_output.grammar import (
     GrammarCompiler,
     StructuredOutputError,
     StructuredOutputSpec,
     tokenizer_json,
 )
+from loraplex.engine.structured_output.sandbox import (
+    GrammarSandbox,
+    GrammarSandboxBusyError,
+    SandboxLimits,
+    spec_digest,
+)
+from loraplex.engine.structured_output.worker import COMPILE_STACK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class StructuredOutputManager:
         hf_tokenizer: The tokenizer if the caller has it loaded (saves reading it again).
         sandbox: The grammar sandbox's limits (None: ``SandboxLimits()``'s defaults).
         breadcrumb: Where each compile is marked with the request that asked for it first
-            (``engine.breadcrumb``, the compile thread's slot); marks nothing when None.
+            (``engine.core.breadcrumb``, the compile thread's slot); marks nothing when None.
     """
 
     def __init__(

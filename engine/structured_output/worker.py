@@ -1,7 +1,7 @@
-"""A grammar sandbox worker: ``python -m loraplex.engine.grammar_worker``.
+"""A grammar sandbox worker: ``python -m loraplex.engine.structured_output.worker``.
 
-Runs in a process of its own (``engine.grammar_sandbox`` starts and kills it), with a memory
-limit (``RLIMIT_AS``), no core dumps and a lower CPU priority, so that whatever the native
+Runs in a process of its own (``engine.structured_output.sandbox`` starts and kills it), with a
+memory limit (``RLIMIT_AS``), no core dumps and a lower CPU priority, so that whatever the native
 grammar compiler does with a client's schema (crash, allocate without end, spin) happens here
 and not in the engine core. It imports llguidance and the standard library only (no torch), so
 it starts in well under a second.
@@ -36,7 +36,7 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024  # a tokenizer's JSON is a few MB; a job at 
 MAX_MASK_CPU_S = 0.05  # a token mask costing more stalls every step of the core: refused
 COMPILE_STACK_BYTES = 8 * 1024 * 1024
 """The stack a job runs on here; the core compiles on a thread with 8 times this
-(``engine.structured_output_manager``), so a recursion that fits here cannot overflow there."""
+(``engine.structured_output.manager``), so a recursion that fits here cannot overflow there."""
 
 
 def read_frame(stream: BinaryIO) -> Any:
@@ -72,19 +72,19 @@ def frame(obj: Any) -> bytes:
 def vet(compiler: Any, kind: str, value: str) -> dict[str, Any]:
     """Check a spec as the engine would meet it; the verdict as a dict.
 
-    The spec's shape (``engine.grammar_bounds``), its compilation (as the engine compiles it),
-    its first token mask, then one step of decoding: the first id the mask allows (EOS when it
+    The spec's shape (``engine.structured_output.bounds``), its compilation (as the engine compiles
+    it), its first token mask, then one step of decoding: the first id the mask allows (EOS when it
     is the only one) is consumed and the next mask taken, on a grammar that has not finished.
     That step is where a lexer past llguidance's limits fails ("too many expressions"), which
     would otherwise end the request with an error after it was admitted; and the second mask's
     CPU time is held to :data:`MAX_MASK_CPU_S` (the core computes every mask on its step).
 
     Args:
-        compiler: An ``engine.structured_output.GrammarCompiler``.
+        compiler: An ``engine.structured_output.grammar.GrammarCompiler``.
         kind: The spec's kind.
         value: The spec's value.
     """
-    from loraplex.engine.structured_output import (
+    from loraplex.engine.structured_output.grammar import (
         StructuredOutputError,
         StructuredOutputSpec,
         grammar_bitmask,
@@ -182,7 +182,7 @@ def main() -> int:
     if not isinstance(init, dict):
         return 2
     _limit(int(init.get("memory_bytes", 0)), int(init.get("nice", 0)))
-    from loraplex.engine.structured_output import GrammarCompiler
+    from loraplex.engine.structured_output.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(
         init["tokenizer_json"], int(init["vocab_size"]), init["eos_token_ids"], max_cached=0

@@ -8,7 +8,7 @@ more than about 450 optional properties compiles, then fails at its second token
 Earley rows hold at most 2,000 items, about 4.4 per optional property). These checks are plain
 Python over the parsed schema, linear in its size, and refuse such shapes with a message that
 names the bound, before anything native runs. The grammar sandbox
-(``engine.grammar_sandbox``) is the second line, for what no structural bound foresees.
+(``engine.structured_output.sandbox``) is the second line, for what no structural bound foresees.
 
 The figures are OpenAI's documented Structured Outputs limits where OpenAI has one (1,000
 ``enum`` values in a schema; its 5,000 properties and 10 levels are not reachable in 64 KiB and

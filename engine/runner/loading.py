@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.kv_profile import plan_kv_pool
-from loraplex.engine.kv_sizing import KVPoolSizing
+from loraplex.engine.kv_cache.profile import plan_kv_pool
+from loraplex.engine.kv_cache.sizing import KVPoolSizing
 from loraplex.engine.lora.layers import target_shapes
-from loraplex.engine.model_runner import kv_block_bytes
 from loraplex.engine.models.loader import load_model
+from loraplex.engine.runner.model_runner import kv_block_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def load_draft_model(loaded: LoadedEngine) -> torch.nn.Module | None:
 
 
 def size_kv_pool(loaded: LoadedEngine, backend: Any) -> tuple[EngineConfig, KVPoolSizing, int]:
-    """Size the KV pool (``engine.kv_sizing``) once the weights and LoRA slots are in memory.
+    """Size the KV pool (``engine.kv_cache.sizing``) once the weights and LoRA slots are in memory.
 
     Returns:
         The config with ``num_kv_blocks`` and ``max_model_len`` resolved (the model length

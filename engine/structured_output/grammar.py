@@ -12,11 +12,11 @@ xgrammar), and each step:
 3. ``Scheduler.update_from_output`` advances the sequence's matcher with the sampled token; a
    sequence whose grammar is complete finishes with ``"stop"``.
 
-A spec is checked for its shape first (``engine.grammar_bounds``, when it is made), vetted in
-a sandboxed worker process (``engine.grammar_sandbox``), then compiled once per process into a
-template matcher off the engine's step (``engine.structured_output_manager``; bounded LRU cache
-keyed by the spec); each sequence gets a deep copy of it (an ``n > 1`` fork copies its
-parent's). Compilation and every mask computation run under :func:`parser_limits`, so a
+A spec is checked for its shape first (``engine.structured_output.bounds``, when it is made),
+vetted in a sandboxed worker process (``engine.structured_output.sandbox``), then compiled once per
+process into a template matcher off the engine's step (``engine.structured_output.manager``;
+bounded LRU cache keyed by the spec); each sequence gets a deep copy of it (an ``n > 1`` fork
+copies its parent's). Compilation and every mask computation run under :func:`parser_limits`, so a
 hostile schema is refused or cut off by fuel, never by wall time.
 
 llguidance is used rather than xgrammar because xgrammar requires triton on Linux (~290 MB that a
@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from loraplex.engine.grammar_bounds import check_spec_bounds
+from loraplex.engine.structured_output.bounds import check_spec_bounds
 
 if TYPE_CHECKING:
     import torch
@@ -79,13 +79,14 @@ class StructuredOutputSpec:
             )
 
     def check_bounds(self) -> StructuredOutputSpec:
-        """Check the spec's shape (``engine.grammar_bounds``); the spec itself if it passes.
+        """Check the spec's shape (``structured_output.bounds``); the spec itself if it passes.
 
         The gateway runs it on every spec a request carries, and the grammar sandbox's worker
         on every spec it compiles (offline callers included), never the engine core.
 
         Raises:
-            BoundError: a shape past ``engine.grammar_bounds.DEFAULT_BOUNDS`` (a ValueError).
+            BoundError: a shape past ``engine.structured_output.bounds.DEFAULT_BOUNDS``
+                (a ValueError).
         """
         check_spec_bounds(self.kind, self.value)
         return self

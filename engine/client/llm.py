@@ -7,8 +7,8 @@ import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from loraplex.engine.client.llm_engine import LLMEngine
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
 from loraplex.engine.sampling.params import SamplingParams
 

@@ -6,7 +6,7 @@ consumed by its matcher, a matcher copied, a grammar compiled), the core writes 
 id into a small file mapped into its memory (``MAP_SHARED``), and clears it after. The stores
 are plain memory writes (no system call, ~0.2 us); the kernel keeps the page when the process
 dies, so the core client (``engine.client.process``) reads the slot after a death and knows the
-culprit for certain (``engine.quarantine``: refused from the first death, not the second).
+culprit for certain (``engine.client.quarantine``: refused from the first death, not the second).
 
 Two slots, one per thread that calls native code on a request's behalf: :data:`STEP` (the
 core's step thread) and :data:`COMPILE` (its grammar compile thread). Each slot is a 4-byte

@@ -9,7 +9,7 @@ Cascading Failures"): the defence is to remember what was in flight at each deat
 what keeps being there.
 
 * **Culprits.** When the core died inside native code it runs for one request (a grammar's
-  mask, a matcher's token, a compile), its breadcrumb (``engine.breadcrumb``) names that
+  mask, a matcher's token, a compile), its breadcrumb (``engine.core.breadcrumb``) names that
   request: it is certain, and refused from this first death on.
 * **Suspects.** Otherwise the suspects are the requests sent to the core in its last two loops
   (a request that crashes it at admission or in its first step is always among them), else

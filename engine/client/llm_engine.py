@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 from loraplex.engine.client.output_processor import OutputProcessor
+from loraplex.engine.client.processing import load_processor
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.core import EngineCore
+from loraplex.engine.core.engine_core import EngineCore
 from loraplex.engine.errors import rejection_error
-from loraplex.engine.processing import load_processor
 from loraplex.engine.request import EngineRequest, RequestOutput
 
 
@@ -86,7 +86,7 @@ class LLMEngine:
 
     @property
     def kv_sizing(self) -> Any:
-        """How the KV pool was sized (``engine.kv_sizing.KVPoolSizing``)."""
+        """How the KV pool was sized (``engine.kv_cache.sizing.KVPoolSizing``)."""
         return self.core.kv_sizing
 
     @property
@@ -106,7 +106,7 @@ class LLMEngine:
 
     @property
     def step_stats(self) -> Any:
-        """The core's step timings (``engine.core.StepStats``: totals, the latest steps)."""
+        """The core's step timings (``engine.core.engine_core.StepStats``)."""
         return self.core.step_stats
 
     @property

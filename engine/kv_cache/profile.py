@@ -1,4 +1,4 @@
-"""The machine's memory figures for an automatic KV pool (``engine.kv_sizing``).
+"""The machine's memory figures for an automatic KV pool (``engine.kv_cache.sizing``).
 
 CPU: ``MemAvailable`` from ``/proc/meminfo``, lowered to the cgroup's remaining limit where the
 process runs in a memory-limited container (``MemAvailable`` reports the host's memory there).
@@ -16,7 +16,7 @@ import torch
 
 from loraplex.engine.attention import AttentionBackend, AttentionMetadata
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.kv_sizing import KVPoolSizing, MemoryFigures, size_kv_pool
+from loraplex.engine.kv_cache.sizing import KVPoolSizing, MemoryFigures, size_kv_pool
 
 
 def mem_available_bytes(

@@ -2,8 +2,8 @@
 
 llguidance compiles JSON schemas and regexes in native code; a shape nobody foresaw can crash
 it (a stack overflow is a SIGSEGV) or take seconds. Before the engine core compiles a spec
-itself, :class:`GrammarSandbox` has a worker process (``engine.grammar_worker``) compile it
-with the same library, tokenizer and parser limits, under
+itself, :class:`GrammarSandbox` has a worker process (``engine.structured_output.worker``) compile
+it with the same library, tokenizer and parser limits, under
 
 * a **CPU-time limit** per grammar (the worker's own CPU seconds, read from ``/proc``, so a
   busy machine does not refuse a grammar that is merely waiting for a core; a wall-clock cap of
@@ -47,7 +47,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.engine.grammar_worker import _HEADER, frame
+from loraplex.engine.structured_output.worker import _HEADER, frame
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +306,7 @@ class _Worker:
         env = {k: v for k, v in os.environ.items() if k in _ENV_KEPT or k.startswith("LC_")}
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.engine.grammar_worker"],
+            [sys.executable, "-m", "loraplex.engine.structured_output.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -374,7 +374,7 @@ class _Worker:
             _TimedOut: a limit passed first.
             _Gone: the worker closed its stdout (it died).
         """
-        from loraplex.engine.grammar_worker import read_frame
+        from loraplex.engine.structured_output.worker import read_frame
 
         proc = self.proc
         fd = proc.stdout.fileno()

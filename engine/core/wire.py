@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from loraplex.adapters.limits import AdapterLimits
-from loraplex.engine.kv_events import KVEvent
+from loraplex.engine.kv_cache.events import KVEvent
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.scheduling.output import EngineCoreOutput
 
@@ -72,7 +72,7 @@ class CoreInfo(msgspec.Struct):
         num_parameters: The model's parameter count.
         dtype: Its dtype name.
         device: Its device.
-        kv_pool: One line describing the KV pool (``engine.kv_sizing``).
+        kv_pool: One line describing the KV pool (``engine.kv_cache.sizing``).
         pid: The core process's id.
         vocab_size: Token ids the model takes are in ``[0, vocab_size)``.
     """
@@ -99,7 +99,7 @@ class Outputs(msgspec.Struct, tag=True):
     """A step's outputs, with the core's statistics after it.
 
     The statistics are numbers, and lists of counts (``spec_decode_num_accepted_tokens_per_pos``).
-    ``events`` are the KV events since the last message (``engine.kv_events``; empty unless
+    ``events`` are the KV events since the last message (``engine.kv_cache.events``; empty unless
     the core records them).
     """
 

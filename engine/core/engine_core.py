@@ -29,22 +29,24 @@ import torch
 from loraplex.adapters.limits import AdapterLimits
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.engine.attention import get_attention_backend
-from loraplex.engine.breadcrumb import STEP, Breadcrumb
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.grammar_sandbox import GrammarSandboxBusyError, SandboxLimits
+from loraplex.engine.core.breadcrumb import STEP, Breadcrumb
+from loraplex.engine.core.validation import RequestLimits, validate_request
 from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.kv_events import KVEvent, KVEventLog
-from loraplex.engine.loading import (
+from loraplex.engine.kv_cache.events import KVEvent, KVEventLog
+from loraplex.engine.kv_cache.swap import CpuBlockPool
+from loraplex.engine.lora.backend import select_lora_backend
+from loraplex.engine.lora.layers import install_lora, target_shapes
+from loraplex.engine.lora.slots import LoRAManager
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.runner.loading import (
     attention_cost,
     load_draft_model,
     load_engine_model,
     size_kv_pool,
 )
-from loraplex.engine.lora.backend import select_lora_backend
-from loraplex.engine.lora.layers import install_lora, target_shapes
-from loraplex.engine.lora.slots import LoRAManager
-from loraplex.engine.model_runner import ModelRunner
-from loraplex.engine.request import EngineRequest
+from loraplex.engine.runner.model_runner import ModelRunner
+from loraplex.engine.runner.vision_cache import VisionCache
 from loraplex.engine.sampling.sampler import Sampler
 from loraplex.engine.scheduling.budget import PrefillBudget
 from loraplex.engine.scheduling.output import EngineCoreOutput
@@ -52,11 +54,9 @@ from loraplex.engine.scheduling.scheduler import Scheduler
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.spec_decode import NgramProposer
 from loraplex.engine.spec_decode.draft import DraftProposer, check_draft
-from loraplex.engine.structured_output import StructuredOutputError
-from loraplex.engine.structured_output_manager import StructuredOutputManager
-from loraplex.engine.swap import CpuBlockPool
-from loraplex.engine.validation import RequestLimits, validate_request
-from loraplex.engine.vision_cache import VisionCache
+from loraplex.engine.structured_output.grammar import StructuredOutputError
+from loraplex.engine.structured_output.manager import StructuredOutputManager
+from loraplex.engine.structured_output.sandbox import GrammarSandboxBusyError, SandboxLimits
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class EngineCore:
             directly (the gateway's store); adapters added with :meth:`add_lora_dir` are
             reloaded from their directory when the CPU tier evicted them.
         breadcrumb: Where the core says which request it runs native code for
-            (``engine.breadcrumb``; its process's client reads it after a crash); none in
+            (``engine.core.breadcrumb``; its process's client reads it after a crash); none in
             process.
 
     Raises:
@@ -272,7 +272,7 @@ class EngineCore:
 
         Raises:
             ValueError: a duplicate id, an unknown adapter, or what
-                ``engine.validation.validate_request`` refuses; ``StructuredOutputError``
+                ``engine.core.validation.validate_request`` refuses; ``StructuredOutputError``
                 for a spec already known to be refused.
         """
         rid = request.request_id

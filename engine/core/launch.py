@@ -1,7 +1,7 @@
 """Where an engine core runs: a child process of this one, or a Ray actor anywhere.
 
 ``engine.client.process.ProcessCoreClient`` talks to a core over two ZMQ sockets and watches it
-for death; a launcher decides where the core's loop (``engine.core_proc.run_core``) runs and
+for death; a launcher decides where the core's loop (``engine.core.process.run_core``) runs and
 gives back a handle with ``multiprocessing.Process``'s shape (``is_alive``, ``join``,
 ``kill``, ``exitcode``, ``pid``, ``sentinel``), so the client's restart logic is the same:
 
@@ -45,11 +45,11 @@ class ProcessLauncher:
     ) -> Any:
         """Start ``run_core`` in a child process; its ``multiprocessing.Process``.
 
-        ``breadcrumb``: a file made by ``engine.breadcrumb.create`` for the core to mark.
+        ``breadcrumb``: a file made by ``engine.core.breadcrumb.create`` for the core to mark.
         """
         import os
 
-        from loraplex.engine.core_proc import BREADCRUMB_ENV, PARENT_PID_ENV
+        from loraplex.engine.core.process import BREADCRUMB_ENV, PARENT_PID_ENV
 
         env = {**self.env, PARENT_PID_ENV: str(os.getpid())}  # the child exits when we are gone
         if breadcrumb is not None:
@@ -65,11 +65,11 @@ class ProcessLauncher:
 
 
 def run_core_with_env(env: dict[str, str], *args: Any) -> None:
-    """The child's entry point: set ``env``, then ``engine.core_proc.run_core(*args)``."""
+    """The child's entry point: set ``env``, then ``engine.core.process.run_core(*args)``."""
     import os
 
     os.environ.update(env)
-    from loraplex.engine.core_proc import run_core
+    from loraplex.engine.core.process import run_core
 
     run_core(*args)
 
@@ -139,10 +139,10 @@ class _CoreActor:
     """The Ray actor: its one task is the core's loop."""
 
     def run(self, config: Any, store_root: str | None, in_addr: str, out_addr: str) -> int:
-        """Serve one engine core until shut down (``engine.core_proc.run_core``); its pid."""
+        """Serve one engine core until shut down (``engine.core.process.run_core``); its pid."""
         import os
 
-        from loraplex.engine.core_proc import run_core
+        from loraplex.engine.core.process import run_core
 
         run_core(config, store_root, in_addr, out_addr)
         return os.getpid()

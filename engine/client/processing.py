@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from loraplex.engine.inputs import InputProcessor
+from loraplex.engine.client.inputs import InputProcessor
 
 logger = logging.getLogger(__name__)
 

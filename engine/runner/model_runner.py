@@ -10,7 +10,7 @@ Per step: swap-out copies, swap-in copies, copy-on-write copies, then one forwar
 flattened tokens of every scheduled sequence (prefill chunks and decodes mixed), with image
 features spliced in at image-placeholder rows, then logits for the sequences that sample, then
 the sampler. A sequence whose part of the forward pass or of the sampling raises fails alone
-(``engine.step_isolation``).
+(``engine.runner.step_isolation``).
 
 Speculative decoding (``engine.spec_decode``): a sequence scheduled with proposals computes
 its last token and the proposals in one query of ``1 + k`` positions, the target's token is
@@ -33,9 +33,11 @@ import torch
 from loraplex.engine.attention import AttentionBackend
 from loraplex.engine.attention.metadata import step_inputs
 from loraplex.engine.kv_cache.block_table import BlockTable
-from loraplex.engine.kv_profile import pool_zeros
+from loraplex.engine.kv_cache.profile import pool_zeros
 from loraplex.engine.lora.backend import LoRABackend
 from loraplex.engine.request import ImageInput
+from loraplex.engine.runner.step_isolation import execute_isolating, sample_rows_isolating
+from loraplex.engine.runner.vision_cache import VisionCache
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.sampling.penalties import TokenHistory, needs_history
 from loraplex.engine.sampling.sampler import Sampler, make_generator
@@ -47,9 +49,7 @@ from loraplex.engine.scheduling.output import (
 from loraplex.engine.spec_decode import NgramProposer, accepted_prefix
 from loraplex.engine.spec_decode.draft import DraftInput, DraftProposer
 from loraplex.engine.spec_decode.verify import rewind_generator
-from loraplex.engine.step_isolation import execute_isolating, sample_rows_isolating
-from loraplex.engine.structured_output import apply_token_bitmasks
-from loraplex.engine.vision_cache import VisionCache
+from loraplex.engine.structured_output.grammar import apply_token_bitmasks
 
 logger = logging.getLogger(__name__)
 

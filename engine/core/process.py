@@ -2,13 +2,13 @@
 
 :func:`run_core` is the entry point of the child process that ``engine.client.process`` starts. It
 builds an :class:`EngineCore` (adapters read from the gateway's adapter store by digest), sends
-:class:`~engine.core_wire.Ready`, then loops: drain the client's messages (a blocking poll only
+:class:`~engine.core.wire.Ready`, then loops: drain the client's messages (a blocking poll only
 while nothing is in flight), run one step, push its outputs with the core's statistics. A step
 that raises ``EngineFaultError`` (or any bug in the loop) ends the process with status 1; the
 client sees the process end and restarts it. Nothing here tokenizes or detokenizes: that is the
 client's side.
 
-A thread of its own sends :class:`~engine.core_wire.Heartbeat` every :data:`HEARTBEAT_EVERY_S`
+A thread of its own sends :class:`~engine.core.wire.Heartbeat` every :data:`HEARTBEAT_EVERY_S`
 on a socket of its own, with how long the current step has run: the client tells a core that is
 frozen or cut off (no heartbeat) from one whose loop is stuck (heartbeats with a step that never
 ends) from one that is merely busy. (Liveness kept apart from the work, as Ray's GCS checks its
@@ -29,10 +29,10 @@ logger = logging.getLogger(__name__)
 STATS_EVERY_S = 0.25  # statistics ride on outputs, and go alone at least this often when idle
 HEARTBEAT_EVERY_S = 0.1
 BREADCRUMB_ENV = "LORAPLEX_CORE_BREADCRUMB"
-"""Set by ``engine.core_launch.ProcessLauncher``: the file the core marks with the request it
-runs native code for (``engine.breadcrumb``), read by its client after a crash."""
+"""Set by ``engine.core.launch.ProcessLauncher``: the file the core marks with the request it
+runs native code for (``engine.core.breadcrumb``), read by its client after a crash."""
 PARENT_PID_ENV = "LORAPLEX_CORE_PARENT_PID"
-"""Set by ``engine.core_launch.ProcessLauncher``: the heartbeat thread ends the core within
+"""Set by ``engine.core.launch.ProcessLauncher``: the heartbeat thread ends the core within
 :data:`HEARTBEAT_EVERY_S` once that process is gone (a SIGKILLed gateway leaves no orphan core
 holding memory, the model and the grammar sandbox's workers)."""
 CRASH_ON_TOKENS_ENV = "LORAPLEX_TEST_CRASH_ON_TOKENS"
@@ -61,10 +61,9 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
     import msgspec
     import zmq
 
-    from loraplex.engine import core_wire as wire
-    from loraplex.engine.breadcrumb import Breadcrumb
     from loraplex.engine.client.core_client import core_info
-    from loraplex.engine.core import EngineCore
+    from loraplex.engine.core.breadcrumb import Breadcrumb
+    from loraplex.engine.core.engine_core import EngineCore, wire
 
     logging.basicConfig(level=os.environ.get("LORAPLEX_CORE_LOG_LEVEL", "WARNING"))
     ctx = zmq.Context()
@@ -139,7 +138,7 @@ def _beat(ctx: Any, out_addr: str, step_started: list[float], stop: threading.Ev
     """Send a heartbeat every :data:`HEARTBEAT_EVERY_S` on a socket of this thread's own."""
     import zmq
 
-    from loraplex.engine import core_wire as wire
+    from loraplex.engine.core import wire
 
     enc = wire.encoder()
     sock = ctx.socket(zmq.PUSH)
@@ -167,9 +166,9 @@ _SHUTDOWN = object()
 
 def _handle(core: Any, msg: Any) -> Any:
     """Apply one client message; the reply to send, if any."""
-    from loraplex.engine import core_wire as wire
-    from loraplex.engine.breadcrumb import STEP
-    from loraplex.engine.structured_output import StructuredOutputError
+    from loraplex.engine.core import wire
+    from loraplex.engine.core.breadcrumb import STEP
+    from loraplex.engine.structured_output.grammar import StructuredOutputError
 
     if isinstance(msg, wire.AddRequest):
         rid = msg.request.request_id
