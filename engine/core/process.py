@@ -62,8 +62,9 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
     import zmq
 
     from loraplex.engine.client.core_client import core_info
+    from loraplex.engine.core import wire
     from loraplex.engine.core.breadcrumb import Breadcrumb
-    from loraplex.engine.core.engine_core import EngineCore, wire
+    from loraplex.engine.core.engine_core import EngineCore
 
     logging.basicConfig(level=os.environ.get("LORAPLEX_CORE_LOG_LEVEL", "WARNING"))
     ctx = zmq.Context()
