@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.engine.client.inputs import ProcessedPrompt
 from loraplex.engine.request import (
     CompletionOutput,
@@ -22,7 +23,7 @@ from loraplex.engine.request import (
     RequestOutput,
     RequestOutputKind,
 )
-from loraplex.gateway.server.engine_client import AdapterLimits, InputLimits
+from loraplex.gateway.server.engine_client import InputLimits
 
 CHARS_PER_TOKEN = 4
 TOKEN_ID = 42

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.engine.client.output_processor import OutputProcessor
 from loraplex.engine.client.processing import load_processor
 from loraplex.engine.config import EngineConfig
@@ -95,8 +96,8 @@ class LLMEngine:
         return self.core.max_model_len
 
     @property
-    def adapter_limits(self) -> Any:
-        """What adapters must fit (``adapters.limits.AdapterLimits``)."""
+    def adapter_limits(self) -> AdapterLimits:
+        """What adapters must fit, as one object (validation, stores, upload limits)."""
         return self.core.adapter_limits
 
     @property

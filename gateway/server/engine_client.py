@@ -19,7 +19,7 @@ from loraplex.engine.client.front import InputLimits
 from loraplex.engine.client.inputs import ProcessedPrompt
 from loraplex.engine.request import EngineRequest, RequestOutput
 
-__all__ = ["AdapterLimits", "EngineClient", "InputLimits"]
+__all__ = ["EngineClient", "InputLimits"]
 
 
 class EngineClient(Protocol):

@@ -1,7 +1,7 @@
 """What one adapter upload may weigh, derived from the served model (configured values cap it).
 
 The largest valid ``adapter_model.safetensors`` follows from the engine's
-:class:`gateway.server.engine_client.AdapterLimits` (:func:`adapters.sizes.max_weights_bytes`:
+:class:`adapters.limits.AdapterLimits` (:func:`adapters.sizes.max_weights_bytes`:
 every projection of every layer at ``max_rank`` in float32, plus the largest header), and
 ``adapter_config.json`` from :data:`adapters.peft_config.MAX_CONFIG_BYTES`. Everything an upload
 carries is bounded by these before it is kept or inflated:
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.adapters.peft_config import MAX_CONFIG_BYTES
 from loraplex.adapters.sizes import max_weights_bytes
 from loraplex.gateway.server.config import GatewayConfig
-from loraplex.gateway.server.engine_client import AdapterLimits
 
 OTHER_BYTES = 1024 * 1024
 """Room for parts and archive members other than the two files (read only to be skipped)."""
