@@ -17,7 +17,7 @@ Source: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024); Sheng et 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from loraplex.engine.lora.slots import SlotBuffers
 
 
+@runtime_checkable
 class LoRABackend(Protocol):
     """Prepares a step's LoRA metadata and computes each projection's deltas.
 

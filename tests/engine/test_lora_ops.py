@@ -1,10 +1,13 @@
 """The LoRA backends: every layout of the torch backend against a per-token loop (Punica
 semantics), the Triton backend against the torch one."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from loraplex.engine.lora.backend import select_lora_backend
+from loraplex.engine.lora.backend import LoRABackend, select_lora_backend
 from loraplex.engine.lora.slots import SlotBuffers
 from loraplex.engine.lora.torch_backend import TorchLoRABackend
 from loraplex.engine.lora.triton_backend import TritonLoRABackend
@@ -91,3 +94,18 @@ def test_the_backend_is_chosen_by_the_attention_backend():
     assert select_lora_backend("triton").name == "triton"
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_lora_backend("cuda")
+
+
+def test_each_backend_is_a_lora_backend():
+    for name in ("torch", "triton"):
+        assert isinstance(select_lora_backend(name), LoRABackend)
+
+
+LORA_MODULES = ["backend", "layers", "slots", "torch_backend", "triton_backend"]
+
+
+@pytest.mark.parametrize("module", LORA_MODULES)
+def test_each_lora_module_imports_alone(module):
+    # engine/lora/ has no import cycle: any of its modules is importable first.
+    code = f"import loraplex.engine.lora.{module}"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
