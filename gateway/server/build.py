@@ -66,10 +66,15 @@ def start_engine(
         quarantine=quarantine,
     )
     try:
-        return AsyncLLM(cores, engine_config, model_name=served_name(engine_config))
+        front = AsyncLLM(cores, engine_config, model_name=served_name(engine_config))
     except BaseException:
         cores.shutdown()
         raise
+    from loraplex.engine.client.inproc import InprocCoreClient
+
+    if isinstance(cores, InprocCoreClient):  # one process: its grammars use the front's tokenizer
+        cores.engine_core.structured.use_tokenizer(front.tokenizer)
+    return front
 
 
 def start_cores(
@@ -110,11 +115,7 @@ def start_cores(
     holder: dict[str, Any] = {}
 
     def load(digest: str) -> Any:
-        limits = holder["core"].adapter_limits
-        return store.load(
-            digest,
-            limits=limits,
-        )
+        return store.load(digest, limits=holder["core"].adapter_limits)
 
     holder["core"] = EngineCore(engine_config, adapter_loader=load)
     return InprocCoreClient(holder["core"])

@@ -142,3 +142,8 @@ def test_what_cannot_be_enforced_is_a_400_naming_the_field(client, body, param):
             model=MODEL, messages=MESSAGES, max_tokens=8, extra_body=body
         )
     assert err.value.body["param"] == param, err.value.body
+
+
+def test_an_in_process_core_compiles_grammars_with_the_fronts_tokenizer(engine_client):
+    # One tokenizer per process: the core on a thread must not read the model's a second time.
+    assert engine_client.core.engine_core.structured.hf_tokenizer is engine_client.tokenizer
