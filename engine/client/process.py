@@ -94,9 +94,11 @@ class ProcessCoreClient(EngineCoreClient):
         self.deaths = 0  # cores that died under this client
         self.quarantine_refusals = 0  # requests refused by the quarantine
         self._deaths: list[tuple[float, str]] = []  # (monotonic time, quarantine key)
-        # digest, tenant and monotonic send time of each request in flight (death suspects)
-        self._sent: dict[str, tuple[str, str | None, float]] = {}
-        self._outputs_at: collections.deque[float] = collections.deque([0.0] * 3, maxlen=3)
+        # digest, tenant and send count (AddRequest.seq) of each request in flight: suspects
+        self._sent: dict[str, tuple[str, str | None, int]] = {}
+        self._seq = 0  # requests sent
+        # ``taken`` of the latest three Outputs: what the core had taken, in its own terms
+        self._taken: collections.deque[int] = collections.deque([0] * 3, maxlen=3)
         self._running = False
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # requests sent, calls, the push socket
@@ -261,13 +263,16 @@ class ProcessCoreClient(EngineCoreClient):
             self.quarantine_refusals += 1
             raise
         rid = request.request_id
-        frame = self._enc.encode(wire.AddRequest(request))  # an unencodable one leaves no trace
         with self._lock:
+            seq = self._seq + 1
+            # an unencodable request leaves no trace
+            frame = self._enc.encode(wire.AddRequest(request, seq))
             if not self._running:  # the core died since the check above
                 raise EngineDeadError("the engine is not running")
             if not self._push_now(frame):
                 raise EngineDeadError("the engine is not running")
-            self._sent[rid] = (digest, request.tenant, time.monotonic())
+            self._seq = seq
+            self._sent[rid] = (digest, request.tenant, seq)
 
     def release(self, request_id: str) -> None:
         """The request ended: no longer a suspect of a death."""
@@ -392,7 +397,7 @@ class ProcessCoreClient(EngineCoreClient):
             if isinstance(msg, wire.Heartbeat):
                 self._step_s = msg.step_s
             elif isinstance(msg, wire.Outputs):
-                self._outputs_at.append(self._last_heard)
+                self._taken.append(msg.taken)
                 self._stats = msg.stats
                 if msg.events:
                     self._kv_events.extend(msg.events)  # a deque: safe across threads
@@ -469,13 +474,17 @@ class ProcessCoreClient(EngineCoreClient):
     def _suspects(self) -> list[Suspect]:
         """The requests a death is blamed on (caller holds ``_lock``; ``engine.client.quarantine``).
 
-        Those sent since the third-latest ``Outputs`` arrived (the core took them in its last
-        two loops: a request that kills it at admission or in its first step is among them),
-        else every request in flight; the newest first.
+        Those the core had not taken by the third-latest ``Outputs`` (it took them in its last
+        two loops, or not yet: a request that kills it at admission or in its first step is
+        among them), else every request in flight; the newest first. "Taken" is the core's own
+        count (``Outputs.taken``), not when the message arrived: a reader thread that falls
+        behind would otherwise read old outputs as new and let the request that just killed
+        the core look old (it shared its blame with a bystander's stream and needed a third
+        death to be quarantined).
         """
-        since = self._outputs_at[0]
+        since = self._taken[0]
         newest = sorted(self._sent.values(), key=lambda sent: -sent[2])
-        fresh = [(d, t) for d, t, at in newest if at > since]
+        fresh = [(d, t) for d, t, seq in newest if seq > since]
         chosen = fresh or [(d, t) for d, t, _ in newest]
         return [Suspect(d, t) for d, t in chosen]
 

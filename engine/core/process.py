@@ -94,6 +94,7 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
         daemon=True,
     )
     beater.start()
+    taken = 0  # the highest AddRequest seq taken: each Outputs says it
     try:
         while True:
             busy = core.has_unfinished_requests()
@@ -108,6 +109,8 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
                     except msgspec.DecodeError:  # a client of another version: dropped
                         logger.exception("an undecodable message from the client")
                         continue
+                    if isinstance(msg, wire.AddRequest):
+                        taken = max(taken, msg.seq)
                     reply = _handle(core, msg)
                     if reply is _SHUTDOWN:
                         return
@@ -124,7 +127,7 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
             events = core.drain_kv_events()
             now = time.monotonic()
             if outputs or events or now - last_stats >= STATS_EVERY_S:
-                push.send(enc.encode(wire.Outputs(outputs, _stats(core), events)))
+                push.send(enc.encode(wire.Outputs(outputs, _stats(core), events, taken)))
                 last_stats = now
     finally:
         core.shutdown()

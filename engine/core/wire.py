@@ -25,9 +25,14 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float
 
 # ------------------------------------------------------------------------- client -> core
 class AddRequest(msgspec.Struct, tag=True):
-    """Validate and queue a request; a refusal comes back as :class:`Rejected`."""
+    """Validate and queue a request; a refusal comes back as :class:`Rejected`.
+
+    ``seq``: the client's count of requests sent, so that :class:`Outputs` can say which the
+    core had taken (``taken``) in the core's own terms, whenever the client reads them.
+    """
 
     request: EngineRequest
+    seq: int = 0
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -100,12 +105,15 @@ class Outputs(msgspec.Struct, tag=True):
 
     The statistics are numbers, and lists of counts (``spec_decode_num_accepted_tokens_per_pos``).
     ``events`` are the KV events since the last message (``engine.kv_cache.events``; empty unless
-    the core records them).
+    the core records them). ``taken``: the highest :class:`AddRequest` ``seq`` the core had
+    taken before this message (the suspects of a death are the requests it took since the
+    third-latest message: ``engine.client.process``).
     """
 
     outputs: list[EngineCoreOutput]
     stats: dict[str, int | float | list[int]]
     events: list[KVEvent] = []
+    taken: int = 0
 
 
 class Rejected(msgspec.Struct, tag=True):

@@ -195,3 +195,40 @@ def test_the_file_is_compacted(tmp_path, monkeypatch):
     fresh = Quarantine(path, QuarantinePolicy(max_deaths=10))
     assert fresh.stats()["engine_deaths_recorded"] == 10
     assert "late" in path.read_text()
+
+
+def test_the_suspects_of_a_death_are_what_the_core_took_lately_not_what_arrived_late(
+    tmp_path, monkeypatch
+):
+    # A reader thread that falls behind reads, after the fatal request was sent, outputs the
+    # core produced before it took that request. Judged by arrival, the fatal request looked
+    # old and shared its blame with every stream in flight; judged by the core's own count
+    # (Outputs.taken), it alone is new.
+    import time
+
+    from loraplex.engine.client.process import ProcessCoreClient
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.core import wire
+
+    client = ProcessCoreClient(EngineConfig(model="unused"), str(tmp_path / "store"))
+    monkeypatch.setattr(client, "_push_now", lambda frame: True)
+    client._running, client._last_heard = True, time.monotonic()
+
+    def taken(n):  # what the reader thread does with an Outputs message
+        client._taken.append(wire.Outputs([], {}, [], n).taken)
+
+    client.add_request(EngineRequest("stream", [1, 2, 3], SamplingParams(), tenant="good"))
+    for _ in range(3):
+        taken(1)  # the core took the bystander's stream, and steps it
+    client.add_request(EngineRequest("fatal", [4, 5, 6], SamplingParams(), tenant="evil"))
+    for _ in range(3):
+        taken(1)  # late: produced before the core took "fatal", read after it was sent
+    with client._lock:
+        suspects = client._suspects()
+    assert [s.tenant for s in suspects] == ["evil"]
+    taken(2)  # three more steps after the core took it: nothing is fresh any more
+    taken(2)
+    taken(2)
+    with client._lock:
+        assert sorted(s.tenant for s in client._suspects()) == ["evil", "good"]  # all in flight
+    client._dir.cleanup()
