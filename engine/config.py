@@ -235,6 +235,11 @@ class EngineConfig:
                 0 < self.unresponsive_timeout_s <= self.dead_timeout_s and self.step_timeout_s > 0,
                 "need 0 < unresponsive_timeout_s <= dead_timeout_s and step_timeout_s > 0",
             ),
+            (self.swap_space_bytes > 0, "swap_space_bytes must be positive"),
+            (
+                self.vision_cache_entries >= 0,
+                f"vision_cache_entries must be >= 0, got {self.vision_cache_entries}",
+            ),
             (self.grammar_workers > 0, "grammar_workers must be positive"),
             (self.grammar_cpu_seconds > 0, "grammar_cpu_seconds must be positive"),
             (self.grammar_memory_bytes >= 0, "grammar_memory_bytes must be >= 0"),

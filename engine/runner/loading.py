@@ -117,8 +117,8 @@ def size_kv_pool(loaded: LoadedEngine, backend: Any) -> tuple[EngineConfig, KVPo
         blocks (0 without ``swap``).
 
     Raises:
-        ValueError: a pool that cannot be sized, or an explicit ``max_model_len`` it cannot
-            hold.
+        ValueError: a pool that cannot be sized, an explicit ``max_model_len`` it cannot
+            hold, or a ``swap`` preemption whose swap space holds no block.
     """
     config = loaded.config
     sizing = plan_kv_pool(
@@ -139,6 +139,11 @@ def size_kv_pool(loaded: LoadedEngine, backend: Any) -> tuple[EngineConfig, KVPo
     )
     swap = config.preemption == "swap"
     num_cpu_blocks = config.swap_space_bytes // loaded.block_bytes if swap else 0
+    if swap and num_cpu_blocks == 0:  # else every preemption would silently recompute
+        raise ValueError(
+            f"preemption swap: the swap space ({config.swap_space_bytes} bytes) holds no KV block "
+            f"({loaded.block_bytes} bytes each); give --swap-space at least one block"
+        )
     resolved = config.replace(max_model_len=max_model_len, num_kv_blocks=sizing.num_blocks)
     return resolved, sizing, num_cpu_blocks
 

@@ -179,3 +179,27 @@ def test_help_text_names_flags_and_reads_like_the_hand_written_help():
     )
     assert help_text("CUDA: share.", flags) == "CUDA: share"
     assert help_text("LoRA adapters.", flags) == "LoRA adapters"
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--vision-cache-entries", "-1"], "vision_cache_entries"),
+        (["--num-cpu-threads", "0"], "num_cpu_threads"),
+        (["--max-images", "-1"], "max_images"),
+    ],
+)
+def test_a_new_flag_out_of_range_is_refused_before_the_model_loads(argv, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_args(build_parser().parse_args(["serve", *argv]), "m")
+
+
+def test_swap_preemption_with_a_swap_space_smaller_than_a_block_is_refused(tiny_text_dir):
+    # Not silently recomputed instead: the operator asked for swap.
+    from loraplex.engine.client.llm import LLM
+
+    config = EngineConfig(
+        model=tiny_text_dir, num_kv_blocks=64, preemption="swap", swap_space_bytes=1024
+    )
+    with pytest.raises(ValueError, match="holds no KV block"):
+        LLM(config)
