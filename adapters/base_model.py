@@ -87,6 +87,26 @@ CURRENT_LAYOUT = {False: LAYOUTS[0], True: LAYOUTS[1]}
 """The layout current transformers gives a text-only (False) or multimodal (True) model."""
 
 
+def lora_target_names(module_paths: list[str]) -> dict[str, str]:
+    """The engine's name for each LoRA-capable linear of one decoder layer.
+
+    A linear is named by its leaf (``q_proj``, ``gate_up_proj``, ``dense``: what PEFT's
+    ``target_modules`` lists usually say) where that leaf is unique within the layer, else by
+    its path inside the layer (``block_sparse_moe.experts.0.w1``), so names stay unique.
+
+    Args:
+        module_paths: The linears' paths inside the layer (``self_attn.q_proj``).
+
+    Returns:
+        ``path -> name``, in the order given.
+    """
+    leaves = [path.rsplit(".", 1)[-1] for path in module_paths]
+    return {
+        path: leaf if leaves.count(leaf) == 1 else path
+        for path, leaf in zip(module_paths, leaves, strict=True)
+    }
+
+
 @dataclass(frozen=True)
 class BaseModelInfo:
     """Optional facts about the served Hugging Face model (see :func:`base_model_info`).

@@ -47,6 +47,11 @@ class EngineConfig:
     """Where the model runs."""
     dtype: DType = "float32"
     """Weights, activations and KV cache."""
+    model_impl: Literal["auto", "native", "transformers"] = "auto"
+    """Model code: native (the engine's own Llama, Mistral, Qwen2 and LLaVA, the fast path),
+    transformers (transformers' modeling code over the paged KV cache: any causal-LM or
+    image-text-to-text architecture it has), or auto (native where it exists, else
+    transformers; docs/transformers_backend.md)."""
     seed: int = 0
     """Seed of the sampling of requests that give none."""
     block_size: int = 16

@@ -57,6 +57,7 @@ def paged_attention_ref(
     max_query_len: int,
     max_seq_len: int,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context.
 
@@ -78,6 +79,9 @@ def paged_attention_ref(
         max_query_len: ``max(q_len)`` (a host int; kernels size their grids with it).
         max_seq_len: ``max(seq_lens)`` (a host int).
         sliding_window: Attend to at most this many most recent positions, None for all.
+        logits_soft_cap: Gemma 2's attention soft-capping: scores become
+            ``cap * tanh(scores / cap)`` before the softmax; None for none. Computed over
+            materialised scores (SDPA has no such option), one sequence at a time.
 
     Returns:
         ``[T, num_heads, head_dim]`` in ``query``'s dtype (computed in float32).
@@ -89,6 +93,11 @@ def paged_attention_ref(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    if logits_soft_cap is not None:
+        for b, n in enumerate(q_lens):
+            _soft_capped(query, key_cache, value_cache, block_tables[b], lens[b], starts[b], n,
+                         scale, sliding_window, logits_soft_cap, out)  # fmt: skip
+        return out.to(query.dtype)
     # Decodes sorted by context length and batched in groups of similar length, so a short
     # sequence is not padded to the longest one's context.
     decodes = sorted((b for b, n in enumerate(q_lens) if n == 1), key=lambda b: lens[b])
@@ -206,6 +215,37 @@ def _prefill(
         q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )  # [1, H, Q, D]
     out[start : start + num_q] = res[0].permute(1, 0, 2).reshape(num_q, num_heads, head_dim)
+
+
+def _soft_capped(
+    query, key_cache, value_cache, table, length, start, num_q, scale, window, cap, out
+) -> None:
+    """One sequence's ``num_q`` queries with soft-capped scores (Gemma 2's attention).
+
+    ``softmax(cap * tanh(q.k * scale / cap) + mask) @ v``, float32, in the order Hugging Face's
+    eager attention computes it; grouped-query heads repeat the key/value heads.
+    """
+    if num_q == 0:
+        return
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    device = query.device
+    keys = _gather(key_cache, table, length).permute(1, 0, 2)  # [Hkv, L, D]
+    values = _gather(value_cache, table, length).permute(1, 0, 2)
+    groups = num_heads // keys.shape[0]
+    keys = keys.repeat_interleave(groups, dim=0)  # [H, L, D]
+    values = values.repeat_interleave(groups, dim=0)
+    q = query[start : start + num_q].float().permute(1, 0, 2)  # [H, Q, D]
+    scores = torch.matmul(q, keys.transpose(1, 2)) * scale  # [H, Q, L]
+    scores = torch.tanh(scores / cap) * cap
+    q_pos = torch.arange(length - num_q, length, device=device)
+    k_pos = torch.arange(length, device=device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    res = torch.matmul(probs, values)  # [H, Q, D]
+    out[start : start + num_q] = res.permute(1, 0, 2).reshape(num_q, num_heads, head_dim)
 
 
 def _causal_lower_right(num_q: int, length: int, device: torch.device) -> torch.Tensor | None:

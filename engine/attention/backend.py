@@ -31,6 +31,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write K/V, then attend.
 
@@ -43,9 +44,13 @@ class AttentionBackend(Protocol):
             meta: The step's metadata.
             scale: Softmax scale.
             sliding_window: Mistral-style window, None for full attention.
+            logits_soft_cap: Gemma 2-style ``cap * tanh(score / cap)``, None for none.
 
         Returns:
             ``[T, num_heads, head_dim]`` in ``query``'s dtype.
+
+        Raises:
+            ValueError: a soft cap on a backend that cannot apply one.
         """
         ...
 
@@ -59,12 +64,21 @@ class PagedKernelBackend:
         attend: ``paged_attention_ref``'s signature: ``(query, key_cache, value_cache,
             block_tables, seq_lens, query_start_loc, scale, *, max_query_len, max_seq_len,
             sliding_window) -> [T, num_heads, head_dim]``.
+        supports_soft_cap: Whether ``attend`` takes ``logits_soft_cap``.
     """
 
-    def __init__(self, name: str, write_kv: Callable[..., None], attend: Callable[..., Any]):
+    def __init__(
+        self,
+        name: str,
+        write_kv: Callable[..., None],
+        attend: Callable[..., Any],
+        *,
+        supports_soft_cap: bool = False,
+    ):
         self.name = name
         self._write_kv = write_kv
         self._attend = attend
+        self.supports_soft_cap = supports_soft_cap
 
     def forward(
         self,
@@ -76,8 +90,14 @@ class PagedKernelBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`."""
+        extra = {}
+        if logits_soft_cap is not None:
+            if not self.supports_soft_cap:
+                raise ValueError(f"the {self.name} attention backend has no logits soft cap")
+            extra["logits_soft_cap"] = logits_soft_cap
         self._write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         return self._attend(
             query,
@@ -90,6 +110,7 @@ class PagedKernelBackend:
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             sliding_window=sliding_window,
+            **extra,
         )
 
 
@@ -97,7 +118,9 @@ class TorchAttentionBackend(PagedKernelBackend):
     """Plain-torch reference backend (the CPU default): ``kernels.paged_attention_ref``."""
 
     def __init__(self) -> None:
-        super().__init__("torch", reshape_and_cache_ref, paged_attention_ref)
+        super().__init__(
+            "torch", reshape_and_cache_ref, paged_attention_ref, supports_soft_cap=True
+        )
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

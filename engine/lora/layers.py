@@ -59,10 +59,18 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, in] -> [T, out]``: base projection plus LoRA deltas."""
+        """``[..., T, in] -> [..., T, out]``: base projection plus LoRA deltas.
+
+        The leading dimensions (a transformers model's batch of one) are flattened: row ``t``
+        of the step is token ``t`` of the step's metadata.
+        """
         y = self.base(x)
         if self.backend.active:
-            self.backend.apply(y, x, self.buffers)
+            if x.dim() == 2:
+                self.backend.apply(y, x, self.buffers)
+            else:
+                flat = y.view(-1, y.shape[-1])
+                self.backend.apply(flat, x.reshape(-1, x.shape[-1]), self.buffers)
         return y
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loraplex.engine.models.registry import build_model, is_multimodal
+from loraplex.engine.models.registry import build_model, is_multimodal, resolve_model_impl
 from loraplex.engine.models.weights import read_tensors, weight_files
 
 _LLAVA_PREFIXES = (
@@ -118,15 +118,23 @@ def _plan(
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    model_impl: str = "auto",
 ) -> tuple[nn.Module, Any]:
     """Build the engine model for a Hugging Face directory and load its weights.
+
+    ``model_impl`` picks the implementation (``engine.models.registry.resolve_model_impl``):
+    the native model below, or transformers' own code over the paged KV cache
+    (``engine.models.transformers_backend``).
 
     Args:
         model_dir: Directory with ``config.json`` and ``model.safetensors`` (or sharded
             ``model-0000x-of-0000y.safetensors`` with ``model.safetensors.index.json``).
         dtype: Dtype for the floating-point weights.
         device: Device for the weights.
+        model_impl: ``auto``, ``native`` or ``transformers``.
 
     Returns:
         ``(model, hf_config)``: a :class:`~engine.models.llama.LlamaForCausalLM` or
@@ -140,6 +148,10 @@ def load_model(
     """
     path = Path(model_dir)
     hf_config = load_config(path)
+    if resolve_model_impl(hf_config, model_impl) == "transformers":
+        from loraplex.engine.models.transformers_backend import load_transformers_model
+
+        return load_transformers_model(path, hf_config, dtype, device), hf_config
     multimodal = is_multimodal(hf_config)
     files = weight_files(path)
     with torch.device("meta"):

@@ -59,7 +59,7 @@ def load_engine_model(config: EngineConfig) -> LoadedEngine:
     """
     device = torch.device(config.device)
     dtype = DTYPES[config.dtype]
-    model, hf_config = load_model(config.model, dtype, device)
+    model, hf_config = load_model(config.model, dtype, device, config.model_impl)
     model_len = model.max_position_embeddings
     max_model_len = config.max_model_len or model_len
     if max_model_len > model_len:
@@ -98,7 +98,9 @@ def load_draft_model(loaded: LoadedEngine) -> torch.nn.Module | None:
     from loraplex.engine.spec_decode.draft import check_draft
 
     try:
-        draft, _ = load_model(config.speculative_model, loaded.dtype, loaded.device)
+        draft, _ = load_model(
+            config.speculative_model, loaded.dtype, loaded.device, config.model_impl
+        )
     except FileNotFoundError as exc:
         raise ValueError(f"speculative model: {exc}") from exc
     check_draft(draft, loaded.model, 1)

@@ -152,7 +152,10 @@ def test_unsupported_architecture(tmp_path, text_dir):
     config = json.loads((d / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (d / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: "):
+    with pytest.raises(ValueError, match="no native model for 'GPT2LMHeadModel'"):
+        load_model(d, torch.float32, "cpu", "native")
+    # auto: no native model, and transformers' model for the config's type is not GPT-2's
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not the causal-LM model"):
         load_model(d, torch.float32, "cpu")
     assert "LlavaForConditionalGeneration" in SUPPORTED_ARCHITECTURES
 
