@@ -61,7 +61,8 @@ def _name_of(hf_config: Any) -> str:
     architectures = getattr(hf_config, "architectures", None) or []
     if architectures:
         return architectures[0]
-    return _BY_MODEL_TYPE.get(getattr(hf_config, "model_type", None), "unknown")
+    model_type = getattr(hf_config, "model_type", None)
+    return _BY_MODEL_TYPE.get(model_type, f"model_type={model_type}")
 
 
 def resolve_model_impl(hf_config: Any, model_impl: str = "auto") -> str:

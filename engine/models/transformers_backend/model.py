@@ -53,6 +53,8 @@ def _attention_of(layer: nn.Module, index: int) -> nn.Module:
             f"decoder layer {index} ({type(layer).__name__}) has {len(found)} attention modules "
             "with a layer index; the transformers backend needs exactly one"
         )
+    if getattr(found[0], "is_causal", True) is False:
+        raise ValueError(f"decoder layer {index}'s attention is not causal (an encoder?)")
     return found[0]
 
 
