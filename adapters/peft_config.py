@@ -52,7 +52,7 @@ def _fields() -> frozenset[str]:
 _REFUSED = {
     "use_dora": "DoRA (use_dora=true) is not supported",
     "modules_to_save": "modules_to_save is not supported (only LoRA deltas are served)",
-    "fan_in_fan_out": "fan_in_fan_out=true is not supported (Llama projections are nn.Linear)",
+    "fan_in_fan_out": "fan_in_fan_out=true is not supported (the targets are nn.Linear)",
     "lora_bias": "lora_bias=true (a bias on lora_B) is not supported",
     "use_qalora": "QALoRA (use_qalora=true) is not supported",
     "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
