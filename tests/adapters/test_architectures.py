@@ -9,9 +9,11 @@ PEFT itself on tiny random models; validation sees only the config (built on the
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 import pytest
+import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -51,6 +53,10 @@ def _config(arch: str):
         return transformers.Qwen3Config(**TEXT, head_dim=8)
     if arch == "gemma2":
         return transformers.Gemma2Config(**TEXT, head_dim=8)
+    if arch == "qwen3_moe":  # layer 0 a dense MLP, layer 1 fused experts (not nn.Linear)
+        return transformers.Qwen3MoeConfig(
+            **TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, mlp_only_layers=[0]
+        )
     if arch == "gemma3":
         return transformers.Gemma3Config(
             text_config=dict(**TEXT, head_dim=8),
@@ -83,7 +89,7 @@ ALL = sorted(TEXT_ARCHS) + sorted(VLM_PREFIX)
 def serve(arch: str):
     """``(arch, the random PEFT base model, validation's keyword arguments)``."""
     config = _config(arch)
-    auto = AutoModelForCausalLM if arch in TEXT_ARCHS else AutoModelForImageTextToText
+    auto = AutoModelForImageTextToText if arch in VLM_PREFIX else AutoModelForCausalLM
     base = auto.from_config(config).eval()
     limits = AdapterLimits(targets=model_targets(config), max_rank=MAX_RANK)
     return arch, base, {"limits": limits, "info": BaseModelInfo(names=(arch,))}
@@ -236,3 +242,51 @@ def test_legacy_layout_follows_transformers_conversion_mapping(arch, tmp_path):
         assert not targets.legacy_layout
         with pytest.raises(ValueError, match="LLaVA or similar vision-language model saved by"):
             load_adapter_dir(out, **kw)
+
+
+def test_moe_experts_are_not_targets(store, tmp_path):
+    """Qwen3-MoE, layer 0 dense: attention adapters load; PEFT's fused-expert LoRA is refused."""
+    _, base, kw = serve("qwen3_moe")
+    targets = kw["limits"].targets
+    assert [len(targets.layer(i)) for i in range(2)] == [7, 4]  # layer 1: attention only
+    attention = targets.peft_target_regex(LLAMA_PROJECTIONS[:4])
+    out, state_dict, peft_model = make_adapter(base, tmp_path / "a", r=4, target_modules=attention)
+    check_matches_peft(load_adapter_dir(out, **kw), state_dict, peft_model)
+    # PEFT turns MLP names into target_parameters on the experts' fused 3-D weights
+    out, _, _ = make_adapter(base, tmp_path / "b", r=4, target_modules="all-linear")
+    assert_refused(store, out, kw, "target_parameters .* fused expert weights")
+
+
+def test_targets_differ_per_layer(store, tmp_path):
+    """Layer 0's dense MLP can carry LoRA, layer 1 (experts) has none: shapes are per layer.
+
+    Written by hand: PEFT itself redirects MLP names on this model to the experts (above).
+    """
+    from safetensors.torch import save_file
+
+    _, _, kw = serve("qwen3_moe")
+    targets = kw["limits"].targets
+    out = tmp_path / "dense"
+    out.mkdir()
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 2,
+                "lora_alpha": 4,
+                "target_modules": r"model\.layers\.0\.mlp\.(gate|up|down)_proj",
+            }
+        )
+    )
+    tensors = {}
+    for t in targets.layer(0)[4:]:
+        prefix = f"base_model.model.model.layers.0.{t.path}"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(2, t.in_features)
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(t.out_features, 2)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter = load_adapter_dir(out, **kw)
+    assert sorted(adapter.weights) == [(0, "down_proj"), (0, "gate_proj"), (0, "up_proj")]
+    assert adapter.weights[(0, "down_proj")][0].shape == (2, 48)  # A [r, intermediate_size]
+    old, new = "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"
+    edit_tensors(out, lambda t: {k.replace(old, new): v for k, v in t.items()})
+    assert_refused(store, out, kw, rf"LoRA weights for {re.escape(new)}: .*may target")

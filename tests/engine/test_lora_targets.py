@@ -39,11 +39,13 @@ CONFIGS = {
     "olmo2": (lambda: transformers.Olmo2Config(**TEXT), LLAMA),
     # transformers 5 fuses the experts into 3-D parameters: only attention is nn.Linear
     "mixtral": (lambda: transformers.MixtralConfig(**TEXT, num_local_experts=4), ATTENTION),
+    # layer 0 a dense MLP, layer 1 experts: two kinds of layer
     "qwen3_moe": (
         lambda: transformers.Qwen3MoeConfig(
-            **TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2
+            **TEXT, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+            mlp_only_layers=[0],
         ),
-        ATTENTION,
+        LLAMA,
     ),
     "gemma3": (
         lambda: transformers.Gemma3Config(
@@ -70,6 +72,7 @@ def test_backend_targets_are_what_validation_reads_off_the_config(arch):
     assert from_config.shapes() == target_shapes(model)
     assert served_targets(model, config) == from_config
     assert from_config.names == names
+    assert len(from_config.kinds) == (2 if arch == "qwen3_moe" else 1)
     for layer, name, linear in model.lora_targets():
         path = next(t.path for t in from_config.layer(layer) if t.name == name)
         assert model.lora_module_name(layer, name) == f"{from_config.layers_prefix}.{layer}.{path}"
