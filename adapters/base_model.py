@@ -1,90 +1,25 @@
-"""What adapter validation needs to know about the served base model.
+"""What adapter validation needs to know about the served base model: its LoRA targets.
 
-The core of validation takes plain values, so the engine can call it with what its own model
-reports: ``target_shapes`` (projection name -> ``(in_features, out_features)``, the same for
-every decoder layer) and ``num_layers``. :class:`BaseModelInfo` optionally adds what only the
-Hugging Face model knows (is it LLaVA, which other modules exist, what is it called), so target
-patterns can be resolved against the real module names and a pattern that also reaches the
-vision tower is refused even when the weights file leaves those tensors out.
+An adapter may put LoRA on every ``nn.Linear`` inside a decoder layer of the served model's text
+decoder, and on nothing else (vision towers, projectors, embeddings and the output head keep
+their weights). :class:`ModelTargets` lists those linears per layer with their shapes, the
+decoder layers' module prefix (``model.layers``, ``model.language_model.layers``, ...) and every
+other module PEFT could wrap, so target patterns are resolved against the real module names.
+
+It is read off the transformers model itself: :func:`model_targets` builds it from the config on
+the meta device (no weights, under a second for a 7B model), :func:`targets_of_model` from a
+built model. The engine's models yield the same names from ``lora_targets()`` (the rule is
+:func:`lora_target_names`; ``EngineCore`` refuses to start if the two disagree), so the gateway,
+which holds only the config or the engine's :class:`adapters.limits.AdapterLimits`, validates
+against exactly what the engine applies.
 """
 
 from __future__ import annotations
 
+import copy
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
-"""The language-model projections an adapter may target (Hugging Face / PEFT names)."""
-
-# Module classes PEFT can put LoRA on; only their names matter for target resolution.
-_LORA_CAPABLE = frozenset({"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D"})
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a Hugging Face model keeps its decoder projections.
-
-    Attributes:
-        name: ``"llama"`` (``model.layers.N...``), ``"llava"`` (transformers >= 4.52:
-            ``model.language_model.layers.N...``) or ``"llava-legacy"`` (older:
-            ``language_model.model.layers.N...``).
-        decoder_prefix: What precedes ``layers.N`` in a projection's module name.
-        multimodal: Whether this is a LLaVA layout.
-        description: For error messages.
-    """
-
-    name: str
-    decoder_prefix: str
-    multimodal: bool
-    description: str
-
-    def module_name(self, layer: int, projection: str) -> str:
-        """The full module name, e.g. ``model.layers.3.mlp.up_proj``."""
-        block = "self_attn" if projection in ATTENTION_PROJECTIONS else "mlp"
-        return f"{self.decoder_prefix}layers.{layer}.{block}.{projection}"
-
-    def parse(self, module_name: str) -> tuple[int, str] | None:
-        """``(layer, projection)`` of a decoder projection's module name, else None."""
-        match = _PROJECTION_RE.fullmatch(module_name)
-        if match is None or match["prefix"] != self.decoder_prefix:
-            return None
-        block, projection = match["block"], match["proj"]
-        if (block == "self_attn") != (projection in ATTENTION_PROJECTIONS):
-            return None
-        return int(match["layer"]), projection
-
-    def from_current(self, name: str) -> str:
-        """Rename a module from current transformers naming into this layout."""
-        if self.name != "llava-legacy":
-            return name
-        if name == "lm_head":
-            return "language_model.lm_head"
-        for new, old in _LEGACY_PREFIXES:
-            if name.startswith(new):
-                return old + name[len(new) :]
-        return name
-
-
-_PROJECTION_RE = re.compile(
-    r"(?P<prefix>(?:[^.]+\.)*?)layers\.(?P<layer>0|[1-9][0-9]{0,5})\."
-    r"(?P<block>self_attn|mlp)\.(?P<proj>" + "|".join(PROJECTIONS) + ")"
-)
-_LEGACY_PREFIXES = (
-    ("model.language_model.", "language_model.model."),
-    ("model.vision_tower.", "vision_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-)
-LAYOUTS = (
-    Layout("llama", "model.", False, "a text-only Llama"),
-    Layout("llava", "model.language_model.", True, "a LLaVA model"),
-    Layout("llava-legacy", "language_model.model.", True, "a LLaVA model (transformers < 4.52)"),
-)
-CURRENT_LAYOUT = {False: LAYOUTS[0], True: LAYOUTS[1]}
-"""The layout current transformers gives a text-only (False) or multimodal (True) model."""
 
 
 def lora_target_names(module_paths: list[str]) -> dict[str, str]:
@@ -107,97 +42,282 @@ def lora_target_names(module_paths: list[str]) -> dict[str, str]:
     }
 
 
+def find_decoder_layers(decoder: Any, num_layers: int) -> Any:
+    """The text decoder's ``nn.ModuleList`` of its ``num_layers`` layers.
+
+    ``decoder.layers`` in nearly every transformers architecture, else the decoder's one child
+    ``ModuleList`` of that length (the engine's transformers backend finds its layers the same
+    way).
+
+    Raises:
+        ValueError: no such list, or more than one.
+    """
+    from torch import nn
+
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    found = [m for m in decoder.children() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
+    if len(found) != 1:
+        raise ValueError(f"cannot find the {num_layers} decoder layers of {type(decoder).__name__}")
+    return found[0]
+
+
 @dataclass(frozen=True)
-class BaseModelInfo:
-    """Optional facts about the served Hugging Face model (see :func:`base_model_info`).
+class LinearTarget:
+    """One ``nn.Linear`` of a decoder layer that LoRA may adapt.
 
     Attributes:
-        multimodal: True for LLaVA (the decoder sits under ``language_model``), False for a
-            plain Llama; None (unknown) accepts the tensor-name layouts of both.
-        module_types: Every LoRA-capable module of the Hugging Face model outside the decoder
-            projections (embeddings, ``lm_head``, vision tower, projector), by its name in
-            current transformers naming, mapped to its class name (``"Linear"``, ...).
-        names: What ``base_model_name_or_path`` may say to count as this model (the served
-            name, the model directory); only recorded, never a reason to refuse.
+        path: Its module path inside the layer (``self_attn.q_proj``).
+        name: The engine's name for it (:func:`lora_target_names`; ``q_proj``).
+        in_features: Its input size (``lora_A`` is ``[r, in_features]``).
+        out_features: Its output size (``lora_B`` is ``[out_features, r]``).
     """
 
-    multimodal: bool | None = None
-    module_types: Mapping[str, str] = field(default_factory=dict)
+    path: str
+    name: str
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class ModelTargets:
+    """The served model's LoRA targets (see the module docstring).
+
+    Layers with the same targets share one entry of ``kinds`` (an MoE with dense first layers
+    has two kinds; most models one).
+
+    Attributes:
+        architecture: The transformers class (``Qwen3ForCausalLM``), for messages.
+        layers_prefix: The decoder layers' module name (``model.layers``): layer ``i``'s
+            target ``t`` is the module ``f"{layers_prefix}.{i}.{t.path}"``.
+        kinds: The distinct per-layer target lists.
+        layer_kinds: For each decoder layer, its index into ``kinds``.
+        others: Every other module PEFT could wrap (embeddings, the output head, vision tower,
+            projector, non-``nn.Linear`` layers such as ``Conv1D``) by name, mapped to its kind
+            (``"Linear"``, ``"Embedding"``, ``"Conv1D"``, ...).
+        head: The output head's module name (``lm_head``; PEFT's ``all-linear`` leaves it
+            out), or None.
+        multimodal: Whether the model has a vision part (a ``vision_config``).
+        legacy_layout: Whether adapters may also name modules as transformers < 4.52 did
+            for LLaVA-style models (:mod:`adapters.layouts`).
+    """
+
+    architecture: str
+    layers_prefix: str
+    kinds: tuple[tuple[LinearTarget, ...], ...]
+    layer_kinds: tuple[int, ...]
+    others: dict[str, str] = field(default_factory=dict)
+    head: str | None = "lm_head"
+    multimodal: bool = False
+    legacy_layout: bool = False
+
+    @classmethod
+    def uniform(
+        cls,
+        architecture: str,
+        layers_prefix: str,
+        layer: list[LinearTarget],
+        num_layers: int,
+        **kwargs: Any,
+    ) -> ModelTargets:
+        """Targets of ``num_layers`` identical layers (``kwargs``: the other attributes)."""
+        return cls(architecture, layers_prefix, (tuple(layer),), (0,) * num_layers, **kwargs)
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+        return len(self.layer_kinds)
+
+    def layer(self, index: int) -> tuple[LinearTarget, ...]:
+        """The targets of decoder layer ``index``."""
+        return self.kinds[self.layer_kinds[index]]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every target name, in layer order (``q_proj, k_proj, ...``): what may be targeted."""
+        seen: dict[str, None] = {}
+        for kind in self.kinds:
+            seen.update((t.name, None) for t in kind)
+        return tuple(seen)
+
+    def shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """``(layer, name) -> (in_features, out_features)`` of every target of every layer."""
+        return {
+            (i, t.name): (t.in_features, t.out_features)
+            for i in range(self.num_layers)
+            for t in self.layer(i)
+        }
+
+    def total_features(self) -> int:
+        """``sum(in_features + out_features)`` over every target of every layer."""
+        per_kind = [sum(t.in_features + t.out_features for t in kind) for kind in self.kinds]
+        return sum(per_kind[k] for k in self.layer_kinds)
+
+    def num_targets(self) -> int:
+        """Targets over all layers (an adapter of everything has twice as many tensors)."""
+        return sum(len(self.kinds[k]) for k in self.layer_kinds)
+
+    def peft_target_regex(self, names: tuple[str, ...] | None = None) -> str:
+        r"""A PEFT ``target_modules`` regex for these targets in every decoder layer, nothing else.
+
+        PEFT ``re.fullmatch``-es a string ``target_modules`` against every module name, so
+        ``model\.language_model\.layers\.\d+\.(?:.*\.)?(?:q_proj|v_proj)`` reaches the
+        language model's ``q_proj`` and ``v_proj`` but not the vision tower's.
+
+        Args:
+            names: Target names to keep (default: all, :attr:`names`).
+
+        Raises:
+            ValueError: a name that is not a target of this model.
+        """
+        names = self.names if names is None else tuple(names)
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise ValueError(f"not LoRA targets of {self.architecture}: {', '.join(unknown)}")
+        alternatives = "|".join(re.escape(n) for n in names)
+        return rf"{re.escape(self.layers_prefix)}\.\d+\.(?:.*\.)?(?:{alternatives})"
+
+    def summary(self) -> dict[str, Any]:
+        """What may be targeted, as JSON: ``GET /v1/models`` and ``loraplex model targets``.
+
+        ``{"architecture", "decoder_layers", "num_layers", "target_modules",
+        "target_modules_regex"}``: the decoder layers' module prefix, the target names, and
+        :meth:`peft_target_regex`.
+        """
+        return {
+            "architecture": self.architecture,
+            "decoder_layers": self.layers_prefix,
+            "num_layers": self.num_layers,
+            "target_modules": list(self.names),
+            "target_modules_regex": self.peft_target_regex(),
+        }
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    """What ``base_model_name_or_path`` may say to count as the served model.
+
+    Attributes:
+        names: The served name and the model directory; only recorded, never a reason to
+            refuse.
+    """
+
     names: tuple[str, ...] = ()
 
 
-def _text_config(hf_config: Any) -> Any:
-    """The decoder part of a Llama (itself) or LLaVA (``text_config``) config."""
-    text = getattr(hf_config, "text_config", None)
-    return text if text is not None else hf_config
+def _module_kind(module: Any) -> str | None:
+    """The kind of module PEFT's LoRA can wrap (``"Linear"``, ``"Embedding"``, ...), else None.
 
-
-def num_layers_from_config(hf_config: Any) -> int:
-    """Decoder layers of a transformers Llama or LLaVA config."""
-    return int(_text_config(hf_config).num_hidden_layers)
-
-
-def target_shapes_from_config(hf_config: Any) -> dict[str, tuple[int, int]]:
-    """``projection -> (in_features, out_features)`` of a Llama-family decoder.
-
-    Args:
-        hf_config: A transformers ``LlamaConfig`` (Mistral, Qwen2 alike) or ``LlavaConfig``
-            (its ``text_config`` is used): ``hidden_size``, ``intermediate_size``,
-            ``num_attention_heads``, ``num_key_value_heads`` (default: the heads) and
-            ``head_dim`` (default: ``hidden_size // num_attention_heads``).
-
-    Returns:
-        A dict over :data:`PROJECTIONS`, e.g. ``q_proj: (hidden, heads * head_dim)``,
-        ``down_proj: (intermediate, hidden)``.
+    By ``isinstance``, as PEFT dispatches (Gemma's scaled embedding is an ``Embedding``), plus
+    transformers' ``Conv1D`` by name.
     """
-    cfg = _text_config(hf_config)
-    hidden, inter = int(cfg.hidden_size), int(cfg.intermediate_size)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-    q, kv = heads * head_dim, kv_heads * head_dim
-    return {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
+    from torch import nn
+
+    for cls in (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention):
+        if isinstance(module, cls):
+            return cls.__name__
+    return "Conv1D" if type(module).__name__ == "Conv1D" else None
 
 
-def base_model_info(hf_config: Any, *, names: tuple[str, ...] = ()) -> BaseModelInfo:
-    """Build :class:`BaseModelInfo` by instantiating the transformers model on the meta device.
+def has_legacy_layout(model_type: str | None) -> bool:
+    """Whether transformers renames ``language_model`` to ``model.language_model`` for the type.
 
-    No weights are allocated (a 7B LLaVA takes under a second). If transformers cannot build
-    the architecture, the module list falls back to empty (the tensor names still refuse
-    anything outside the decoder projections).
-
-    Args:
-        hf_config: The served model's transformers config.
-        names: The served model's name and directory.
-
-    Returns:
-        The info, ``multimodal`` from the presence of a ``vision_config``.
+    (See :mod:`adapters.layouts`.) Read from transformers' checkpoint conversion mapping (the
+    renaming that loads checkpoints and PEFT adapters saved before 4.52); False where
+    transformers has none.
     """
-    multimodal = getattr(hf_config, "vision_config", None) is not None
-    module_types: dict[str, str] = {}
     try:
-        import torch
-        import transformers
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-        auto = (
-            transformers.AutoModelForImageTextToText
-            if multimodal
-            else transformers.AutoModelForCausalLM
+        mapping = get_checkpoint_conversion_mapping(model_type) or []
+    except Exception:  # noqa: BLE001 - an older or newer transformers without the mapping
+        return False
+    return any(
+        list(getattr(rule, "source_patterns", None) or []) == ["^language_model"]
+        and list(getattr(rule, "target_patterns", None) or []) == ["model.language_model"]
+        for rule in mapping
+    )
+
+
+def targets_of_model(hf_model: Any) -> ModelTargets:
+    """Read :class:`ModelTargets` off a transformers ``PreTrainedModel`` (meta or real).
+
+    The text decoder is ``hf_model.get_decoder()``; its layers, the one ``ModuleList`` of
+    ``get_text_config().num_hidden_layers`` entries (:func:`find_decoder_layers`); each layer's
+    targets, every ``nn.Linear`` in it, named by :func:`lora_target_names`.
+
+    Raises:
+        ValueError: the decoder's layers cannot be found.
+    """
+    config = hf_model.config
+    num_layers = int(config.get_text_config().num_hidden_layers)
+    layers = find_decoder_layers(hf_model.get_decoder(), num_layers)
+    names = {id(m): n for n, m in hf_model.named_modules()}
+    prefix = names[id(layers)]
+    kinds: list[tuple[LinearTarget, ...]] = []
+    layer_kinds: list[int] = []
+    inside: set[str] = set()
+    for i, layer in enumerate(layers):
+        linears = {p: m for p, m in layer.named_modules() if _module_kind(m) == "Linear"}
+        kind = tuple(
+            LinearTarget(path, name, int(m.in_features), int(m.out_features))
+            for (path, name), m in zip(
+                lora_target_names(list(linears)).items(), linears.values(), strict=True
+            )
         )
+        if kind not in kinds:
+            kinds.append(kind)
+        layer_kinds.append(kinds.index(kind))
+        inside.update(f"{prefix}.{i}.{path}" for path in linears)
+    others = {}
+    for name, module in hf_model.named_modules():
+        kind = _module_kind(module)
+        if kind is not None and name not in inside:
+            others[name] = kind
+    head = hf_model.get_output_embeddings()
+    return ModelTargets(
+        architecture=type(hf_model).__name__,
+        layers_prefix=prefix,
+        kinds=tuple(kinds),
+        layer_kinds=tuple(layer_kinds),
+        others=others,
+        head=names.get(id(head)) if head is not None else None,
+        multimodal=getattr(config, "vision_config", None) is not None,
+        legacy_layout=has_legacy_layout(getattr(config, "model_type", None)),
+    )
+
+
+def model_targets(hf_config: Any) -> ModelTargets:
+    """Build the served model from its transformers config on the meta device; read its targets.
+
+    The class is what transformers' ``AutoModelForImageTextToText`` (a config with a
+    ``vision_config``) or ``AutoModelForCausalLM`` maps the config to, as the engine loads it.
+
+    Args:
+        hf_config: The served model's transformers config (not modified).
+
+    Returns:
+        The targets (:func:`targets_of_model`).
+
+    Raises:
+        ValueError: transformers cannot build the architecture, or its decoder layers cannot be
+            found.
+    """
+    import torch
+    import transformers
+
+    multimodal = getattr(hf_config, "vision_config", None) is not None
+    auto = (
+        transformers.AutoModelForImageTextToText
+        if multimodal
+        else transformers.AutoModelForCausalLM
+    )
+    try:
         with torch.device("meta"):
-            model = auto.from_config(hf_config)
-        for name, module in model.named_modules():
-            kind = type(module).__name__
-            if kind in _LORA_CAPABLE and CURRENT_LAYOUT[multimodal].parse(name) is None:
-                module_types[name] = kind
-    except Exception:  # noqa: BLE001 - an unknown architecture only loses the extra check
-        module_types = {}
-    return BaseModelInfo(multimodal=multimodal, module_types=module_types, names=tuple(names))
+            model = auto.from_config(copy.deepcopy(hf_config))
+    except Exception as exc:  # transformers raises many types for a config it cannot build
+        raise ValueError(
+            f"transformers cannot build the model to list its LoRA targets: {exc}"
+        ) from exc
+    return targets_of_model(model)

@@ -52,10 +52,14 @@ def _fields() -> frozenset[str]:
 _REFUSED = {
     "use_dora": "DoRA (use_dora=true) is not supported",
     "modules_to_save": "modules_to_save is not supported (only LoRA deltas are served)",
-    "fan_in_fan_out": "fan_in_fan_out=true is not supported (Llama projections are nn.Linear)",
+    "fan_in_fan_out": "fan_in_fan_out=true is not supported (the targets are nn.Linear)",
     "lora_bias": "lora_bias=true (a bias on lora_B) is not supported",
     "use_qalora": "QALoRA (use_qalora=true) is not supported",
-    "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
+    "target_parameters": (
+        "target_parameters (LoRA on raw parameters, such as a mixture of experts' fused expert "
+        "weights, which PEFT targets this way when target_modules names them) is not supported; "
+        "only nn.Linear modules can carry LoRA here"
+    ),
     "trainable_token_indices": "trainable_token_indices is not supported",
     "layer_replication": "layer_replication is not supported",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",

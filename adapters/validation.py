@@ -8,9 +8,11 @@ directory. Order of checks, cheapest first, nothing materialized before the head
 2. The weights file's size and its header's size and member count against what a valid
    adapter for the served model can reach (:mod:`adapters.sizes`), then the header: dtypes,
    shapes, offsets (:mod:`adapters.safetensors_io`).
-3. Tensor names -> ``(layer, projection)``; the config's targets resolved as PEFT does
-   (:mod:`adapters.targets`); the two sets must be equal, every layer in range.
-4. Shapes: ``A [r, in]``, ``B [out, r]`` with the module's configured ``r``.
+3. Tensor names -> ``(layer, target name)`` (the served model's ``nn.Linear`` modules of its
+   decoder layers, :class:`adapters.base_model.ModelTargets`); the config's targets resolved as
+   PEFT does (:mod:`adapters.targets`); the two sets must be equal, every layer in range.
+4. Shapes: ``A [r, in]``, ``B [out, r]`` with the module's configured ``r`` and the served
+   model's shape of that module in that layer.
 5. Tensors loaded with safetensors, converted to float32, checked finite.
 
 ``base_model_name_or_path`` is recorded, never a reason to refuse: hub ids and local paths of the
@@ -55,12 +57,14 @@ class LoraAdapter:
         digest: Hex SHA-256 of what the adapter computes (see :func:`adapter_digest`).
         rank: The largest rank over its modules.
         lora_alpha: The config's ``lora_alpha`` (``alpha_pattern`` may override per module).
-        target_modules: Sorted projection names it targets, e.g. ``("q_proj", "v_proj")``.
+        target_modules: Sorted target names it adapts, e.g. ``("q_proj", "v_proj")`` (the
+            served model's names: ``qkv_proj`` on Phi-3).
         base_model: ``base_model_name_or_path`` as written (None if empty).
         base_model_match: Whether ``base_model`` names the served model; None if unknown.
         use_rslora: Whether scales are ``alpha / sqrt(r)``.
-        weights: ``(layer_idx, projection) -> (A [r, in], B [out, r], scale)``, float32 CPU,
-            applied as ``y += scale * (x @ A.T) @ B.T``.
+        weights: ``(layer_idx, target name) -> (A [r, in], B [out, r], scale)``, float32 CPU,
+            applied as ``y += scale * (x @ A.T) @ B.T``; the keys are the engine model's
+            ``lora_targets()`` keys.
         num_bytes: Bytes of the float32 tensors in ``weights``.
     """
 
@@ -87,12 +91,9 @@ def load_adapter_files(
     Args:
         config_bytes: ``adapter_config.json``.
         weights_bytes: ``adapter_model.safetensors``.
-        limits: The served model's targets (``projection -> (in_features, out_features)``,
-            see :func:`adapters.base_model.target_shapes_from_config`), decoder layers and
-            largest rank.
-        info: Optional facts about the served model (LLaVA or not, its other modules, its
-            names); without it both layouts are accepted and only tensor names are checked
-            for modules outside the decoder.
+        limits: The served model's targets (names, per-layer shapes, decoder-layer prefix,
+            other modules: :func:`adapters.base_model.model_targets`) and largest rank.
+        info: The served model's names, to compare ``base_model_name_or_path`` with.
 
     Returns:
         The adapter.
@@ -101,9 +102,10 @@ def load_adapter_files(
         AdapterError: anything wrong, with a message naming it (see the module docstring).
     """
     info = info or BaseModelInfo()
-    target_shapes, num_layers, max_rank = limits.target_shapes, limits.num_layers, limits.max_rank
+    targets, max_rank = limits.targets, limits.max_rank
+    num_layers = targets.num_layers
     config = parse_lora_config(config_bytes, max_rank=max_rank)
-    largest = max_weights_bytes(target_shapes, num_layers, max_rank)
+    largest = max_weights_bytes(targets, max_rank)
     if len(weights_bytes) > largest:
         raise AdapterError(
             f"adapter_model.safetensors is {len(weights_bytes)} bytes; the largest valid adapter "
@@ -111,22 +113,21 @@ def load_adapter_files(
         )
     entries = read_header(
         weights_bytes,
-        max_header_bytes=max_header_bytes(target_shapes, num_layers),
-        max_tensors=max_header_tensors(target_shapes, num_layers),
+        max_header_bytes=max_header_bytes(targets),
+        max_tensors=max_header_tensors(targets),
         max_metadata=MAX_METADATA_ENTRIES,
     )
-    layout, found = map_tensor_names(entries, info)
-    for layer, projection in sorted(found):
+    layout, found = map_tensor_names(entries, targets)
+    for layer, _ in sorted(found):
         if layer >= num_layers:
             raise AdapterError(
                 f"adapter has weights for layer {layer}, the served model has {num_layers} layers"
             )
-        if projection not in target_shapes:
-            raise AdapterError(f"the served model has no {projection} to adapt")
-    specs = resolve_targets(config, layout, num_layers, info)
+    specs = resolve_targets(config, layout, targets)
     _check_same_modules(specs, found)
+    shapes = targets.shapes()
     for key, spec in specs.items():
-        _check_shapes(key, spec, found[key], entries, target_shapes[key[1]])
+        _check_shapes(key, spec, found[key], entries, shapes[key])
     names = [name for key in sorted(found) for name in (found[key]["lora_A"], found[key]["lora_B"])]
     tensors = load_tensors(weights_bytes, names)
     weights = {}
@@ -198,12 +199,12 @@ def adapter_digest(
 
     Hashed, each chunk prefixed by its length as 8 bytes little-endian:
     ``b"loraplex-lora-v1"``; canonical JSON (sorted keys, no spaces) of
-    ``{"use_rslora": bool, "modules": [[layer, projection, rank, alpha, scale], ...]}`` sorted
-    by ``(layer, projection)``; then per tensor, sorted by canonical name
-    ``"<layer>.<projection>.lora_A|lora_B"``: JSON ``[name, dtype, shape]`` and the tensor's raw
-    little-endian bytes as stored. File order, header padding, metadata, layout prefixes and
-    the config's spelling of targets (list vs regex) do not change it; any weight, dtype,
-    rank, alpha or target does.
+    ``{"use_rslora": bool, "modules": [[layer, name, rank, alpha, scale], ...]}`` sorted
+    by ``(layer, name)`` (``name`` the target's, ``q_proj``); then per tensor, sorted by
+    canonical name ``"<layer>.<name>.lora_A|lora_B"``: JSON ``[name, dtype, shape]`` and the
+    tensor's raw little-endian bytes as stored. File order, header padding, metadata, layout
+    prefixes and the config's spelling of targets (list vs regex) do not change it; any weight,
+    dtype, rank, alpha or target does.
     """
     h = hashlib.sha256()
 
@@ -233,9 +234,9 @@ def _check_same_modules(specs: dict[ModuleKey, TargetSpec], found: dict) -> None
         raise AdapterError(f"adapter has no weights for targeted module {specs[missing[0]].module}")
     extra = sorted(set(found) - set(specs))
     if extra:
-        layer, projection = extra[0]
+        layer, name = extra[0]
         raise AdapterError(
-            f"adapter has weights for layer {layer} {projection}, which its config does not target"
+            f"adapter has weights for layer {layer} {name}, which its config does not target"
         )
     for key, spec in specs.items():
         for ab in ("lora_A", "lora_B"):

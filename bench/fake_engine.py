@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from loraplex.adapters.base_model import LinearTarget, ModelTargets
 from loraplex.adapters.limits import AdapterLimits
 from loraplex.engine.client.inputs import ProcessedPrompt
 from loraplex.engine.request import (
@@ -86,8 +87,10 @@ class InstantEngine:
         self.token_seconds = token_seconds
         self.max_model_len = max_model_len
         self.completion_tokens = completion_tokens
+        attention = [LinearTarget(f"self_attn.{p}", p, 64, 64) for p in ("q_proj", "v_proj")]
         self.adapter_limits = AdapterLimits(
-            target_shapes={"q_proj": (64, 64), "v_proj": (64, 64)}, num_layers=2, max_rank=16
+            targets=ModelTargets.uniform("FakeForCausalLM", "model.layers", attention, 2),
+            max_rank=16,
         )
         self.input_limits = InputLimits()  # no pre-tokenization bound: prompts are ignored
         self.gate = gate

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -62,7 +63,9 @@ def write_adapters(
     """``count`` random PEFT LoRA adapters (rank 16, every projection) in PEFT's file format.
 
     ``cfg`` is the (text) model config; ``prefix`` is where PEFT puts the decoder layers
-    (``base_model.model.model.language_model`` for a LLaVA).
+    (``base_model.model.model.language_model`` for a LLaVA). ``target_modules`` is a regex over
+    the decoder layers only (a plain list of names would also reach a LLaVA's vision tower,
+    which validation refuses).
     """
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -76,13 +79,16 @@ def write_adapters(
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }
+    layers = re.escape(prefix.removeprefix("base_model.model.") + ".layers")
+    targets = rf"{layers}\.\d+\.(?:self_attn|mlp)\.(?:{'|'.join(sorted(PROJ))})"
     dirs = []
     for n in range(count):
         d = root / f"adapter-{n:03d}"
         dirs.append(str(d))
+        d.mkdir(parents=True, exist_ok=True)
+        _write_config(d, targets)
         if (d / "adapter_model.safetensors").exists():
             continue
-        d.mkdir(parents=True, exist_ok=True)
         gen = torch.Generator().manual_seed(1000 + n)
         tensors = {}
         for layer in range(cfg["num_hidden_layers"]):
@@ -92,21 +98,22 @@ def write_adapters(
                 tensors[f"{key}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=gen) * 0.02
                 tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen) * 0.02
         save_file(tensors, str(d / "adapter_model.safetensors"))
-        (d / "adapter_config.json").write_text(
-            json.dumps(
-                {
-                    "peft_type": "LORA",
-                    "task_type": "CAUSAL_LM",
-                    "r": RANK,
-                    "lora_alpha": 32,
-                    "target_modules": sorted(PROJ),
-                    "lora_dropout": 0.0,
-                    "bias": "none",
-                    "base_model_name_or_path": None,
-                }
-            )
-        )
     return dirs
+
+
+def _write_config(directory: Path, target_modules: str) -> None:
+    """PEFT's ``adapter_config.json`` of :func:`write_adapters`' adapters."""
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": RANK,
+        "lora_alpha": 32,
+        "target_modules": target_modules,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "base_model_name_or_path": None,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config))
 
 
 def workload(n: int, vocab: int, num_adapters: int, seed: int = 0):

@@ -213,15 +213,11 @@ def main() -> None:
     prefix = "base_model.model.model.language_model"
     dirs = write_adapters(root / "adapters-llava", cfg, 2 * args.tenants, prefix=prefix)
     from loraplex.adapters.limits import AdapterLimits
-    from loraplex.engine.lora.layers import target_shapes
+    from loraplex.engine.lora.targets import served_targets
     from loraplex.engine.models.loader import load_model
 
-    model, _ = load_model(str(path), torch.float32, torch.device("cpu"))
-    limits = AdapterLimits(
-        target_shapes={name: s for (_, name), s in target_shapes(model).items()},
-        num_layers=model.num_layers,
-        max_rank=16,
-    )
+    model, hf_config = load_model(str(path), torch.float32, torch.device("cpu"))
+    limits = AdapterLimits(targets=served_targets(model, hf_config), max_rank=16)
     adapters = [store.put_dir(d, limits=limits) for d in dirs]
     requests = workload(args.requests, args.tenants, [a.digest for a in adapters])
     results: dict[str, dict] = {}

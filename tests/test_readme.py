@@ -44,7 +44,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 START = "## A session with the server"
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```[ \t]*$", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- not-run: (.+?) -->\s*\Z")
-RUN_BLOCKS = 12  # bash and python blocks the README's walk-through has to run
+RUN_BLOCKS = 13  # bash and python blocks the README's walk-through has to run
 SKIPPED_BLOCKS = 1  # `loraplex serve`
 SERVE_START_S = 180
 SCRIPT_TIMEOUT_S = 900
@@ -259,9 +259,15 @@ def check_what_the_session_did(workdir, url, blocks, outputs, keys_held) -> None
     # /docs: the schema was fetched with the key and lists the routes
     paths = block_output(blocks, outputs, "/docs/openapi.json").split()
     assert {"/v1/chat/completions", "/v1/adapters", "/v1/models"} <= set(paths)
-    # the PEFT recipe made an adapter of the language model only, and the upload took it
+    # the served model said what adapters may target; the PEFT recipe made an adapter of the
+    # language model only from its regex, and the upload took it
+    (lora,) = json_values(block_output(blocks, outputs, '["lora"]'))
+    assert lora["decoder_layers"] == "model.language_model.layers" and lora["max_rank"] == 64
+    assert lora["target_modules"][:4] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     config = json.loads((workdir / "my-adapter" / "adapter_config.json").read_text())
-    assert config["peft_type"] == "LORA" and "language_model" in config["target_modules"]
+    assert config["peft_type"] == "LORA"
+    regex = lora["target_modules_regex"].replace("|gate_proj|up_proj|down_proj", "")
+    assert config["target_modules"] == regex
     upload, models, lora_chat, deleted = json_values(
         block_output(blocks, outputs, "-F name=my-lora")
     )

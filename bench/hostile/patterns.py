@@ -8,8 +8,9 @@ quantifiers, huge counted repetitions) in every pattern field, and the most expe
 caps admit (4,096 ``rank_pattern`` keys, the full regex-character budget in 1,000-character
 patterns, as many small regex keys as the character budget admits, which spend the whole
 evaluation budget before they are refused). Validation is what an upload runs
-before any tensor: ``parse_lora_config`` and ``resolve_targets`` against a 32-layer Llama's module
-names (an 8B model's 224 projections) with LLaVA's vision tower in the universe. Each case is
+before any tensor: ``parse_lora_config`` and ``resolve_targets`` against LLaVA-1.5-7B's module
+names (``LlavaConfig()`` built on the meta device: 32 decoder layers, 224 projections, and the
+24-layer CLIP vision tower in the universe). Each case is
 timed alone (the slowest of three runs, after one untimed validation that imports what
 validation imports on first use; the start-up heap frozen as ``serve`` does);
 ``max_pattern_ms`` is the slowest case, and the issue's bound is 100 ms. Every case is either
@@ -23,8 +24,9 @@ import json
 import time
 from typing import Any
 
-from loraplex.adapters.base_model import LAYOUTS, PROJECTIONS, BaseModelInfo
+from loraplex.adapters.base_model import ModelTargets, model_targets
 from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.layouts import layouts_of
 from loraplex.adapters.peft_config import (
     MAX_PATTERN_KEYS,
     MAX_REGEX_CHARS,
@@ -46,21 +48,16 @@ CATASTROPHIC = [
 ]
 
 
-def _llava_info() -> BaseModelInfo:
-    """A LLaVA-sized universe: the decoder's projections plus a 24-layer CLIP tower."""
-    others = {"model.language_model.embed_tokens": "Embedding", "lm_head": "Linear"}
-    for i in range(24):
-        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            others[f"model.vision_tower.vision_model.encoder.layers.{i}.self_attn.{name}"] = (
-                "Linear"
-            )
-        for name in ("fc1", "fc2"):
-            others[f"model.vision_tower.vision_model.encoder.layers.{i}.mlp.{name}"] = "Linear"
-    others["model.multi_modal_projector.linear_1"] = "Linear"
-    return BaseModelInfo(multimodal=True, module_types=others)
+def _llava_targets() -> ModelTargets:
+    """LLaVA-1.5-7B's targets (transformers' default ``LlavaConfig``, on the meta device)."""
+    from transformers import LlavaConfig
+
+    targets = model_targets(LlavaConfig())
+    assert targets.num_layers == NUM_LAYERS
+    return targets
 
 
-def cases() -> dict[str, dict[str, Any]]:
+def cases(targets: ModelTargets) -> dict[str, dict[str, Any]]:
     """Name -> the config's JSON object."""
     lm_only = r".*language_model.*\.(q_proj|v_proj)"
     base = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": lm_only}
@@ -75,8 +72,8 @@ def cases() -> dict[str, dict[str, Any]]:
             "layers_pattern": pattern,
             "layers_to_transform": [0],
         }
-    layout = LAYOUTS[1]  # llava: model.language_model.layers.N...
-    modules = [layout.module_name(i, p) for i in range(NUM_LAYERS) for p in PROJECTIONS]
+    layout = layouts_of(targets)[0]  # model.language_model.layers.N...
+    modules = [layout.module_name(i, t.path) for i in range(NUM_LAYERS) for t in targets.layer(i)]
     keys = [f"{m}.x{j}" for j in range(MAX_PATTERN_KEYS // len(modules) + 1) for m in modules]
     out["4096 plain rank/alpha keys"] = {
         **base,
@@ -94,17 +91,17 @@ def cases() -> dict[str, dict[str, Any]]:
     small = [f"(?:x|y)*{i:02d}z" for i in range(room // (12 + REGEX_PATTERN_COST))]
     out["small regex keys past the evaluation budget"] = {
         **listed,
-        "target_modules": list(PROJECTIONS),
+        "target_modules": list(targets.names),
         "rank_pattern": {k: 4 for k in small},
     }
     return out
 
 
-def validate(config: dict[str, Any], info: BaseModelInfo) -> str:
+def validate(config: dict[str, Any], targets: ModelTargets) -> str:
     """``"accepted"`` or ``"refused: <reason>"``: the config's validation, no tensors."""
     try:
         parsed = parse_lora_config(json.dumps(config).encode(), max_rank=64)
-        resolve_targets(parsed, LAYOUTS[1], NUM_LAYERS, info)
+        resolve_targets(parsed, layouts_of(targets)[0], targets)
     except AdapterError as exc:
         return "refused: " + str(exc)[:70]
     return "accepted"
@@ -112,17 +109,17 @@ def validate(config: dict[str, Any], info: BaseModelInfo) -> str:
 
 def run() -> dict[str, Any]:
     """Time every case; ``max_pattern_ms`` is the slowest (milliseconds)."""
+    targets = _llava_targets()
     gc.collect()
     gc.freeze()  # as ``serve`` does before serving: the collector skips the start-up heap
-    info = _llava_info()
-    all_cases = cases()
-    validate(next(iter(all_cases.values())), info)  # untimed: the first call imports peft (~1-4 s)
+    all_cases = cases(targets)
+    validate(next(iter(all_cases.values())), targets)  # untimed: its first call imports peft
     rows = {}
     for name, config in all_cases.items():
         worst, outcome = 0.0, ""
         for _ in range(3):
             start = time.perf_counter()
-            outcome = validate(config, info)
+            outcome = validate(config, targets)
             worst = max(worst, (time.perf_counter() - start) * 1000)
         rows[name] = (worst, outcome)
     gc.unfreeze()

@@ -101,8 +101,8 @@ class LLMEngine:
         return self.core.adapter_limits
 
     @property
-    def lora_shapes(self) -> dict[str, tuple[int, int]]:
-        """``projection name -> (in_features, out_features)`` an adapter may target."""
+    def lora_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """``(layer, target name) -> (in_features, out_features)`` an adapter may target."""
         return self.core.lora_shapes
 
     @property

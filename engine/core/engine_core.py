@@ -36,8 +36,9 @@ from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.kv_cache.events import KVEvent, KVEventLog
 from loraplex.engine.kv_cache.swap import CpuBlockPool
 from loraplex.engine.lora.backend import select_lora_backend
-from loraplex.engine.lora.layers import install_lora, target_shapes
+from loraplex.engine.lora.layers import install_lora
 from loraplex.engine.lora.slots import LoRAManager
+from loraplex.engine.lora.targets import served_targets
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.runner.loading import (
     attention_cost,
@@ -143,13 +144,11 @@ class EngineCore:
         self.device, self.dtype = loaded.device, loaded.dtype
         self.eos_token_ids = loaded.eos_token_ids
         self.adapter_limits = AdapterLimits(
-            target_shapes={name: s for (_, name), s in target_shapes(self.model).items()},
-            num_layers=self.model.num_layers,
-            max_rank=config.max_lora_rank,
+            targets=served_targets(self.model, self.hf_config), max_rank=config.max_lora_rank
         )
         self.adapters = AdapterRegistry(self.adapter_limits, adapter_loader)
         self.lora_manager = LoRAManager(
-            target_shapes(self.model),
+            self.adapter_limits.targets.shapes(),
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
             max_rank=config.max_lora_rank,
@@ -362,9 +361,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------------ adapters
     @property
-    def lora_shapes(self) -> dict[str, tuple[int, int]]:
-        """``projection name -> (in_features, out_features)`` an adapter may target."""
-        return self.adapter_limits.target_shapes
+    def lora_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """``(layer, target name) -> (in_features, out_features)`` an adapter may target."""
+        return self.adapter_limits.targets.shapes()
 
     def add_lora_dir(self, path: str) -> Any:
         """Validate a PEFT LoRA directory and make it available by its digest.

@@ -1,9 +1,11 @@
-"""``loraplex model init-tiny DIR [--seed N] [--text-only]``."""
+"""``loraplex model init-tiny DIR [--seed N] [--text-only]``, ``loraplex model targets MODEL``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 
 def register(subparsers) -> None:
@@ -25,6 +27,15 @@ def register(subparsers) -> None:
         "tiny one)",
     )
     tiny.set_defaults(func=_init_tiny)
+    targets = sub.add_parser(
+        "targets",
+        help="what a LoRA adapter for a model may target (from its config; no weights are read)",
+    )
+    targets.add_argument(
+        "model",
+        help="a model directory (config.json), or a Hub id AutoConfig.from_pretrained takes",
+    )
+    targets.set_defaults(func=_targets)
 
 
 def _init_tiny(args: argparse.Namespace) -> int:
@@ -35,4 +46,24 @@ def _init_tiny(args: argparse.Namespace) -> int:
         kwargs["preset"] = args.preset
     path = init_tiny(args.directory, **kwargs)
     print(json.dumps({"model": str(path), "seed": args.seed, "text_only": args.text_only}))
+    return 0
+
+
+def _targets(args: argparse.Namespace) -> int:
+    """Print ``ModelTargets.summary()`` of the model's config as one JSON line (1 on error)."""
+    from transformers import AutoConfig
+
+    from loraplex.adapters.base_model import model_targets
+
+    model = args.model
+    if not os.path.exists(model) and (model.startswith(("/", ".", "~")) or model.count("/") > 1):
+        print(json.dumps({"error": f"model directory not found: {model}"}), file=sys.stderr)
+        return 1
+    try:
+        config = AutoConfig.from_pretrained(model)
+        summary = model_targets(config).summary()
+    except (OSError, ValueError) as exc:
+        print(json.dumps({"error": f"cannot read the model's targets: {exc}"}), file=sys.stderr)
+        return 1
+    print(json.dumps(summary))
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import warnings
@@ -14,16 +15,14 @@ from peft import LoraConfig, get_peft_model
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from loraplex.adapters.base_model import (
-    base_model_info,
-    num_layers_from_config,
-    target_shapes_from_config,
-)
+from loraplex.adapters.base_model import BaseModelInfo, ModelTargets, model_targets
 from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.limits import AdapterLimits
 from loraplex.adapters.store import AdapterStore
 
 MAX_RANK = 16
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""What a Llama-family decoder layer's linears are called (transformers' ``LlamaDecoderLayer``)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,12 +45,27 @@ def served(model_dir) -> dict:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    limits = AdapterLimits(
-        target_shapes=target_shapes_from_config(config),
-        num_layers=num_layers_from_config(config),
-        max_rank=MAX_RANK,
+    limits = AdapterLimits(targets=model_targets(config), max_rank=MAX_RANK)
+    return {"limits": limits, "info": BaseModelInfo(names=("tiny", str(model_dir)))}
+
+
+@functools.cache
+def llama_targets(num_layers: int) -> ModelTargets:
+    """A Llama's targets, as transformers builds it on the meta device (any width: tiny)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
-    return {"limits": limits, "info": base_model_info(config, names=("tiny", str(model_dir)))}
+    return model_targets(config)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,9 @@ import pytest
 import torch
 from peft.tuners.lora import LoraLayer
 
-from loraplex.adapters.base_model import PROJECTIONS, target_shapes_from_config
+from loraplex.adapters.base_model import model_targets
 from loraplex.adapters.validation import load_adapter_dir
+from tests.adapters.conftest import LLAMA_PROJECTIONS as PROJECTIONS
 from tests.adapters.conftest import make_adapter
 
 _MODULE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)")
@@ -121,7 +122,7 @@ def test_rslora_scale(text_base, text_kw, tmp_path):
 
 
 def test_without_model_info(text_base, llava_base, text_kw, llava_kw, tmp_path):
-    """The engine passes only shapes and layers; PEFT adapters still load the same."""
+    """The engine passes only its targets (no names); PEFT adapters still load the same."""
     for base, kw, case in ((text_base, text_kw, "attention"), (llava_base, llava_kw, "regex_lm")):
         cases = TEXT_CASES if base is text_base else LLAVA_CASES
         out, _, _ = make_adapter(base, tmp_path / case, **cases[case])
@@ -141,16 +142,22 @@ def test_bf16_weights_are_loaded_as_float32(text_base, text_kw, tmp_path):
     torch.testing.assert_close(a, state_dict[key].to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("impl", ["native", "transformers"])
 @pytest.mark.parametrize("which", ["text", "llava"])
-def test_target_shapes_agree_with_engine_models(which, text_dir, llava_dir):
+def test_target_shapes_agree_with_engine_models(which, impl, text_dir, llava_dir):
+    """From the config alone (meta device) validation reaches the engine models' targets."""
     from transformers import AutoConfig
 
     from loraplex.engine.models import load_model
 
     model_dir = text_dir if which == "text" else llava_dir
-    model = load_model(model_dir, torch.float32, "cpu")[0]
-    engine_shapes = {name: (m.in_features, m.out_features) for _, name, m in model.lora_targets()}
-    assert target_shapes_from_config(AutoConfig.from_pretrained(model_dir)) == engine_shapes
+    model = load_model(model_dir, torch.float32, "cpu", impl)[0]
+    engine = {(i, name): (m.in_features, m.out_features) for i, name, m in model.lora_targets()}
+    targets = model_targets(AutoConfig.from_pretrained(model_dir))
+    assert targets.shapes() == engine
+    assert targets.names == PROJECTIONS
+    prefix = "model.language_model.layers" if which == "llava" else "model.layers"
+    assert targets.layers_prefix == prefix
 
 
 def test_base_model_recorded_and_compared(text_base, text_kw, text_dir, tmp_path):

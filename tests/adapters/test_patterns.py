@@ -18,11 +18,13 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils.other import get_pattern_key
 
-from loraplex.adapters.base_model import LAYOUTS, PROJECTIONS, BaseModelInfo
 from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.layouts import layouts_of
 from loraplex.adapters.patterns import FOLDS_TO_ASCII, PatternBudget, char_mask, compile_pattern
 from loraplex.adapters.peft_match import PatternKeys, TargetMatcher
 from loraplex.adapters.targets import MAX_PATTERN_EVALUATIONS, resolve_targets
+from tests.adapters.conftest import LLAMA_PROJECTIONS as PROJECTIONS
+from tests.adapters.conftest import llama_targets
 
 # ------------------------------------------------------------------ strategies
 _ATOMS = [
@@ -132,11 +134,16 @@ def test_folds_to_ascii_is_complete():
 
 
 # ------------------------------------------------------------ PEFT semantics
+def _llama_module(prefix: str, layer: int, projection: str) -> str:
+    block = "self_attn" if projection in PROJECTIONS[:4] else "mlp"
+    return f"{prefix}layers.{layer}.{block}.{projection}"
+
+
 def _universe(num_layers: int = 12) -> list[str]:
     out = []
-    for layout in LAYOUTS:
-        out += [layout.module_name(i, p) for i in range(num_layers) for p in PROJECTIONS]
-        out += [layout.decoder_prefix + "embed_tokens", "lm_head"]
+    for prefix in ("model.", "model.language_model.", "language_model.model."):
+        out += [_llama_module(prefix, i, p) for i in range(num_layers) for p in PROJECTIONS]
+        out += [prefix + "embed_tokens", "lm_head"]
     out += [f"model.vision_tower.vision_model.encoder.layers.{i}.mlp.fc1" for i in range(3)]
     out += ["model.multi_modal_projector.linear_1", "Q_PROJ", "kk.ss"]
     return out
@@ -254,8 +261,9 @@ def _python_refuses_a_pattern(config: LoraConfig) -> bool:
 
 def test_eva_sized_rank_pattern_fits_the_budget():
     """One rank and one alpha key per module of an 80-layer model, as EVA writes them."""
-    layout = LAYOUTS[0]
-    modules = [layout.module_name(i, p) for i in range(80) for p in PROJECTIONS]
+    targets = llama_targets(80)
+    keys = [(i, p) for i in range(80) for p in PROJECTIONS]
+    modules = [_llama_module("model.", i, p) for i, p in keys]
     config = LoraConfig(
         r=8,
         lora_alpha=16,
@@ -263,19 +271,20 @@ def test_eva_sized_rank_pattern_fits_the_budget():
         rank_pattern={m: 1 + i % 16 for i, m in enumerate(modules)},
         alpha_pattern={m: 2 + i % 16 for i, m in enumerate(modules)},
     )
-    specs = resolve_targets(config, layout, 80, BaseModelInfo())
+    specs = resolve_targets(config, layouts_of(targets)[0], targets)
     assert len(specs) == len(modules)
-    for i, m in enumerate(modules):
-        assert specs[layout.parse(m)].rank == 1 + i % 16
-        assert specs[layout.parse(m)].alpha == 2 + i % 16
+    for i, (key, m) in enumerate(zip(keys, modules, strict=True)):
+        assert specs[key].module == m
+        assert specs[key].rank == 1 + i % 16
+        assert specs[key].alpha == 2 + i % 16
 
 
 def test_many_regex_keys_are_refused_by_the_evaluation_budget():
-    layout = LAYOUTS[0]
+    targets = llama_targets(80)
     keys = {f"(?:x|y)*{i}z": 2 for i in range(400)}  # none matches: every module tries all
     config = LoraConfig(r=8, target_modules=list(PROJECTIONS), rank_pattern=keys)
     with pytest.raises(AdapterError, match=f"more than {MAX_PATTERN_EVALUATIONS} regex"):
-        resolve_targets(config, layout, 80, BaseModelInfo())
+        resolve_targets(config, layouts_of(targets)[0], targets)
 
 
 def test_fixed_keys_index_keeps_peft_order():
@@ -335,7 +344,7 @@ def no_python_regex_on(monkeypatch):
 def test_hostile_patterns_never_reach_python_re(pattern, field, no_python_regex_on):
     from loraplex.adapters.peft_config import parse_lora_config
 
-    layout = LAYOUTS[0]
+    targets = llama_targets(2)
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
     if field in ("rank_pattern", "alpha_pattern"):
         config[field] = {pattern: 2}
@@ -348,6 +357,6 @@ def test_hostile_patterns_never_reach_python_re(pattern, field, no_python_regex_
 
     try:  # matched by RE2 (accepted or refused for what it targets) or refused as a pattern
         parsed = parse_lora_config(json.dumps(config).encode(), max_rank=16)
-        resolve_targets(parsed, layout, 2, BaseModelInfo())
+        resolve_targets(parsed, layouts_of(targets)[0], targets)
     except AdapterError:
         pass

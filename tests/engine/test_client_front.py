@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from loraplex.adapters.base_model import ModelTargets
 from loraplex.adapters.limits import AdapterLimits
 from loraplex.engine.client.core_client import CoreInfo, EngineCoreClient
 from loraplex.engine.client.front import AsyncLLM
@@ -25,7 +26,7 @@ class FakeCore(EngineCoreClient):
     def __init__(self) -> None:
         self.info = CoreInfo(
             max_model_len=256,
-            adapter_limits=AdapterLimits(target_shapes={}, num_layers=1, max_rank=8),
+            adapter_limits=AdapterLimits(ModelTargets.uniform("Fake", "model.layers", [], 1), 8),
             image_token_id=None,
             num_image_tokens=0,
             num_parameters=1,

@@ -74,3 +74,30 @@ def _epoch(iso: str) -> int:
     from datetime import datetime
 
     return int(datetime.fromisoformat(iso).timestamp())
+
+
+def test_base_model_card_says_what_adapters_may_target(live, hf_llava, tmp_path):
+    """``lora`` on the base model: the served model's targets, and a PEFT regex that works."""
+    acme = live.create_tenant("acme-targets")
+    with live.client(acme["api_key"]) as c:
+        lora = c.get("/v1/models/tiny-llava").json()["lora"]
+        names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        limits = live.state.engine.adapter_limits
+        assert lora == {
+            "architecture": "LlavaForConditionalGeneration",
+            "decoder_layers": "model.language_model.layers",
+            "num_layers": 4,
+            "target_modules": names,
+            "target_modules_regex": limits.targets.peft_target_regex(),
+            "max_rank": limits.max_rank,
+        }
+        assert c.get("/v1/models").json()["data"][0]["lora"] == lora
+        # PEFT with that regex adapts the language model only (a plain list reaches CLIP too)
+        regex = make_adapter(
+            hf_llava, tmp_path / "r", r=4, target_modules=lora["target_modules_regex"]
+        )
+        assert upload_dir(c, "by-regex", regex[0]).json()["target_modules"] == sorted(names)
+        plain = make_adapter(hf_llava, tmp_path / "p", r=4, target_modules=["q_proj"])
+        error = assert_openai_error(upload_dir(c, "by-list", plain[0]), 400)
+        assert "(vision tower)" in error["message"]
+        assert "may target: " + ", ".join(names) in error["message"]

@@ -43,7 +43,7 @@ def good_dir(hf_llava, tmp_path_factory):
 
 def _weights_cap(live) -> int:
     limits = live.state.engine.adapter_limits
-    return max_weights_bytes(limits.target_shapes, limits.num_layers, limits.max_rank)
+    return max_weights_bytes(limits.targets, limits.max_rank)
 
 
 def test_caps_are_derived_from_the_served_model(live):
@@ -117,7 +117,7 @@ def test_hostile_safetensors_headers(live, good_dir):
     t = live.create_tenant("acme")
     config, _ = read(good_dir)
     limits = live.state.engine.adapter_limits
-    header_cap = max_header_bytes(limits.target_shapes, limits.num_layers)
+    header_cap = max_header_bytes(limits.targets)
     million = b"{" + b",".join(b'"t%d":{}' % i for i in range(10**6)) + b"}"
     few_bytes_many_entries = b"{" + b",".join(b'"%d":0' % i for i in range(6000)) + b"}"
     assert len(few_bytes_many_entries) < header_cap

@@ -21,24 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from loraplex.adapters.base_model import lora_target_names
+from loraplex.adapters.base_model import find_decoder_layers, lora_target_names
 from loraplex.engine.attention import AttentionBackend, AttentionMetadata
 from loraplex.engine.models.transformers_backend.attention import PagedStep, paged_step
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
-def _decoder_layers(decoder: nn.Module, num_layers: int) -> nn.ModuleList:
-    """The decoder's list of layers (``decoder.layers`` in nearly every architecture)."""
-    layers = getattr(decoder, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
-        return layers
-    found = [m for m in decoder.children() if isinstance(m, nn.ModuleList) and len(m) == num_layers]
-    if len(found) != 1:
-        raise ValueError(f"cannot find the {num_layers} decoder layers of {type(decoder).__name__}")
-    return found[0]
 
 
 def _attention_of(layer: nn.Module, index: int) -> nn.Module:
@@ -98,7 +87,7 @@ class TransformersForCausalLM(nn.Module):
         check_text_config(self.text_config)
         self.decoder = hf_model.get_decoder()
         num_layers = int(self.text_config.num_hidden_layers)
-        self.layers = _decoder_layers(self.decoder, num_layers)
+        self.layers = find_decoder_layers(self.decoder, num_layers)
         self._layer_of = {id(_attention_of(layer, i)): i for i, layer in enumerate(self.layers)}
         self.lm_head = hf_model.get_output_embeddings()
         if self.lm_head is None:

@@ -56,7 +56,7 @@ class UploadLimits:
             config: ``upload_max_body_bytes``, ``max_archive_unpacked_bytes`` and
                 ``max_archive_members``.
         """
-        weights = max_weights_bytes(adapter.target_shapes, adapter.num_layers, adapter.max_rank)
+        weights = max_weights_bytes(adapter.targets, adapter.max_rank)
         files = MAX_CONFIG_BYTES + weights + OTHER_BYTES
         body = files + files // 100 + FORM_SLACK_BYTES
         unpacked = min(files, config.max_archive_unpacked_bytes)

@@ -27,13 +27,13 @@ class ModelsController(Controller):
         engine: Injected[EngineClient],
         sessions: Injected[async_sessionmaker],
     ) -> dict[str, Any]:
-        """The base model first, then the tenant's adapters by name."""
+        """The base model first (with what its adapters may target), then the tenant's adapters."""
         principal = request.user
         async with sessions() as session:
             rows = await list_adapters(session, principal.tenant_id)
         base = engine.model_name
         cards = [adapter_model_card(r, principal.tenant_name, base) for r in rows]
-        return list_body([base_model_card(base), *cards])
+        return list_body([base_model_card(base, engine.adapter_limits), *cards])
 
     @get("/{model:path}")
     async def get_model(
@@ -48,7 +48,7 @@ class ModelsController(Controller):
         model = model.lstrip("/")
         base = engine.model_name
         if model == base:
-            return base_model_card(base)
+            return base_model_card(base, engine.adapter_limits)
         async with sessions() as session:
             row = await find_adapter(session, principal.tenant_id, model)
         if row is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from loraplex.adapters.limits import AdapterLimits
 from loraplex.gateway.db.models import Adapter
 
 BASE_OWNER = "loraplex"
@@ -27,13 +28,19 @@ def adapter_view(row: Adapter) -> dict[str, Any]:
     }
 
 
-def base_model_card(model_name: str) -> dict[str, Any]:
-    """The served base model as an OpenAI model object (``created``: now, as vLLM does)."""
+def base_model_card(model_name: str, limits: AdapterLimits) -> dict[str, Any]:
+    """The served base model as an OpenAI model object (``created``: now, as vLLM does).
+
+    One field beyond OpenAI's: ``lora``, what an adapter for this model may target
+    (:meth:`adapters.limits.AdapterLimits.summary`: ``target_modules``, a ready
+    ``target_modules_regex`` for PEFT, ``decoder_layers``, ``num_layers``, ``max_rank``).
+    """
     return {
         "id": model_name,
         "object": "model",
         "created": int(time.time()),
         "owned_by": BASE_OWNER,
+        "lora": limits.summary(),
     }
 
 
