@@ -18,7 +18,7 @@ from loraplex.hashing.image_limits import (
 )
 
 Device = Literal["cpu", "cuda"]
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["float32", "bfloat16", "float16", "auto"]
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,26 @@ class EngineConfig:
     """
 
     model: str
-    """Hugging Face model directory (config.json, *.safetensors, tokenizer files)."""
+    """The model: a Hugging Face directory (config.json, *.safetensors, tokenizer files), a Hub
+    id (org/name, fetched into the HF cache) or a .gguf file (dequantized once into a cached
+    directory); resolved to a directory before anything reads it
+    (``engine.models.source.resolve_model_source``)."""
+    revision: str | None = None
+    """Hub revision of ``model`` when it is a Hub id: a branch, tag or commit. Default: main."""
+    model_source: str | None = None
+    """What ``model`` named before it was resolved to a directory (a Hub id, a .gguf file or
+    the directory itself); set by the resolution, which a config carrying it skips, so an
+    engine core process or replica handed the config never downloads or converts again."""
     served_model_name: str | None = None
-    """The base model's name in requests' model field and /v1/models. Default: the model
-    directory's name."""
+    """The base model's name in requests' model field and /v1/models. Default: the Hub id for a
+    Hub model, the file's name without .gguf for a GGUF file, else the directory's name."""
     device: Device = "cpu"
     """Where the model runs."""
     dtype: DType = "float32"
-    """Weights, activations and KV cache."""
+    """Weights, activations and KV cache. auto takes the checkpoint's own (config.json's dtype:
+    float32, bfloat16 or float16; anything else, or none, is float32), as vLLM does. The default
+    stays float32: the engine's outputs are token-exact against transformers in float32
+    (docs/model_sources.md)."""
     model_impl: Literal["auto", "native", "transformers"] = "auto"
     """Model code: native (the engine's own Llama, Mistral, Qwen2 and LLaVA, the fast path),
     transformers (transformers' modeling code over the paged KV cache: any causal-LM or
@@ -123,8 +135,8 @@ class EngineConfig:
     smaller model, ``speculative_model``); outputs are the same token for token
     (docs/speculative.md). Default: off."""
     speculative_model: str | None = None
-    """Draft: the draft model's directory, a text-only checkpoint with the served model's
-    tokenizer. Default: none."""
+    """Draft: the draft model (a directory, a Hub id at its main revision, or a .gguf file), a
+    text-only checkpoint with the served model's tokenizer. Default: none."""
     num_speculative_tokens: int | None = None
     """Most proposals a sequence verifies per step, 1-16; each sequence adapts its own count to
     its acceptance (engine.spec_decode.adaptive). Default: 4 with a ``speculative_method``."""
@@ -163,8 +175,12 @@ class EngineConfig:
         checks = [
             (self.device in ("cpu", "cuda"), f"device must be cpu or cuda, got {self.device!r}"),
             (
-                self.dtype in ("float32", "bfloat16", "float16"),
-                f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}",
+                self.dtype in ("float32", "bfloat16", "float16", "auto"),
+                f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}",
+            ),
+            (
+                self.revision is None or bool(self.revision.strip()),
+                "revision must not be empty",
             ),
             (self.block_size > 0, f"block_size must be positive, got {self.block_size}"),
             (

@@ -67,9 +67,11 @@ def data_dir(explicit: str | None = None) -> Path:
 
 
 def resolve_model(model: str | None, data: Path) -> str:
-    """The model directory to serve: ``--model``, or the built-in tiny LLaVA.
+    """The model to serve: ``--model`` as given, or the built-in tiny LLaVA's directory.
 
-    The built-in model is written into ``DATA/models/tiny-llava`` on first use (seed 0).
+    ``--model`` may be a directory, a Hub id or a GGUF file; the engine resolves it to a
+    directory (``engine.models.source.resolve_model_source``). The built-in model is written
+    into ``DATA/models/tiny-llava`` on first use (seed 0).
     """
     if model:
         return model

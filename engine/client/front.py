@@ -86,9 +86,10 @@ class AsyncLLM:
 
     Args:
         core: The core client (started: its ``info`` is set).
-        config: The ``EngineConfig`` (the model directory, image limits, prefix hash).
-        model_name: Name of the base model in the API (default: ``config.served_model_name``
-            or the directory's name).
+        config: The ``EngineConfig`` (the model directory, image limits, prefix hash); its model
+            source is resolved here unless it is already (``engine.models.source``).
+        model_name: Name of the base model in the API (default: ``config.served_model_name``,
+            which resolution sets: the Hub id, the GGUF file's stem or the directory's name).
         processor: ``(tokenizer, input processor)`` already loaded (an ``LLMEngine``'s),
             else loaded here from the model directory.
         workers: Threads of the input worker pool (default ``default_workers()``).
@@ -117,9 +118,11 @@ class AsyncLLM:
         from pathlib import Path
 
         from loraplex.engine.client.processing import load_processor, max_token_bytes
+        from loraplex.engine.models.source import resolve_model_source
         from loraplex.engine.sampling.logprobs import TokenBytes
         from loraplex.engine.structured_output.tool_call_format import detect_tool_call_format
 
+        config = resolve_model_source(config)  # a no-op on the config the core started from
         info = core.info
         self.core = core
         self.config = config

@@ -25,6 +25,7 @@ from loraplex.engine.client.processing import load_processor
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core.engine_core import EngineCore
 from loraplex.engine.errors import rejection_error
+from loraplex.engine.models.source import resolve_model_source
 from loraplex.engine.request import EngineRequest, RequestOutput
 
 
@@ -37,13 +38,14 @@ class LLMEngine:
             directly (see :class:`EngineCore`).
 
     Raises:
-        ValueError: what :class:`EngineCore` raises, or a directory without a usable
-            tokenizer / processor.
+        ValueError: what :class:`EngineCore` raises (a model source that names nothing
+            loadable included), or a directory without a usable tokenizer / processor.
     """
 
     def __init__(
         self, config: EngineConfig, *, adapter_loader: Callable[[str], Any] | None = None
     ) -> None:
+        config = resolve_model_source(config)  # a Hub id or GGUF file: a directory, once
         self.core = EngineCore(config, adapter_loader=adapter_loader)
         self.config = self.core.config
         self.tokenizer, self.inputs = load_processor(

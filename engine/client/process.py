@@ -64,7 +64,9 @@ class ProcessCoreClient(EngineCoreClient):
     """An engine core in a child process (or a Ray actor), restarted when it dies.
 
     Args:
-        config: The ``EngineConfig`` (sent to the child as its start argument).
+        config: The ``EngineConfig`` (sent to the child as its start argument, its model
+            resolved here first: a child or a Ray replica never downloads or converts it;
+            ``engine.models.source``).
         store_root: The adapter store the core reads adapters from by digest, or None.
         launcher: Where cores run (``engine.core.launch``): a child process (the default)
             or a Ray actor.
@@ -83,7 +85,9 @@ class ProcessCoreClient(EngineCoreClient):
         launcher: Any = None,
         quarantine: Quarantine | None = None,
     ) -> None:
-        self.config = config
+        from loraplex.engine.models.source import resolve_model_source
+
+        self.config = resolve_model_source(config)  # a no-op on a resolved config
         self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.launcher = launcher if launcher is not None else ProcessLauncher()
         self.store_root = store_root

@@ -39,6 +39,7 @@ from loraplex.engine.lora.backend import select_lora_backend
 from loraplex.engine.lora.layers import install_lora
 from loraplex.engine.lora.slots import LoRAManager
 from loraplex.engine.lora.targets import served_targets
+from loraplex.engine.models.source import resolve_model_source
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.runner.loading import (
     attention_cost,
@@ -123,9 +124,13 @@ class EngineCore:
             (``engine.core.breadcrumb``; its process's client reads it after a crash); none in
             process.
 
+    ``config.model`` may be a directory, a Hub id or a GGUF file
+    (``engine.models.source.resolve_model_source``); a client hands a core its resolved config.
+
     Raises:
-        ValueError: an unreadable model directory, an unsupported architecture, or a config
-            that cannot hold one sequence of ``max_model_len`` tokens.
+        ValueError: a model source that names nothing loadable (``ModelSourceError``), an
+            unreadable model directory, an unsupported architecture, or a config that cannot
+            hold one sequence of ``max_model_len`` tokens.
     """
 
     def __init__(
@@ -135,6 +140,7 @@ class EngineCore:
         adapter_loader: Callable[[str], Any] | None = None,
         breadcrumb: Breadcrumb | None = None,
     ) -> None:
+        config = resolve_model_source(config)  # a no-op on a config resolved by the client
         if config.num_cpu_threads is not None:
             torch.set_num_threads(config.num_cpu_threads)
         self.breadcrumb = breadcrumb if breadcrumb is not None else Breadcrumb()

@@ -17,12 +17,11 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv_cache.profile import plan_kv_pool
 from loraplex.engine.kv_cache.sizing import KVPoolSizing
 from loraplex.engine.lora.layers import target_shapes
-from loraplex.engine.models.loader import load_model
+from loraplex.engine.models.dtypes import DTYPES, resolve_dtype
+from loraplex.engine.models.loader import load_config, load_model
 from loraplex.engine.runner.model_runner import kv_block_bytes
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -30,7 +29,8 @@ class LoadedEngine:
     """The model and the sizes derived from it.
 
     Attributes:
-        config: The config as given (see :func:`size_kv_pool` for the resolved one).
+        config: The config as given, its ``dtype`` resolved (``auto`` made the checkpoint's);
+            see :func:`size_kv_pool` for the pool's sizes.
         model: The loaded model.
         max_model_len: The longest sequence before clamping to the KV pool.
         hf_config: Its transformers config.
@@ -53,11 +53,19 @@ class LoadedEngine:
 def load_engine_model(config: EngineConfig) -> LoadedEngine:
     """Load the model; check ``max_model_len`` against its positions.
 
+    ``--dtype auto`` is resolved here, from the checkpoint's config
+    (``engine.models.dtypes.checkpoint_dtype``), before the weights load: the returned config
+    names the dtype the weights, the KV pool's sizing and the LoRA slots use.
+
     Raises:
         ValueError: an unreadable model directory, an unsupported architecture, or a
             ``max_model_len`` past the model's positions.
     """
     device = torch.device(config.device)
+    if config.dtype == "auto":
+        resolved = resolve_dtype(config.dtype, load_config(config.model))
+        logger.info("dtype auto: the checkpoint's %s", resolved)
+        config = config.replace(dtype=resolved)
     dtype = DTYPES[config.dtype]
     model, hf_config = load_model(config.model, dtype, device, config.model_impl)
     model_len = model.max_position_embeddings

@@ -2,8 +2,9 @@
 
 Every field of :class:`~loraplex.engine.config.EngineConfig` is a flag here, named after the
 field and helped by its docstring (``gateway.commands.config_flags``), except ``model`` (a
-directory or the built-in tiny model, resolved by the command) and ``enable_kv_events`` (the
-replica set sets it). What the field cannot say (another flag name, a size parser) is in
+directory, a Hub id, a .gguf file or the built-in tiny model: ``--model``, resolved by the
+command), ``model_source`` (set by that resolution) and ``enable_kv_events`` (the replica set
+sets it). What the field cannot say (another flag name, a size parser) is in
 :data:`FLAG_SPECS`. The engine core process's timeouts are ``serve``'s alone: ``generate`` runs
 the engine on its own thread.
 """
@@ -46,7 +47,7 @@ FLAG_SPECS: dict[str, FlagSpec] = {
         flag="--swap-space", metavar="SIZE", parse=_size, show_default=_show_size
     ),
     "num_speculative_tokens": FlagSpec(metavar="K"),
-    "speculative_model": FlagSpec(metavar="DIR"),
+    "speculative_model": FlagSpec(metavar="MODEL"),
     "grammar_workers": FlagSpec(metavar="N"),
     "grammar_cpu_seconds": FlagSpec(
         flag="--grammar-timeout", metavar="S", show_default="{:g}".format
@@ -65,8 +66,9 @@ FLAG_SPECS: dict[str, FlagSpec] = {
     ),
 }
 
-#: Fields that are not flags: the command resolves ``model``; the replica set sets the other.
-NOT_FLAGS = ("model", "enable_kv_events")
+#: Fields that are not flags: the command resolves ``model`` (and sets ``model_source`` doing
+#: it); the replica set sets ``enable_kv_events``.
+NOT_FLAGS = ("model", "model_source", "enable_kv_events")
 
 #: Fields only ``serve`` has a flag for: they watch an engine core in its own process.
 CORE_PROCESS_FIELDS = ("unresponsive_timeout_s", "dead_timeout_s", "step_timeout_s")
@@ -89,7 +91,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, core_process: bool = Fal
     g.add_argument(
         "--model",
         default=None,
-        help="Hugging Face model directory (default: the built-in tiny LLaVA)",
+        help="a Hugging Face model directory, a Hub id (org/name: fetched into the HF cache, "
+        "see --revision; HF_TOKEN, HF_HUB_OFFLINE) or a .gguf file (dequantized once into a "
+        "cached directory) (default: the built-in tiny LLaVA)",
     )
     g.add_argument(
         "--data-dir",

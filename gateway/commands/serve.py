@@ -478,8 +478,16 @@ def _serve(args: argparse.Namespace, sockets: list, port: int, metrics_port: int
     engine_config = serve_engine_config(args, resolve_model(args.model, directory))
     if engine_config.attention_backend != "triton":
         keep_triton_out()  # transformers' configs import torch._dynamo, which imports triton
+    from loraplex.engine.models.source import resolve_model_source
+
+    # A Hub id is fetched (or found in the HF cache), a GGUF file converted, here, once: the
+    # engine core processes get the directory. A failure is one line (ModelSourceError).
+    engine_config = resolve_model_source(engine_config, progress=progress)
+    shown = engine_config.model
+    if engine_config.model_source != shown:  # a Hub id or a GGUF file: what, and from where
+        shown = f"{engine_config.model_source} from {shown}"
     # Loading starts with the imports (torch, transformers, the gateway): seconds of it.
-    progress(f"loading model {engine_config.model} (torch, transformers, then the weights)")
+    progress(f"loading model {shown} (torch, transformers, then the weights)")
     t0 = time.monotonic()
 
     from loraplex.gateway.server.build import build_gateway, served_name, start_engine

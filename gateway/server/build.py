@@ -21,7 +21,7 @@ from loraplex.gateway.server.state import GatewayState, build_state
 
 
 def served_name(engine_config: EngineConfig) -> str:
-    """``--served-model-name``, else the model directory's base name."""
+    """``--served-model-name``, else the one resolution set, else the directory's base name."""
     return engine_config.served_model_name or Path(engine_config.model).name
 
 
@@ -35,6 +35,10 @@ def start_engine(
     quarantine: Any = None,
 ) -> EngineClient:
     """Load the model and start the engine, reading tenant adapters from the store.
+
+    The model source is resolved first, once (``engine.models.source.resolve_model_source``:
+    a Hub id fetched, a GGUF file converted); every core (a thread, child processes, Ray actors)
+    and the front get the resolved config, so none downloads or converts it again.
 
     Args:
         engine_config: The engine's settings.
@@ -50,12 +54,16 @@ def start_engine(
             memory. An engine in this process has none: a native fault ends the process.
 
     Raises:
-        ValueError: the model or config is unusable (in process), or ``replicas < 1``.
+        ValueError: a model source that names nothing loadable (``ModelSourceError``), the
+            model or config is unusable (in process), or ``replicas < 1``.
         RuntimeError: a core process exited before it was ready (its error is logged).
     """
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
     from loraplex.engine.client.front import AsyncLLM
+    from loraplex.engine.models.source import resolve_model_source
+
+    engine_config = resolve_model_source(engine_config)
 
     cores = start_cores(
         engine_config,
