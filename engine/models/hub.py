@@ -30,11 +30,19 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _root_cause(exc: BaseException) -> BaseException:
-    """The first exception of ``exc``'s ``__cause__`` chain (e.g. the refused connection)."""
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    return exc
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its ``__cause__`` chain, outermost first (the last: the refused connection)."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 16:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+def _http_said(exc) -> str:
+    """An ``HfHubHTTPError`` as ``HTTP 503: <the Hub's message>``."""
+    status = exc.response.status_code if exc.response is not None else "error"
+    message = getattr(exc, "server_message", None)
+    return f"HTTP {status}" + (f": {_one_line(message, 120)}" if message else "")
 
 
 def download_snapshot(
@@ -108,15 +116,19 @@ def download_snapshot(
                 f"{what}: HF_HUB_OFFLINE is set and the HF cache ({cache}) does not hold it: "
                 f"{fetch}, unset HF_HUB_OFFLINE, or pass a local directory"
             ) from None
-        cause = _one_line(_root_cause(exc), 120)
+        chain = _causes(exc)
+        answered = [c for c in chain if isinstance(c, HfHubHTTPError)]
+        if answered:  # the Hub answered, with an error (a 5xx: it is down)
+            reason = f"the Hub at {constants.ENDPOINT} answered {_http_said(answered[0])}"
+        else:
+            reason = f"cannot reach the Hub at {constants.ENDPOINT} ({_one_line(chain[-1], 120)})"
         raise ModelSourceError(
-            f"{what}: cannot reach the Hub at {constants.ENDPOINT} ({cause}), and the HF cache "
-            f"({cache}) does not hold it: check the network or HF_ENDPOINT, {fetch}, or pass a "
-            "local directory"
+            f"{what}: {reason}, and the HF cache ({cache}) does not hold it: check the network "
+            f"or HF_ENDPOINT, {fetch}, or pass a local directory"
         ) from None
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else None
-        said = f"HTTP {status}" + (f": {_one_line(exc.server_message)}" if exc.server_message else "")
+        said = _http_said(exc)
         if status == 401:  # the Hub's answer to a token it does not accept
             raise ModelSourceError(
                 f"{what}: the Hub refused the token ({said}): set HF_TOKEN to a valid token, or "

@@ -50,14 +50,15 @@ class FakeHub:
         repos: ``{repo_id: {revision: (commit, files)}}``.
         token: When set, every request needs ``Authorization: Bearer <token>``.
         gated: Repositories that answer 403 ``GatedRepo``.
+        broken: Repositories that answer 503 (a Hub that is down).
 
     Attributes:
         url: ``http://127.0.0.1:<port>`` (the ``HF_ENDPOINT``).
         requests: ``(method, path, authorization header)`` of every request, in order.
     """
 
-    def __init__(self, repos: dict, *, token: str | None = None, gated=()) -> None:
-        self.repos, self.token, self.gated = repos, token, set(gated)
+    def __init__(self, repos: dict, *, token: str | None = None, gated=(), broken=()) -> None:
+        self.repos, self.token, self.gated, self.broken = repos, token, set(gated), set(broken)
         self.requests: list[tuple[str, str, str | None]] = []
         hub = self
 
@@ -127,6 +128,8 @@ class FakeHub:
             kind = "file"
         else:
             return send(404)
+        if repo_id in self.broken:
+            return send(503, b"{}", [("X-Error-Message", "The Hub is down for maintenance")])
         if repo_id in self.gated:
             return send(403, b"{}", [("X-Error-Code", "GatedRepo")])
         commit, files = self._find(repo_id, revision)

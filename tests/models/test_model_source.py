@@ -171,6 +171,7 @@ def test_the_token_is_sent_and_its_refusals_are_one_line(hub, files, monkeypatch
         ("acme/tiny", "v9", "the repository has no revision 'v9'"),
         ("acme/gated", None, "is gated: accept its terms at http"),
         ("acme/bins", None, "has no safetensors weights"),
+        ("acme/down", None, r"the Hub at http\S+ answered HTTP 503: The Hub is down for"),
     ],
 )
 def test_hub_refusals_are_one_line(hub, files, repo, revision, message):
@@ -180,7 +181,7 @@ def test_hub_refusals_are_one_line(hub, files, repo, revision, message):
         "acme/gated": {"main": (MAIN, files)},
         "acme/bins": {"main": (MAIN, bins)},
     }
-    hub(repos, gated={"acme/gated"})
+    hub(repos, gated={"acme/gated"}, broken={"acme/down"})
     with pytest.raises(ModelSourceError, match=message) as info:
         resolve_model(repo, revision=revision)
     assert "\n" not in str(info.value) and str(info.value).startswith(f"model '{repo}'")
