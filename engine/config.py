@@ -44,7 +44,8 @@ class EngineConfig:
     directory); resolved to a directory before anything reads it
     (``engine.models.source.resolve_model_source``)."""
     revision: str | None = None
-    """Hub revision of ``model`` when it is a Hub id: a branch, tag or commit. Default: main."""
+    """Revision of ``model`` when it is a Hub id: a branch, tag or commit on the Hub. Default:
+    main."""
     model_source: str | None = None
     """What ``model`` named before it was resolved to a directory (a Hub id, a .gguf file or
     the directory itself); set by the resolution, which a config carrying it skips, so an

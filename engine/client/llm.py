@@ -17,7 +17,12 @@ class LLM:
     """Runs batches of requests to completion.
 
     Args:
-        config: The engine configuration (frozen).
+        config: The engine configuration (frozen); its ``model`` may be a directory, a Hub id
+            or a ``.gguf`` file, resolved once to a directory (``engine.models.source``).
+
+    Raises:
+        ValueError: what ``LLMEngine`` raises (``ModelSourceError``: a model that cannot be
+            fetched or loaded, in one line).
     """
 
     def __init__(self, config: EngineConfig) -> None:
