@@ -34,13 +34,21 @@ class ImageInput:
 
     Attributes:
         key: The image key (``hashing.image_keys``), identity of its encoding and KV blocks.
-        pixel_values: ``[3, H, W]`` float tensor from the model's image processor.
-        placeholder: Where its placeholder tokens sit in the prompt.
+        pixel_values: From the model's image processor: ``[3, H, W]`` for the native LLaVA;
+            for a transformers vision-language model, this image's own slice of the
+            processor's ``pixel_values`` (``engine.client.image_inputs``).
+        placeholder: Where its placeholder tokens sit in the prompt: the native LLaVA's run of
+            ``num_image_tokens`` image tokens; for a transformers model, first to last of its
+            image tokens, other tokens (row markers, breaks) between them included. Features
+            go to the image tokens of the span, in order.
+        inputs: Its other processor outputs by name (``image_sizes``, ``pixel_attention_mask``,
+            ``image_grid_thw`` ...), for a transformers model; empty for the native LLaVA.
     """
 
     key: str
     pixel_values: torch.Tensor
     placeholder: MMPlaceholder
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass

@@ -58,6 +58,7 @@ def paged_attention_ref(
     max_seq_len: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    visible_up_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context.
 
@@ -82,6 +83,12 @@ def paged_attention_ref(
         logits_soft_cap: Gemma 2's attention soft-capping: scores become
             ``cap * tanh(scores / cap)`` before the softmax; None for none. Computed over
             materialised scores (SDPA has no such option), one sequence at a time.
+        visible_up_to: ``[T]`` int64 or None: query ``t`` sees key positions ``j <=
+            visible_up_to[t]`` instead of ``j <= its position`` (Gemma 3's bidirectional
+            attention within an image's tokens; transformers' ``blockwise_overlay`` OR'ed with
+            the causal mask). A sliding window still ends at the query's own position, as
+            ``sliding_window_overlay`` AND'ed after the OR. Sequences where it differs from the
+            causal bound run one at a time with an explicit mask.
 
     Returns:
         ``[T, num_heads, head_dim]`` in ``query``'s dtype (computed in float32).
@@ -93,14 +100,17 @@ def paged_attention_ref(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    upper = _non_causal(visible_up_to, starts, lens, q_lens)
     if logits_soft_cap is not None:
         for b, n in enumerate(q_lens):
             _soft_capped(query, key_cache, value_cache, block_tables[b], lens[b], starts[b], n,
-                         scale, sliding_window, logits_soft_cap, out)  # fmt: skip
+                         scale, sliding_window, logits_soft_cap, out, upper.get(b))  # fmt: skip
         return out.to(query.dtype)
     # Decodes sorted by context length and batched in groups of similar length, so a short
     # sequence is not padded to the longest one's context.
-    decodes = sorted((b for b, n in enumerate(q_lens) if n == 1), key=lambda b: lens[b])
+    decodes = sorted(
+        (b for b, n in enumerate(q_lens) if n == 1 and b not in upper), key=lambda b: lens[b]
+    )
     for i in range(0, len(decodes), DECODE_GROUP):
         _decode(
             query,
@@ -115,7 +125,7 @@ def paged_attention_ref(
             out,
         )
     for b, n in enumerate(q_lens):
-        if n > 1:
+        if n > 1 or b in upper:
             _prefill(
                 query,
                 key_cache,
@@ -127,8 +137,33 @@ def paged_attention_ref(
                 scale,
                 sliding_window,
                 out,
+                upper.get(b),
             )
     return out.to(query.dtype)
+
+
+def _non_causal(
+    visible_up_to: torch.Tensor | None, starts: list[int], lens: list[int], q_lens: list[int]
+) -> dict[int, torch.Tensor]:
+    """The bounds of the sequences whose queries do not all stop at themselves.
+
+    Returns:
+        ``{sequence: [q_len] last visible key position}``, empty when ``visible_up_to`` is None.
+    """
+    if visible_up_to is None:
+        return {}
+    device = visible_up_to.device
+    seq_of = torch.repeat_interleave(
+        torch.arange(len(lens), device=device), torch.tensor(q_lens, device=device)
+    )
+    first = torch.tensor([n_ctx - n for n_ctx, n in zip(lens, q_lens, strict=True)], device=device)
+    offsets = (
+        torch.arange(visible_up_to.shape[0], device=device)
+        - torch.tensor(starts[:-1], device=device)[seq_of]
+    )
+    causal = first[seq_of] + offsets
+    odd = seq_of[visible_up_to.to(device) != causal].unique().tolist()
+    return {b: visible_up_to[starts[b] : starts[b + 1]] for b in odd}
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -190,7 +225,7 @@ def _decode(
 
 
 def _prefill(
-    query, key_cache, value_cache, table, length, start, num_q, scale, window, out
+    query, key_cache, value_cache, table, length, start, num_q, scale, window, out, upper=None
 ) -> None:
     """One sequence's ``num_q`` queries at positions ``[length - num_q, length)``.
 
@@ -198,19 +233,18 @@ def _prefill(
     keys ``j <= length - num_q + i``) and grouped-query heads: PyTorch's fused CPU kernel
     computes it in tiles with an online softmax, never materialising the ``[Q, L]`` scores
     (16x faster than doing so for a 2,048-token prompt; the same math, float32 throughout).
-    A sliding window needs an explicit mask, which SDPA also takes.
+    A sliding window needs an explicit mask, which SDPA also takes, and so does ``upper``
+    (``[num_q]`` last visible key position of each query, instead of its own position).
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     device = query.device
     keys = _gather(key_cache, table, length).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
     values = _gather(value_cache, table, length).permute(1, 0, 2).unsqueeze(0)
     q = query[start : start + num_q].float().permute(1, 0, 2).unsqueeze(0)  # [1, H, Q, D]
-    if window is None:
+    if window is None and upper is None:
         mask = _causal_lower_right(num_q, length, device)
     else:
-        q_pos = torch.arange(length - num_q, length, device=device)
-        k_pos = torch.arange(length, device=device)
-        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        mask = _explicit_mask(num_q, length, window, upper, device)
     res = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )  # [1, H, Q, D]
@@ -218,12 +252,13 @@ def _prefill(
 
 
 def _soft_capped(
-    query, key_cache, value_cache, table, length, start, num_q, scale, window, cap, out
+    query, key_cache, value_cache, table, length, start, num_q, scale, window, cap, out, upper=None
 ) -> None:
     """One sequence's ``num_q`` queries with soft-capped scores (Gemma 2's attention).
 
     ``softmax(cap * tanh(q.k * scale / cap) + mask) @ v``, float32, in the order Hugging Face's
-    eager attention computes it; grouped-query heads repeat the key/value heads.
+    eager attention computes it; grouped-query heads repeat the key/value heads. ``upper`` as
+    in :func:`_prefill`.
     """
     if num_q == 0:
         return
@@ -237,15 +272,28 @@ def _soft_capped(
     q = query[start : start + num_q].float().permute(1, 0, 2)  # [H, Q, D]
     scores = torch.matmul(q, keys.transpose(1, 2)) * scale  # [H, Q, L]
     scores = torch.tanh(scores / cap) * cap
-    q_pos = torch.arange(length - num_q, length, device=device)
-    k_pos = torch.arange(length, device=device)
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        mask &= k_pos[None, :] > q_pos[:, None] - window
+    mask = _explicit_mask(num_q, length, window, upper, device)
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     res = torch.matmul(probs, values)  # [H, Q, D]
     out[start : start + num_q] = res.permute(1, 0, 2).reshape(num_q, num_heads, head_dim)
+
+
+def _explicit_mask(
+    num_q: int, length: int, window: int | None, upper: torch.Tensor | None, device
+) -> torch.Tensor:
+    """``[num_q, length]`` bool attention mask.
+
+    Query ``i`` (position ``p = length - num_q + i``) sees key ``j`` when ``j <= upper[i]``
+    (``p`` when ``upper`` is None) and, with a window, ``j > p - window``.
+    """
+    q_pos = torch.arange(length - num_q, length, device=device)
+    k_pos = torch.arange(length, device=device)
+    last = q_pos if upper is None else upper.to(device=device, dtype=q_pos.dtype)
+    mask = k_pos[None, :] <= last[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
 
 
 def _causal_lower_right(num_q: int, length: int, device: torch.device) -> torch.Tensor | None:

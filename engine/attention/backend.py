@@ -65,6 +65,9 @@ class PagedKernelBackend:
             block_tables, seq_lens, query_start_loc, scale, *, max_query_len, max_seq_len,
             sliding_window) -> [T, num_heads, head_dim]``.
         supports_soft_cap: Whether ``attend`` takes ``logits_soft_cap``.
+        supports_visible_up_to: Whether ``attend`` takes ``visible_up_to`` (queries that see
+            past themselves). A step that has them runs the torch reference's attention
+            (``kernels.paged_attention_ref``, exact on any device) when ``attend`` does not.
     """
 
     def __init__(
@@ -74,11 +77,13 @@ class PagedKernelBackend:
         attend: Callable[..., Any],
         *,
         supports_soft_cap: bool = False,
+        supports_visible_up_to: bool = False,
     ):
         self.name = name
         self._write_kv = write_kv
         self._attend = attend
         self.supports_soft_cap = supports_soft_cap
+        self.supports_visible_up_to = supports_visible_up_to
 
     def forward(
         self,
@@ -94,12 +99,17 @@ class PagedKernelBackend:
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`."""
         extra = {}
+        attend = self._attend
+        if meta.visible_up_to is not None:
+            extra["visible_up_to"] = meta.visible_up_to
+            if not self.supports_visible_up_to:
+                attend = paged_attention_ref
         if logits_soft_cap is not None:
-            if not self.supports_soft_cap:
+            if not self.supports_soft_cap and attend is not paged_attention_ref:
                 raise ValueError(f"the {self.name} attention backend has no logits soft cap")
             extra["logits_soft_cap"] = logits_soft_cap
         self._write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        return self._attend(
+        return attend(
             query,
             key_cache,
             value_cache,
@@ -119,7 +129,11 @@ class TorchAttentionBackend(PagedKernelBackend):
 
     def __init__(self) -> None:
         super().__init__(
-            "torch", reshape_and_cache_ref, paged_attention_ref, supports_soft_cap=True
+            "torch",
+            reshape_and_cache_ref,
+            paged_attention_ref,
+            supports_soft_cap=True,
+            supports_visible_up_to=True,
         )
 
 

@@ -25,6 +25,10 @@ class AttentionMetadata:
         max_seq_len: Host int, ``max(seq_lens)``.
         num_decode_tokens: Host int: sequences with exactly one query (informational; lets a
             backend pick a decode kernel).
+        visible_up_to: ``[T]`` int64 or None: the last key position each query may see, for a
+            step in which some queries see past themselves (the tokens of one image, attended
+            bidirectionally: Gemma 3); None means causal (each query sees up to its own
+            position). Sliding windows still apply from the query's own position.
     """
 
     slot_mapping: torch.Tensor
@@ -34,6 +38,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decode_tokens: int = 0
+    visible_up_to: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -65,7 +65,7 @@ def _processor_class(model_dir: str) -> type | None:
 
 
 def processor_class(name: str) -> type | None:
-    """transformers' processor class ``name``; Pixtral's imported without torchvision.
+    """The processor class ``name`` of transformers; Pixtral's imported without torchvision.
 
     Returns:
         The class, or None when transformers has none of that name.
@@ -164,4 +164,5 @@ class NoVideoProcessor:
     _auto_class = None
 
     def __call__(self, *args, **kwargs):
+        """Refuse a video."""
         raise ValueError("this processor was built without a video processor; it takes no video")

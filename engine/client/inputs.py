@@ -20,6 +20,7 @@ import jinja2
 import jinja2.nodes
 import torch
 
+from loraplex.engine.client.image_inputs import placeholder_runs, split_images
 from loraplex.engine.request import ImageInput
 from loraplex.hashing.errors import InvalidImageError
 from loraplex.hashing.extra_keys import MMPlaceholder
@@ -118,7 +119,9 @@ class InputProcessor:
     Args:
         processor: The directory's ``AutoProcessor`` (LLaVA) or ``AutoTokenizer`` (text-only).
         image_token_id: The image placeholder token id, None for a text-only model.
-        num_image_tokens: Placeholder tokens per image.
+        num_image_tokens: Placeholder tokens per image; 0 when it varies with the image (a
+            transformers vision-language model: each image's span and inputs come from its
+            processor's outputs, ``engine.client.image_inputs``).
         mm_hash: Image key mode, ``"exact"`` (default) or ``"perceptual"``.
         max_image_pixels: Most pixels in one image (``width * height`` from its header).
         max_images: Most images in one request.
@@ -262,6 +265,9 @@ class InputProcessor:
             InvalidImageError: an image that does not decode (a ValueError too).
         """
         normalized, pil_images = self.normalize(messages)
+        variable = pil_images and not self.num_image_tokens
+        # A variable-length image's replacement text says how many image tokens are its own.
+        extra = {"processor_kwargs": {"return_text_replacement_offsets": True}} if variable else {}
         try:
             encoded = self.processor.apply_chat_template(
                 normalized,
@@ -270,6 +276,7 @@ class InputProcessor:
                 tokenize=True,
                 return_dict=True,
                 return_tensors="pt" if pil_images else None,
+                **extra,
             )
         except (InvalidImageError, ValueError):
             raise
@@ -280,6 +287,8 @@ class InputProcessor:
             ids = ids.tolist()
         if ids and isinstance(ids[0], list):
             ids = ids[0]
+        if variable:
+            return self.attach_variable_images(list(ids), pil_images, encoded)
         pixel_values = encoded.get("pixel_values") if pil_images else None
         return self.attach_images(list(ids), pil_images, pixel_values)
 
@@ -314,18 +323,19 @@ class InputProcessor:
             images.append(ImageInput(key, pixel_values[i], MMPlaceholder(key, offset, length)))
         return ProcessedPrompt(ids, images)
 
+    def attach_variable_images(self, ids: list[int], pil_images: list, encoded) -> ProcessedPrompt:
+        """Pair each image with its span and its own processor outputs (a transformers VLM).
 
-def placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` of each maximal run of ``token_id`` in ``ids``."""
-    runs: list[tuple[int, int]] = []
-    start = None
-    for i, t in enumerate(ids):
-        if t == token_id:
-            if start is None:
-                start = i
-        elif start is not None:
-            runs.append((start, i - start))
-            start = None
-    if start is not None:
-        runs.append((start, len(ids) - start))
-    return runs
+        The key is the image's key (``hashing.image_keys``) followed by its variant
+        (``ImageSlice.variant``: its token count and small integer inputs).
+
+        Raises:
+            ValueError: image tokens or processor outputs that cannot be told apart per image.
+        """
+        slices = split_images(ids, self.image_token_id, encoded, len(pil_images), self.tokenizer)
+        images = []
+        for piece, pil in zip(slices, pil_images, strict=True):
+            key = f"{image_key(pil, self.mm_hash)}:{piece.variant()}"
+            placeholder = MMPlaceholder(key, piece.offset, piece.length)
+            images.append(ImageInput(key, piece.pixel_values, placeholder, piece.inputs))
+        return ProcessedPrompt(ids, images)

@@ -18,19 +18,22 @@ def load_processor(
     ``image_bounds`` are passed to :class:`InputProcessor` (``max_images``,
     ``max_image_pixels``, ``max_image_aspect_ratio``, ``max_request_image_pixels``).
 
-    A multimodal model (one with ``image_token_id``) gets ``AutoProcessor``, a text-only one
-    ``AutoTokenizer``. Image processors use transformers' PIL backend when torchvision is
-    missing.
+    A multimodal model (one with ``image_token_id``) gets its processor
+    (``engine.client.auto_processor``: ``AutoProcessor``, or images-only where its video
+    processor needs the missing torchvision), a text-only one ``AutoTokenizer``. Image
+    processors use transformers' PIL backend when torchvision is missing.
 
     Raises:
         ValueError: the directory has no usable tokenizer or processor.
     """
-    from transformers import AutoProcessor, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from loraplex.engine.client.auto_processor import load_auto_processor
 
     image_token_id = getattr(model, "image_token_id", None)
     try:
         if image_token_id is not None:
-            processor = AutoProcessor.from_pretrained(model_dir)
+            processor = load_auto_processor(model_dir)
             tokenizer = processor.tokenizer
         else:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)

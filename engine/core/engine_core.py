@@ -198,6 +198,8 @@ class EngineCore:
                 log.adapter_loaded if resident else log.adapter_unloaded
             )(digest)
         batched = config.max_num_batched_tokens
+        # An image attended bidirectionally (Gemma 3) is computed in one step, never split.
+        self.atomic_images = bool(getattr(self.model, "bidirectional_image_spans", False))
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -224,6 +226,7 @@ class EngineCore:
             num_speculative_tokens=config.spec_k,
             draft_model=draft_model is not None,
             breadcrumb=self.breadcrumb,
+            atomic_image_spans=self.atomic_images,
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(
@@ -262,6 +265,7 @@ class EngineCore:
             num_image_tokens=getattr(self.model, "num_image_tokens", 0),
             num_kv_blocks=num_blocks,
             block_size=config.block_size,
+            max_image_span=batched if self.atomic_images else None,
         )
         self._failing_steps = 0  # steps in a row whose every sequence failed
         # Step and model forward + logits seconds: totals and the latest steps (bounded).

@@ -21,9 +21,13 @@ class RequestLimits:
         max_model_len: Most tokens of one sequence (prompt + output).
         vocab_size: Token ids are in ``[0, vocab_size)``.
         image_token_id: The image placeholder token, None for a text-only model.
-        num_image_tokens: Placeholder tokens per image.
+        num_image_tokens: Placeholder tokens per image; 0 when it varies with the image (a
+            transformers vision-language model).
         num_kv_blocks: Blocks in the KV pool.
         block_size: Tokens per block.
+        max_image_span: Longest image span (first to last image token) allowed, None for no
+            limit: a model that attends bidirectionally within an image computes each image
+            in one step, so its span must fit the step's token budget.
     """
 
     max_model_len: int
@@ -32,6 +36,7 @@ class RequestLimits:
     num_image_tokens: int
     num_kv_blocks: int
     block_size: int
+    max_image_span: int | None = None
 
 
 def validate_request(request: EngineRequest, limits: RequestLimits) -> None:
@@ -68,9 +73,12 @@ def validate_request(request: EngineRequest, limits: RequestLimits) -> None:
 
 
 def check_images(request: EngineRequest, limits: RequestLimits) -> None:
-    """Check that every image's placeholder run is in the prompt and covers it exactly.
+    """Check that every image's placeholder span is in the prompt and covers it exactly.
 
-    Each run has the model's length, and together they cover every placeholder token.
+    A fixed-size model's runs (``num_image_tokens > 0``) are all image tokens, of the model's
+    length; a variable one's spans start and end on an image token and come in prompt order
+    without overlapping (other tokens may lie between their image tokens). Together they cover
+    every image token of the prompt, and none is longer than ``max_image_span``.
 
     Raises:
         ValueError: a placeholder that does not match, or more images than placeholders (or
@@ -80,16 +88,29 @@ def check_images(request: EngineRequest, limits: RequestLimits) -> None:
     ids = request.prompt_token_ids
     n_slots = sum(1 for t in ids if t == image_token) if image_token is not None else 0
     covered = 0
+    previous_end = 0
     for i, image in enumerate(request.images):
         ph = image.placeholder
-        if ph.end > len(ids) or any(t != image_token for t in ids[ph.offset : ph.end]):
+        if ph.end > len(ids) or (not limits.num_image_tokens and ph.offset < previous_end):
             raise ValueError(f"image {i}'s placeholder does not match the prompt's tokens")
-        if ph.length != limits.num_image_tokens:
+        previous_end = ph.end
+        span = ids[ph.offset : ph.end]
+        if limits.num_image_tokens:
+            if any(t != image_token for t in span):
+                raise ValueError(f"image {i}'s placeholder does not match the prompt's tokens")
+            if ph.length != limits.num_image_tokens:
+                raise ValueError(
+                    f"image {i} has {ph.length} placeholder tokens, the model "
+                    f"needs {limits.num_image_tokens}"
+                )
+        elif span[0] != image_token or span[-1] != image_token:
+            raise ValueError(f"image {i}'s placeholder does not match the prompt's tokens")
+        if limits.max_image_span is not None and ph.length > limits.max_image_span:
             raise ValueError(
-                f"image {i} has {ph.length} placeholder tokens, the model "
-                f"needs {limits.num_image_tokens}"
+                f"image {i} spans {ph.length} tokens; this model computes an image in one step "
+                f"of at most {limits.max_image_span} tokens (max_num_batched_tokens)"
             )
-        covered += ph.length
+        covered += ph.length if limits.num_image_tokens else span.count(image_token)
     if covered != n_slots:
         raise ValueError(
             f"the prompt has {n_slots} image placeholder tokens but the "

@@ -4,7 +4,7 @@ The client (the gateway's process) sends messages of :data:`ClientMessage` on on
 socket; the core answers with :data:`CoreMessage` on another. Both are msgspec tagged unions
 encoded as MessagePack: the engine's own dataclasses (``EngineRequest``, ``SamplingParams``,
 ``EngineCoreOutput``) travel as they are, checked against their annotations when decoded, and
-tensors (image pixel values) travel as raw bytes with their dtype and shape, never as pickles.
+tensors (image pixel values and inputs) travel as raw bytes with dtype and shape, never pickled.
 What vLLM v1 sends between ``EngineCoreClient`` and ``EngineCoreProc``, at our size.
 """
 
@@ -20,7 +20,10 @@ from loraplex.engine.kv_cache.events import KVEvent
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.scheduling.output import EngineCoreOutput
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
+}  # pixel values; an image's integer inputs (sizes, grids) and masks
 
 
 # ------------------------------------------------------------------------- client -> core

@@ -36,6 +36,7 @@ from loraplex.engine.kv_cache.block_table import BlockTable
 from loraplex.engine.kv_cache.profile import pool_zeros
 from loraplex.engine.lora.backend import LoRABackend
 from loraplex.engine.request import ImageInput
+from loraplex.engine.runner.image_splice import splice_rows, with_image_bounds
 from loraplex.engine.runner.step_isolation import execute_isolating, sample_rows_isolating
 from loraplex.engine.runner.vision_cache import VisionCache
 from loraplex.engine.sampling.params import SamplingParams
@@ -80,7 +81,9 @@ class ModelRunner:
 
     Args:
         model: A model from ``engine.models`` (``forward``, ``embed_tokens``,
-            ``compute_logits``; LLaVA also ``encode_images``).
+            ``compute_logits``; the native LLaVA also ``encode_images`` (a batch), a
+            transformers vision-language model ``encode_image`` (one image) and maybe
+            ``bidirectional_image_spans``).
         num_kv_blocks: Device blocks per layer.
         block_size: Tokens per block.
         backend: The attention backend.
@@ -373,6 +376,12 @@ class ModelRunner:
             row += item.num_new_tokens
             sample_rows.extend(range(row - item.num_sample_rows, row))
         inputs = step_inputs(chunks, self.device)
+        if getattr(self.model, "bidirectional_image_spans", False):  # an image sees itself whole
+            inputs = with_image_bounds(inputs, [
+                (q0, [(s, self.seqs[item.seq_id].images[s.image].placeholder)
+                      for s in item.image_spans])
+                for item, q0 in zip(items, inputs.query_start, strict=False)
+            ])  # fmt: skip
         embeds = self._embed_with_images(inputs.input_ids, items, inputs.query_start)
         self._set_lora(items)
         t0 = time.perf_counter()
@@ -411,20 +420,30 @@ class ModelRunner:
     def _embed_with_images(
         self, ids: torch.Tensor, items: list[ScheduledSeq], query_start: list[int]
     ) -> torch.Tensor | None:
-        """Token embeddings with image features at the placeholder rows this step computes."""
-        spans = []  # (row in the step, salt, image, first feature row, count)
+        """Token embeddings with image features at the image tokens this step computes.
+
+        Each image's features go to its span's image tokens in order (``image_splice``).
+        """
+        spans = []  # (row in the step, sequence, image, first span position, count)
         for item, q0 in zip(items, query_start, strict=False):
             st = self.seqs[item.seq_id]
             for span in item.image_spans:
-                spans.append((q0 + span.row, st.cache_salt, st.images[span.image], span.first,
-                              span.count))  # fmt: skip
+                spans.append((q0 + span.row, st, st.images[span.image], span.first, span.count))
         if not spans:
             return None
-        features = self._image_features([(salt, image) for _, salt, image, _, _ in spans])
+        features = self._image_features([(st.cache_salt, image) for _, st, image, _, _ in spans])
         embeds = self.model.embed_tokens(ids)
-        for row, salt, image, first, count in spans:
-            feats = features[(salt, image.key)]
-            embeds[row : row + count] = feats[first : first + count].to(embeds.dtype)
+        token = getattr(self.model, "image_token_id", None)
+        for row, st, image, first, count in spans:
+            feats = features[(st.cache_salt, image.key)]
+            rows, start = splice_rows(
+                st.token_ids, image.placeholder, first, count, token, feats.shape[0]
+            )
+            if rows is None:
+                embeds[row : row + count] = feats[start : start + count].to(embeds.dtype)
+            else:
+                at = torch.tensor(rows, dtype=torch.long, device=embeds.device) + row
+                embeds[at] = feats[start : start + len(rows)].to(embeds.dtype)
         return embeds
 
     def _image_features(self, wanted) -> dict[tuple[str | None, str], torch.Tensor]:
@@ -440,11 +459,16 @@ class ModelRunner:
                 found[k] = cached
             else:
                 missing[k] = image
-        if missing:
+        if missing and hasattr(self.model, "encode_image"):  # one image at a time, any shape
+            encoded = [
+                self.model.encode_image(im.pixel_values, im.inputs) for im in missing.values()
+            ]
+        elif missing:
             pixels = torch.stack([im.pixel_values for im in missing.values()]).to(
                 device=self.device, dtype=self.dtype
             )
             encoded = self.model.encode_images(pixels)  # [N, num_image_tokens, hidden]
+        if missing:
             self.num_images_encoded += len(missing)
             for (salt, key), feats in zip(missing, encoded, strict=True):
                 found[(salt, key)] = feats

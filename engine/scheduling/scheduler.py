@@ -127,6 +127,10 @@ class Scheduler:
             the proposals the last step returned.
         breadcrumb: Where each call into a sequence's grammar matcher (native code) is marked
             with its request (``engine.core.breadcrumb``); marks nothing when None.
+        atomic_image_spans: Never end a prefill chunk inside an image's placeholder span (a
+            model whose image tokens attend to each other in both directions, Gemma 3): a
+            chunk that would is cut back to the span's start, or, when it starts inside or at
+            the span, taken to the span's end if the step's budget holds it (else it waits).
 
     Attributes:
         preemptor: Victim choice and the KV side of preemption
@@ -154,8 +158,10 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         draft_model: bool = False,
         breadcrumb: Breadcrumb | None = None,
+        atomic_image_spans: bool = False,
     ) -> None:
         self.kv = kv
+        self.atomic_image_spans = atomic_image_spans
         self.max_num_seqs = max_num_seqs
         self.budget = budget
         self.max_num_batched_tokens = budget.max_num_batched_tokens
@@ -432,6 +438,7 @@ class Scheduler:
                 num_new = within(start, num_new, allowance.get(tenant, 0.0))
                 if shared and tenant in prefilling:  # one chunk per tenant while shared
                     num_new = 0
+                num_new = self._whole_images(seq, start, num_new, budget)
             if num_new <= 0:  # no allowance left this step (or nothing to compute)
                 i += 1
                 continue
@@ -487,7 +494,11 @@ class Scheduler:
                     min(budget, seq.num_tokens - seq.num_computed_tokens),
                     allowance.get(tenant, 0.0),
                 )
-                if not self._swap_in(seq, room, out):
+                whole = self._whole_images(seq, seq.num_computed_tokens, room, budget)
+                if whole <= 0 < room:  # its image does not fit this step: it waits
+                    self._release_lora(seq)
+                    break
+                if not self._swap_in(seq, whole, out):
                     self._release_lora(seq)
                     if self._cap_if_alone(seq, out):
                         continue
@@ -498,6 +509,11 @@ class Scheduler:
                 num_new = within(
                     start, min(seq.num_tokens - start, budget), allowance.get(tenant, 0.0)
                 )
+                whole = self._whole_images(seq, start, num_new, budget)
+                if whole <= 0 < num_new:  # its image does not fit this step: it waits
+                    self._release_lora(seq)
+                    break
+                num_new = whole
                 alloc = self.kv.allocate_slots(
                     seq.seq_id,
                     num_new,
@@ -521,6 +537,25 @@ class Scheduler:
             allowance[tenant] -= cost(item.start, item.num_new_tokens)
             prefilling.add(tenant)
             budget -= item.num_new_tokens
+
+    def _whole_images(self, seq: Sequence, start: int, num_new: int, budget: int) -> int:
+        """``num_new`` changed so the chunk ends outside every image span (atomic spans only).
+
+        A chunk ``[start, start + num_new)`` ending inside a span ``[s, e)`` is cut back to
+        ``s`` when ``s > start``, else extended to ``e`` when ``e - start`` fits ``budget``, else
+        it is 0: the sequence waits for a step with room (validation keeps every span within
+        ``max_num_batched_tokens``).
+        """
+        if not self.atomic_image_spans or num_new <= 0:
+            return num_new
+        end = start + num_new
+        for image in seq.request.images:
+            s, e = image.placeholder.offset, image.placeholder.end
+            if s < end < e:
+                if s > start:
+                    return s - start
+                return e - start if e - start <= budget else 0
+        return num_new
 
     def _allocate_lookahead(
         self, seq: Sequence, budget: int

@@ -87,8 +87,9 @@ def decisive_init(model: torch.nn.Module, seed: int = 0) -> None:
             if out_emb is not None and p is out_emb.weight and p is not in_emb.weight:
                 std = 2.0 * p.shape[1] ** -0.5
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
-            elif p is in_emb.weight:
-                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p is in_emb.weight:  # Gemma scales embeddings by sqrt(hidden) itself
+                std = p.shape[1] ** -0.5 if _norm_base(name, model) == 0.0 else 1.0
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif p.dim() == 1:
                 base = 0.0 if name.endswith("bias") else _norm_base(name, model)
                 scale = 0.02 if name.endswith("bias") else 0.1
@@ -352,6 +353,7 @@ def gemma3(directory: Path, seed: int = 0) -> Path:
         boi_token_index=tok.convert_tokens_to_ids(boi),
         eoi_token_index=tok.convert_tokens_to_ids(eoi),
         image_token_index=tok.convert_tokens_to_ids(soft),
+        tie_word_embeddings=False,  # tied, greedy tiny models repeat their last token
     )
     return _save(Gemma3ForConditionalGeneration(config), processor, directory, seed)
 

@@ -14,10 +14,12 @@ from loraplex.engine.models.transformers_backend.loader import (
     supports,
 )
 from loraplex.engine.models.transformers_backend.model import TransformersForCausalLM
+from loraplex.engine.models.transformers_backend.vision import TransformersForImageTextToText
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "TransformersForCausalLM",
+    "TransformersForImageTextToText",
     "load_transformers_model",
     "model_class_of",
     "paged_attention_forward",

@@ -13,6 +13,7 @@ from loraplex.engine.models.transformers_backend.model import (
     TransformersForCausalLM,
     check_text_config,
 )
+from loraplex.engine.models.transformers_backend.vision import TransformersForImageTextToText
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ def load_transformers_model(
         device: Where the weights go.
 
     Returns:
-        The wrapped model, in eval mode without gradients.
+        The wrapped model, in eval mode without gradients: a
+        :class:`TransformersForImageTextToText` for a config with a ``vision_config``.
 
     Raises:
         ValueError: an architecture transformers cannot build here, or a checkpoint that lacks
@@ -141,4 +143,6 @@ def load_transformers_model(
     hf_model.to(device)
     hf_model.eval()
     hf_model.requires_grad_(False)
+    if getattr(hf_config, "vision_config", None) is not None:
+        return TransformersForImageTextToText(hf_model)
     return TransformersForCausalLM(hf_model)
