@@ -1,0 +1,190 @@
+"""Transformers vision-language models through the engine, token for token against ``generate``.
+
+For each architecture a tiny random checkpoint is made from transformers' real config and
+processor classes (``tests.models.vlm_checkpoints``), and three chat requests (one photo, two
+photos, text only) run as one mixed batch through ``LLM`` with ``model_impl="transformers"``,
+prefill chunks of 16 tokens (they start and end inside images) and 4-token blocks. The oracle is
+transformers' own ``generate`` on its own processor's outputs for the same messages (float32,
+greedy). Then the two-photo request again: its image blocks come from the prefix cache and the
+vision encoder is not run; and with another second photo: no block holding that photo's tokens
+is reused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.media import data_url, photo
+from tests.models import vlm_checkpoints
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 6
+BLOCK = 4
+PROMPTS = (
+    [0, "What is in the picture?"],
+    [0, "the cat sat on a warm mat", 1, "How do the two pictures differ?"],
+    ["the quick brown fox jumped over the lazy dogs"],
+)
+
+
+SEEDS = {"gemma3": 1}  # seed 0's Gemma 3 answers the two-photo prompt with one token repeated
+
+
+@pytest.fixture(scope="module")
+def photos():
+    return [photo("astronaut"), photo("chelsea"), photo("coffee")]
+
+
+def _messages(parts, photos, *, hf: bool):
+    content = []
+    for part in parts:
+        if isinstance(part, str):
+            content.append({"type": "text", "text": part})
+        elif hf:
+            content.append({"type": "image", "image": photos[part]})
+        else:
+            content.append({"type": "image_url", "image_url": {"url": data_url(photos[part])}})
+    return [{"role": "user", "content": content}]
+
+
+def _oracle(directory: Path, prompts, photos):
+    """(prompt ids, greedy tokens) of transformers' generate, per prompt."""
+    from transformers import AutoModelForImageTextToText
+
+    from loraplex.engine.client.auto_processor import load_auto_processor
+
+    processor = load_auto_processor(str(directory))
+    model = AutoModelForImageTextToText.from_pretrained(str(directory)).eval()
+    model.generation_config.eos_token_id = None  # the engine ignores EOS too
+    out = []
+    for parts in prompts:
+        batch = processor.apply_chat_template(
+            _messages(parts, photos, hf=True),
+            add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+        )  # fmt: skip
+        with torch.no_grad():
+            tokens = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
+        ids = batch["input_ids"][0].tolist()
+        out.append((ids, tokens[0, len(ids) :].tolist()))
+    return out
+
+
+def _check(arch: str, tmp_path_factory, photos) -> tuple:
+    """Run the architecture's checks; returns ``(llm, requests, oracle)`` for more."""
+    from loraplex.engine.client.llm import LLM
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.sampling.params import SamplingParams
+
+    directory = vlm_checkpoints.BUILDERS[arch](tmp_path_factory.mktemp(arch), SEEDS.get(arch, 0))
+    oracle = _oracle(directory, [*PROMPTS, [0, "the cat sat on a warm mat", 2, "How?"]], photos)
+    llm = LLM(
+        EngineConfig(
+            model=str(directory),
+            model_impl="transformers",
+            dtype="float32",
+            block_size=BLOCK,
+            max_num_batched_tokens=16,
+            long_prefill_token_threshold=0,
+        )
+    )
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def request(parts):
+        return llm.make_request(_messages(parts, photos, hf=False), sampling)
+
+    requests = [request(parts) for parts in PROMPTS]
+    for req, (ids, _) in zip(requests, oracle, strict=False):
+        assert req.prompt_token_ids == ids  # the engine's prompt is the processor's
+    assert [len(r.images) for r in requests] == [1, 2, 0]
+    outs = llm.generate(requests)  # one batch: images and text mixed, chunks inside images
+    for out, (_, ref) in zip(outs, oracle, strict=False):
+        assert out.outputs[0].token_ids == ref
+        assert len(set(ref)) > 2  # a decisive model, not one repeating a token
+    runner = llm.engine.core.runner
+    encoded = runner.num_images_encoded
+
+    again = llm.generate([request(PROMPTS[1])])[0]  # the same two photos: a prefix hit
+    assert again.outputs[0].token_ids == oracle[1][1]
+    second = requests[1].images[1].placeholder
+    assert again.num_cached_tokens >= second.end // BLOCK * BLOCK
+    assert runner.num_images_encoded == encoded  # blocks reused, nothing encoded
+
+    other_req = request([0, "the cat sat on a warm mat", 2, "How?"])  # another second photo
+    other = llm.generate([other_req])[0]
+    assert other.outputs[0].token_ids == oracle[3][1]
+    first_block_of_photo = other_req.images[1].placeholder.offset // BLOCK
+    assert 0 < other.num_cached_tokens <= first_block_of_photo * BLOCK
+    assert runner.num_images_encoded == encoded + 1
+    return llm, requests, oracle
+
+
+def test_llava_next(tmp_path_factory, photos):
+    """Any-res tiling: an image's tokens depend on its size (base tile + unpadded grid rows)."""
+    _, requests, _ = _check("llava_next", tmp_path_factory, photos)
+    lengths = [im.placeholder.length for im in requests[1].images]
+    assert lengths[0] != lengths[1]  # 512x512 and 451x300 photos tile differently
+
+
+def test_llava_onevision(tmp_path_factory, photos):
+    """A lone image is tiled, one of several is not: same photo, other tokens and key."""
+    _, requests, _ = _check("llava_onevision", tmp_path_factory, photos)
+    alone, among = requests[0].images[0], requests[1].images[0]
+    assert alone.placeholder.length > among.placeholder.length
+    assert alone.key != among.key  # so neither its features nor its blocks are shared
+
+
+def test_idefics3(tmp_path_factory, photos):
+    """Image splitting + pixel shuffle: crops' tokens between row/column markers."""
+    _, requests, _ = _check("idefics3", tmp_path_factory, photos)
+    _assert_runs_between_markers(requests[1])
+
+
+def test_smolvlm(tmp_path_factory, photos):
+    """SmolVLM (Idefics3's design, its own processor, built without torchvision)."""
+    _, requests, _ = _check("smolvlm", tmp_path_factory, photos)
+    _assert_runs_between_markers(requests[1])
+
+
+def test_mistral3(tmp_path_factory, photos):
+    """Pixtral rows: ``[IMG]`` runs closed by ``[IMG_BREAK]``, the image by ``[IMG_END]``."""
+    _, requests, _ = _check("mistral3", tmp_path_factory, photos)
+    _assert_runs_between_markers(requests[1])
+
+
+def test_gemma3(tmp_path_factory, photos):
+    """Bidirectional attention within each image's soft tokens, exact under chunked prefill.
+
+    The same batch with the image attention made causal gives other tokens: the
+    bidirectional path is what makes it exact.
+    """
+    from loraplex.engine.sampling.params import SamplingParams
+
+    llm, _, oracle = _check("gemma3", tmp_path_factory, photos)
+    model = llm.engine.core.model
+    assert model.bidirectional_image_spans and llm.engine.core.scheduler.atomic_image_spans
+    model.bidirectional_image_spans = False
+    try:
+        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        causal = llm.generate(
+            [llm.make_request(_messages(PROMPTS[1], photos, hf=False), sampling, cache_salt="c")]
+        )[0]
+    finally:
+        model.bidirectional_image_spans = True
+    assert causal.outputs[0].token_ids != oracle[1][1]
+
+
+def _assert_runs_between_markers(request) -> None:
+    """Each image's span holds its image tokens in several runs, other tokens between."""
+    from loraplex.engine.client.image_inputs import placeholder_runs
+
+    ids = request.prompt_token_ids
+    token = ids[request.images[0].placeholder.offset]
+    for image in request.images:
+        ph = image.placeholder
+        span = ids[ph.offset : ph.end]
+        assert span[0] == token and span[-1] == token
+        assert len(placeholder_runs(span, token)) > 1
