@@ -1,4 +1,4 @@
-"""Tiny random vision-language checkpoints made from transformers' real config and processor classes.
+"""Tiny random vision-language checkpoints from transformers' real config and processor classes.
 
 Each builder writes a directory that ``AutoModelForImageTextToText`` and ``AutoProcessor`` (or,
 where the processor also wants a video processor, which needs torchvision, the engine's
@@ -202,8 +202,9 @@ def llava_onevision(directory: Path, seed: int = 0) -> Path:
     text = {k: v for k, v in TEXT.items()}
     config = LlavaOnevisionConfig(
         vision_config=SiglipVisionConfig(image_size=32, patch_size=8, **VISION),
-        text_config=Qwen2Config(vocab_size=len(tok), bos_token_id=1, eos_token_id=2,
-                                pad_token_id=3, **text),  # fmt: skip
+        text_config=Qwen2Config(
+            vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=3, **text
+        ),  # fmt: skip
         image_grid_pinpoints=pinpoints,
         image_token_index=tok.convert_tokens_to_ids("<image>"),
         video_token_index=tok.convert_tokens_to_ids("<video>"),
@@ -310,8 +311,14 @@ def mistral3(directory: Path, seed: int = 0) -> Path:
     vision = {**VISION, "head_dim": VISION["hidden_size"] // VISION["num_attention_heads"]}
     config = Mistral3Config(
         vision_config=PixtralVisionConfig(image_size=64, patch_size=8, **vision),
-        text_config=MistralConfig(vocab_size=len(tok), bos_token_id=1, eos_token_id=2,
-                                  pad_token_id=3, sliding_window=None, **TEXT),  # fmt: skip
+        text_config=MistralConfig(
+            vocab_size=len(tok),
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=3,
+            sliding_window=None,
+            **TEXT,
+        ),  # fmt: skip
         image_token_index=tok.convert_tokens_to_ids("[IMG]"),
         spatial_merge_size=2,
         vision_feature_layer=-1,
@@ -344,9 +351,14 @@ def gemma3(directory: Path, seed: int = 0) -> Path:
     text = {**TEXT, "num_hidden_layers": 2}
     config = Gemma3Config(
         text_config=Gemma3TextConfig(
-            vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=3,
-            sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-            query_pre_attn_scalar=16, **text,
+            vocab_size=len(tok),
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=3,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+            **text,
         ),  # fmt: skip
         vision_config=SiglipVisionConfig(image_size=32, patch_size=8, **VISION),
         mm_tokens_per_image=4,
