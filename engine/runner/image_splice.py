@@ -1,4 +1,4 @@
-"""Where an image's features go among a step's rows, and how far its tokens may look.
+"""Where an image's features go among a step's rows, how far its tokens look, their positions.
 
 An image's placeholder span (``ImageInput.placeholder``) runs from its first image token to its
 last; a transformers vision-language model may put other tokens between them (Idefics3's row
@@ -12,6 +12,8 @@ features are a plain slice, as before.
 from __future__ import annotations
 
 import dataclasses
+
+import torch
 
 from loraplex.engine.attention.metadata import StepInputs
 from loraplex.hashing.extra_keys import MMPlaceholder
@@ -80,3 +82,32 @@ def with_image_bounds(inputs: StepInputs, chunks: list[tuple[int, list]]) -> Ste
         return inputs
     meta = dataclasses.replace(inputs.metadata, visible_up_to=bounds)
     return dataclasses.replace(inputs, metadata=meta)
+
+
+def mrope_positions(
+    inputs: StepInputs, chunks: list[tuple[int, int, tuple[torch.Tensor, int] | None]]
+) -> torch.Tensor:
+    """The step's ``[3, T]`` multimodal rotary positions (Qwen2-VL family).
+
+    Args:
+        inputs: The step's inputs (``positions`` ``[T]``: each token's place in its sequence).
+        chunks: ``(first row in the step, tokens, (prompt positions [3, P], delta) or None)``
+            per sequence; None for a prompt without images (its positions are its places, in
+            all three sections).
+
+    Returns:
+        ``[3, T]`` int64: a prompt token's own 3-D position, a later token's place plus the
+        sequence's delta.
+    """
+    plain = inputs.positions
+    out = plain.unsqueeze(0).expand(3, -1).clone()
+    for q0, count, rope in chunks:
+        if rope is None:
+            continue
+        table, delta = rope
+        table = table.to(plain.device)
+        places = plain[q0 : q0 + count]
+        in_prompt = places < table.shape[1]
+        from_table = table[:, places.clamp(max=table.shape[1] - 1)]
+        out[:, q0 : q0 + count] = torch.where(in_prompt, from_table, places + delta)
+    return out

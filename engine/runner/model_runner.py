@@ -36,7 +36,7 @@ from loraplex.engine.kv_cache.block_table import BlockTable
 from loraplex.engine.kv_cache.profile import pool_zeros
 from loraplex.engine.lora.backend import LoRABackend
 from loraplex.engine.request import ImageInput
-from loraplex.engine.runner.image_splice import splice_rows, with_image_bounds
+from loraplex.engine.runner.image_splice import mrope_positions, splice_rows, with_image_bounds
 from loraplex.engine.runner.step_isolation import execute_isolating, sample_rows_isolating
 from loraplex.engine.runner.vision_cache import VisionCache
 from loraplex.engine.sampling.params import SamplingParams
@@ -74,6 +74,7 @@ class _RunnerSeq:
     images: list[ImageInput]
     cache_salt: str | None
     prompt_tensor: torch.Tensor | None = None  # [P] int64, made once for repetition_penalty
+    rope: tuple[torch.Tensor, int] | None = None  # M-RoPE: prompt positions [3, P], delta
 
 
 class ModelRunner:
@@ -172,6 +173,10 @@ class ModelRunner:
                 images=new.images,
                 cache_salt=new.cache_salt,
             )
+            if new.images and getattr(self.model, "mrope", False):  # 3-D positions, once
+                prompt = new.token_ids[: new.num_prompt_tokens]
+                grids = [im.inputs["image_grid_thw"] for im in new.images]
+                self.seqs[new.seq_id].rope = self.model.rope_positions(prompt, grids)
             if new.seed is not None and new.seq_id not in self.generators:
                 self.generators[new.seq_id] = make_generator(new.seed, self.device)
         for item in sched.scheduled:
@@ -383,11 +388,17 @@ class ModelRunner:
                 for item, q0 in zip(items, inputs.query_start, strict=False)
             ])  # fmt: skip
         embeds = self._embed_with_images(inputs.input_ids, items, inputs.query_start)
+        positions = inputs.positions
+        if getattr(self.model, "mrope", False):  # [3, T] rotary positions (Qwen2-VL family)
+            positions = mrope_positions(inputs, [
+                (q0, item.num_new_tokens, self.seqs[item.seq_id].rope)
+                for item, q0 in zip(items, inputs.query_start, strict=False)
+            ])  # fmt: skip
         self._set_lora(items)
         t0 = time.perf_counter()
         hidden = self.model(
             None if embeds is not None else inputs.input_ids,
-            inputs.positions,
+            positions,
             self.kv_caches,
             inputs.metadata,
             self.backend,

@@ -372,3 +372,57 @@ def gemma3(directory: Path, seed: int = 0) -> Path:
 
 BUILDERS["mistral3"] = mistral3
 BUILDERS["gemma3"] = gemma3
+
+
+def qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
+    """Qwen2.5-VL: dynamic resolution (8 px patches merged 2x2, at most 64x64 pixels: up to 16
+    tokens an image, ``image_grid_thw`` per image), window attention in the vision tower, and
+    M-RoPE (3-D positions) in the decoder.
+
+    Its processor takes a video processor, so it is built images-only (torchvision-free).
+    """
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+    )
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
+        Qwen2_5_VLTextConfig,
+        Qwen2_5_VLVisionConfig,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from loraplex.engine.client.auto_processor import image_only_class
+
+    start, pad, end = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+    tok = tokenizer([start, pad, end, "<|video_pad|>"], start + pad + end)
+    processor = image_only_class(Qwen2_5_VLProcessor)(
+        image_processor=Qwen2VLImageProcessorPil(
+            patch_size=8, merge_size=2, temporal_patch_size=2,
+            size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
+        ),  # fmt: skip
+        tokenizer=tok,
+        video_processor=None,
+        chat_template=tok.chat_template,
+    )
+    text = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                        "mrope_section": [2, 3, 3]}}  # fmt: skip
+    config = Qwen2_5_VLConfig(
+        text_config=Qwen2_5_VLTextConfig(vocab_size=len(tok), bos_token_id=1, eos_token_id=2,
+                                         pad_token_id=3, **text),  # fmt: skip
+        vision_config=Qwen2_5_VLVisionConfig(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=8,
+            spatial_merge_size=2, temporal_patch_size=2, window_size=32,
+            out_hidden_size=TEXT["hidden_size"], fullatt_block_indexes=[1],
+        ),  # fmt: skip
+        image_token_id=tok.convert_tokens_to_ids(pad),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids(start),
+        vision_end_token_id=tok.convert_tokens_to_ids(end),
+    )
+    return _save(Qwen2_5_VLForConditionalGeneration(config), processor, directory, seed)
+
+
+BUILDERS["qwen2_5_vl"] = qwen2_5_vl

@@ -173,7 +173,8 @@ class TransformersForCausalLM(nn.Module):
 
         Args:
             input_ids: ``[T]`` int64 token ids (ignored when ``inputs_embeds`` is given).
-            positions: ``[T]`` int64 position of each token in its sequence.
+            positions: ``[T]`` int64 position of each token in its sequence, or ``[3, T]`` for
+                a model with multimodal rotary positions (M-RoPE: Qwen2-VL's family).
             kv_caches: One ``(key_cache, value_cache)`` per layer, written at
                 ``meta.slot_mapping``.
             meta: The step's attention metadata.
@@ -192,7 +193,7 @@ class TransformersForCausalLM(nn.Module):
             out = self.decoder(
                 input_ids=None if inputs_embeds is not None else input_ids[None],
                 inputs_embeds=None if inputs_embeds is None else inputs_embeds[None],
-                position_ids=positions[None],
+                position_ids=positions[None] if positions.dim() == 1 else positions[:, None],
                 use_cache=False,
                 return_dict=True,
             )

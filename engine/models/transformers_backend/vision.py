@@ -13,6 +13,9 @@ decoder runs over the paged KV cache) plus what the model runner needs for image
 - ``bidirectional_image_spans``: the model's image tokens attend to each other in both
   directions (Gemma 3's ``token_type_ids`` mask), so the attention lets every token of an image
   see the whole image, and the scheduler never splits one image over two steps.
+- ``mrope`` and :meth:`rope_positions`: a model with multimodal rotary positions (Qwen2-VL,
+  Qwen2.5-VL: 3-D temporal/height/width position ids) gets a prompt's ``[3, P]`` positions and
+  the delta later tokens add to their position, from the model's own ``get_rope_index``.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class TransformersForImageTextToText(TransformersForCausalLM):
         self.bidirectional_image_spans = (
             getattr(self.hf_config, "model_type", None) in BIDIRECTIONAL_IMAGE_MODEL_TYPES
         )
+        inner = getattr(hf_model, "model", None)
+        self._rope_index = getattr(inner, "get_rope_index", None)
+        self.mrope = callable(self._rope_index)
         params = inspect.signature(hf_model.get_image_features).parameters
         self._feature_args = frozenset(
             name
@@ -116,3 +122,24 @@ class TransformersForImageTextToText(TransformersForCausalLM):
         if not isinstance(features, torch.Tensor) or features.shape[-1] != self.hidden_size:
             raise ValueError(f"{type(self.hf).__name__}.get_image_features gave no features")
         return features.reshape(-1, self.hidden_size).to(self.dtype)
+
+    @torch.inference_mode()
+    def rope_positions(
+        self, token_ids: list[int], grids: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, int]:
+        """A prompt's multimodal rotary positions (``mrope`` models only).
+
+        Args:
+            token_ids: The prompt.
+            grids: Each image's ``image_grid_thw`` (``[1, 3]``), in prompt order.
+
+        Returns:
+            ``([3, P] int64 positions, delta)``: a later token at position ``p`` (generated, or
+            past the prompt) has position ``p + delta`` in all three sections, as transformers'
+            ``generate`` continues (its ``rope_deltas``).
+        """
+        ids = torch.tensor([token_ids], device=self.device)
+        types = (ids == self.image_token_id).int()
+        grid = torch.cat([g.reshape(-1, 3) for g in grids]).to(self.device) if grids else None
+        positions, delta = self._rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid)
+        return positions[:, 0].long(), int(delta.reshape(-1)[0])
