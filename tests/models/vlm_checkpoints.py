@@ -400,7 +400,9 @@ def qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
     tok = tokenizer([start, pad, end, "<|video_pad|>"], start + pad + end)
     processor = image_only_class(Qwen2_5_VLProcessor)(
         image_processor=Qwen2VLImageProcessorPil(
-            patch_size=8, merge_size=2, temporal_patch_size=2,
+            patch_size=8,
+            merge_size=2,
+            temporal_patch_size=2,
             size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
         ),  # fmt: skip
         tokenizer=tok,
@@ -410,12 +412,20 @@ def qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
     text = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                         "mrope_section": [2, 3, 3]}}  # fmt: skip
     config = Qwen2_5_VLConfig(
-        text_config=Qwen2_5_VLTextConfig(vocab_size=len(tok), bos_token_id=1, eos_token_id=2,
-                                         pad_token_id=3, **text),  # fmt: skip
+        text_config=Qwen2_5_VLTextConfig(
+            vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=3, **text
+        ),  # fmt: skip
         vision_config=Qwen2_5_VLVisionConfig(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=8,
-            spatial_merge_size=2, temporal_patch_size=2, window_size=32,
-            out_hidden_size=TEXT["hidden_size"], fullatt_block_indexes=[1],
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            patch_size=8,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=32,
+            out_hidden_size=TEXT["hidden_size"],
+            fullatt_block_indexes=[1],
         ),  # fmt: skip
         image_token_id=tok.convert_tokens_to_ids(pad),
         video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
