@@ -387,7 +387,7 @@ class ModelRunner:
                       for s in item.image_spans])
                 for item, q0 in zip(items, inputs.query_start, strict=False)
             ])  # fmt: skip
-        embeds = self._embed_with_images(inputs.input_ids, items, inputs.query_start)
+        embeds, extra = self._embed_with_images(inputs.input_ids, items, inputs.query_start)
         positions = inputs.positions
         if getattr(self.model, "mrope", False):  # [3, T] rotary positions (Qwen2-VL family)
             positions = mrope_positions(inputs, [
@@ -403,6 +403,7 @@ class ModelRunner:
             inputs.metadata,
             self.backend,
             inputs_embeds=embeds,
+            **extra,
         )
         logits = None
         if sample_rows:
@@ -430,10 +431,17 @@ class ModelRunner:
 
     def _embed_with_images(
         self, ids: torch.Tensor, items: list[ScheduledSeq], query_start: list[int]
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor | None, dict]:
         """Token embeddings with image features at the image tokens this step computes.
 
         Each image's features go to its span's image tokens in order (``image_splice``).
+        Features wider than the embeddings (Qwen3-VL: the first ``hidden`` columns are the
+        input embedding, the rest its deepstack features) leave their other columns in a
+        ``[T, extra]`` tensor, with a ``[T]`` mask of the rows that hold them.
+
+        Returns:
+            ``(embeds or None when no image is in the step, extra forward arguments)``:
+            ``{"deepstack": (mask, extra)}`` for wider features, else ``{}``.
         """
         spans = []  # (row in the step, sequence, image, first span position, count)
         for item, q0 in zip(items, query_start, strict=False):
@@ -441,9 +449,13 @@ class ModelRunner:
             for span in item.image_spans:
                 spans.append((q0 + span.row, st, st.images[span.image], span.first, span.count))
         if not spans:
-            return None
+            return None, {}
         features = self._image_features([(st.cache_salt, image) for _, st, image, _, _ in spans])
         embeds = self.model.embed_tokens(ids)
+        hidden = embeds.shape[1]
+        width = max(f.shape[1] for f in features.values())
+        extra = embeds.new_zeros(embeds.shape[0], width - hidden) if width > hidden else None
+        mask = torch.zeros(embeds.shape[0], dtype=torch.bool, device=embeds.device)
         token = getattr(self.model, "image_token_id", None)
         for row, st, image, first, count in spans:
             feats = features[(st.cache_salt, image.key)]
@@ -451,11 +463,15 @@ class ModelRunner:
                 st.token_ids, image.placeholder, first, count, token, feats.shape[0]
             )
             if rows is None:
-                embeds[row : row + count] = feats[start : start + count].to(embeds.dtype)
+                at = torch.arange(row, row + count, device=embeds.device)
             else:
                 at = torch.tensor(rows, dtype=torch.long, device=embeds.device) + row
-                embeds[at] = feats[start : start + len(rows)].to(embeds.dtype)
-        return embeds
+            taken = feats[start : start + at.shape[0]].to(embeds.dtype)
+            embeds[at] = taken[:, :hidden]
+            if extra is not None:
+                extra[at] = taken[:, hidden:]
+                mask[at] = True
+        return embeds, ({"deepstack": (mask, extra)} if extra is not None else {})
 
     def _image_features(self, wanted) -> dict[tuple[str | None, str], torch.Tensor]:
         """Features of each (salt, image), from the vision cache or encoded in one batch."""

@@ -211,3 +211,25 @@ def test_qwen2_5_vl(tmp_path_factory, photos):
     finally:
         model.mrope = True
     assert plain.outputs[0].token_ids != oracle[1][1]
+
+
+def test_qwen3_vl(tmp_path_factory, photos):
+    """Qwen3-VL: M-RoPE, and deepstack features added after the decoder's first layers; the
+    same requests without the deepstack rows give other tokens."""
+    from loraplex.engine.sampling.params import SamplingParams
+
+    llm, requests, oracle = _check("qwen3_vl", tmp_path_factory, photos)
+    model = llm.engine.core.model
+    image = requests[1].images[0]
+    features = model.encode_image(image.pixel_values, image.inputs)
+    assert features.shape == (image.placeholder.length, 3 * model.hidden_size)  # 2 deepstack
+    with_deepstack = model.forward
+    model.forward = lambda *args, deepstack=None, **kwargs: with_deepstack(*args, **kwargs)
+    try:
+        sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        plain = llm.generate(
+            [llm.make_request(_messages(PROMPTS[1], photos, hf=False), sampling, cache_salt="d")]
+        )[0]
+    finally:
+        del model.forward
+    assert plain.outputs[0].token_ids != oracle[1][1]

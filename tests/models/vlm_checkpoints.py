@@ -436,3 +436,68 @@ def qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
 
 
 BUILDERS["qwen2_5_vl"] = qwen2_5_vl
+
+
+def qwen3_vl(directory: Path, seed: int = 0) -> Path:
+    """Qwen3-VL: Qwen2.5-VL's dynamic resolution and M-RoPE (interleaved sections), learned
+    vision position embeddings, and deepstack: features of two vision layers added to the image
+    tokens' hidden states after the decoder's first two layers.
+
+    Its processor takes a video processor, so it is built images-only (torchvision-free).
+    """
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import (
+        Qwen3VLTextConfig,
+        Qwen3VLVisionConfig,
+    )
+
+    from loraplex.engine.client.auto_processor import image_only_class
+
+    start, pad, end = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+    tok = tokenizer([start, pad, end, "<|video_pad|>"], start + pad + end)
+    processor = image_only_class(Qwen3VLProcessor)(
+        image_processor=Qwen2VLImageProcessorPil(
+            patch_size=8,
+            merge_size=2,
+            temporal_patch_size=2,
+            size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
+        ),
+        tokenizer=tok,
+        video_processor=None,
+        chat_template=tok.chat_template,
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True}  # fmt: skip
+    config = Qwen3VLConfig(
+        text_config=Qwen3VLTextConfig(
+            vocab_size=len(tok),
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=3,
+            rope_parameters=rope,
+            **TEXT,
+        ),  # fmt: skip
+        vision_config=Qwen3VLVisionConfig(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            patch_size=8,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=TEXT["hidden_size"],
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        image_token_id=tok.convert_tokens_to_ids(pad),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids(start),
+        vision_end_token_id=tok.convert_tokens_to_ids(end),
+    )
+    return _save(Qwen3VLForConditionalGeneration(config), processor, directory, seed)
+
+
+BUILDERS["qwen3_vl"] = qwen3_vl

@@ -168,6 +168,7 @@ class TransformersForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         inputs_embeds: torch.Tensor | None = None,
+        **decoder_kwargs: Any,
     ) -> torch.Tensor:
         """Run one step; the arguments and result are the native models' (``LlamaForCausalLM``).
 
@@ -180,6 +181,8 @@ class TransformersForCausalLM(nn.Module):
             meta: The step's attention metadata.
             backend: The attention implementation.
             inputs_embeds: ``[T, hidden]`` embeddings to use instead of ``input_ids``.
+            **decoder_kwargs: More arguments of the transformers decoder's ``forward`` (a
+                vision-language subclass's: Qwen3-VL's deepstack features).
 
         Returns:
             ``[T, hidden]`` final-normed hidden states.
@@ -196,6 +199,7 @@ class TransformersForCausalLM(nn.Module):
                 position_ids=positions[None] if positions.dim() == 1 else positions[:, None],
                 use_cache=False,
                 return_dict=True,
+                **decoder_kwargs,
             )
         return out.last_hidden_state[0]
 

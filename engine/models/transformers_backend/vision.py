@@ -14,8 +14,14 @@ decoder runs over the paged KV cache) plus what the model runner needs for image
   directions (Gemma 3's ``token_type_ids`` mask), so the attention lets every token of an image
   see the whole image, and the scheduler never splits one image over two steps.
 - ``mrope`` and :meth:`rope_positions`: a model with multimodal rotary positions (Qwen2-VL,
-  Qwen2.5-VL: 3-D temporal/height/width position ids) gets a prompt's ``[3, P]`` positions and
-  the delta later tokens add to their position, from the model's own ``get_rope_index``.
+  Qwen2.5-VL, Qwen3-VL: 3-D temporal/height/width position ids) gets a prompt's ``[3, P]``
+  positions and the delta later tokens add to their position, from the model's own
+  ``get_rope_index``.
+- Deepstack (Qwen3-VL): the vision tower also gives features that the decoder adds to the
+  image tokens' hidden states after its first layers. :meth:`encode_image` returns them as
+  more columns of the image's features (``[n, hidden * (1 + layers)]``, cached as one), and
+  :meth:`forward` takes the step's rows of them (``deepstack``) and hands them to the decoder
+  as transformers' ``visual_pos_masks`` and ``deepstack_visual_embeds``.
 """
 
 from __future__ import annotations
@@ -116,12 +122,27 @@ class TransformersForImageTextToText(TransformersForCausalLM):
                 value = value.to(self.device)
                 kwargs[name] = value.to(self.dtype) if value.is_floating_point() else value
         out = self.hf.get_image_features(**kwargs)
-        features = getattr(out, "pooler_output", out)
-        if isinstance(features, list | tuple):
-            features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features], dim=0)
-        if not isinstance(features, torch.Tensor) or features.shape[-1] != self.hidden_size:
+        columns = [_rows(getattr(out, "pooler_output", out))]
+        columns += [_rows(f) for f in getattr(out, "deepstack_features", None) or ()]
+        if any(c is None or c.shape[-1] != self.hidden_size for c in columns):
             raise ValueError(f"{type(self.hf).__name__}.get_image_features gave no features")
-        return features.reshape(-1, self.hidden_size).to(self.dtype)
+        return torch.cat(columns, dim=-1).to(self.dtype)
+
+    def forward(self, *args: Any, deepstack=None, **kwargs: Any) -> torch.Tensor:
+        """:meth:`TransformersForCausalLM.forward`, with the step's deepstack rows if any.
+
+        Args:
+            *args: Those of :meth:`TransformersForCausalLM.forward`.
+            deepstack: ``([T] bool mask of image-token rows, [T, hidden * layers] their
+                deepstack features)`` or None (``engine.runner.model_runner``).
+            **kwargs: Those of :meth:`TransformersForCausalLM.forward`.
+        """
+        if deepstack is not None:
+            mask, extra = deepstack
+            rows = extra[mask]
+            kwargs["visual_pos_masks"] = mask[None]
+            kwargs["deepstack_visual_embeds"] = list(rows.split(self.hidden_size, dim=-1))
+        return super().forward(*args, **kwargs)
 
     @torch.inference_mode()
     def rope_positions(
@@ -143,3 +164,12 @@ class TransformersForImageTextToText(TransformersForCausalLM):
         grid = torch.cat([g.reshape(-1, 3) for g in grids]).to(self.device) if grids else None
         positions, delta = self._rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid)
         return positions[:, 0].long(), int(delta.reshape(-1)[0])
+
+
+def _rows(features: Any) -> torch.Tensor | None:
+    """Features (a tensor, or one per image or crop) as ``[n, width]`` rows, in order."""
+    if isinstance(features, list | tuple):
+        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features], dim=0)
+    if not isinstance(features, torch.Tensor):
+        return None
+    return features.reshape(-1, features.shape[-1])
