@@ -88,3 +88,39 @@ def test_image_spans_see_each_other(window, cap):
     )  # fmt: skip
     assert not torch.allclose(causal[: qsl[1]], out[: qsl[1]])  # the images' rows differ
     torch.testing.assert_close(causal[qsl[1] :], out[qsl[1] :])  # the other sequences do not
+
+
+def test_a_kernel_without_it_falls_back_to_the_reference():
+    """A backend whose kernel takes no ``visible_up_to`` (Triton) runs the reference then."""
+    from loraplex.engine.attention.backend import PagedKernelBackend, TorchAttentionBackend
+    from loraplex.engine.attention.metadata import AttentionMetadata
+
+    def causal_only(*args, **kwargs):
+        assert "visible_up_to" not in kwargs
+        return paged_attention_ref(*args, **kwargs)
+
+    kernel = PagedKernelBackend("causal-only", reshape_and_cache_ref, causal_only)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(6, 2, 8, generator=gen) for _ in range(3))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(6),
+        query_start_loc=torch.tensor([0, 6], dtype=torch.int32),
+        seq_lens=torch.tensor([6], dtype=torch.int32),
+        block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+        max_query_len=6,
+        max_seq_len=6,
+        visible_up_to=torch.tensor([0, 3, 3, 3, 4, 5]),  # an image at positions 1..3
+    )
+    outs = []
+    for backend in (kernel, TorchAttentionBackend()):
+        caches = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+        outs.append(backend.forward(q, k, v, *caches, meta, 8**-0.5))
+    torch.testing.assert_close(outs[0], outs[1])
+    causal = kernel.forward(q, k, v, *caches, _causal(meta), 8**-0.5)
+    assert not torch.allclose(causal[1:3], outs[0][1:3])
+
+
+def _causal(meta):
+    import dataclasses
+
+    return dataclasses.replace(meta, visible_up_to=None)
