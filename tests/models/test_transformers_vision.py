@@ -233,3 +233,33 @@ def test_qwen3_vl(tmp_path_factory, photos):
     finally:
         del model.forward
     assert plain.outputs[0].token_ids != oracle[1][1]
+
+
+def test_llava_through_transformers_is_the_native_llava(llava_dir, photos):
+    """The built-in LLaVA-1.5 checkpoint: the transformers backend's generic image path gives
+    the native model's tokens, spans and (with a variant) keys."""
+    from loraplex.engine.client.llm import LLM
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.sampling.params import SamplingParams
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    results = {}
+    for impl in ("native", "transformers"):
+        config = EngineConfig(
+            model=str(llava_dir),
+            model_impl=impl,
+            block_size=BLOCK,
+            max_num_batched_tokens=32,
+            long_prefill_token_threshold=0,
+        )
+        llm = LLM(config)
+        request = llm.make_request(_messages(PROMPTS[1], photos, hf=False), sampling)
+        out = llm.generate([request])[0]
+        results[impl] = (out.outputs[0].token_ids, request.images)
+    (native, native_images), (ours, our_images) = results["native"], results["transformers"]
+    assert ours == native
+    for a, b in zip(native_images, our_images, strict=True):
+        assert (a.placeholder.offset, a.placeholder.length) == (
+            b.placeholder.offset, b.placeholder.length,
+        )  # fmt: skip
+        assert b.key.startswith(a.key + ":")
