@@ -263,3 +263,39 @@ def test_llava_through_transformers_is_the_native_llava(llava_dir, photos):
             b.placeholder.offset, b.placeholder.length,
         )  # fmt: skip
         assert b.key.startswith(a.key + ":")
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_images_survive_preemption_forks_and_speculation(tmp_path_factory, photos, preemption):
+    """Qwen2.5-VL (M-RoPE: per-sequence positions the runner rebuilds when a sequence comes
+    back) in a pool too small for both requests, ``n = 2``, n-gram speculation: the oracle's
+    tokens for every output."""
+    from loraplex.engine.client.llm import LLM
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.sampling.params import SamplingParams
+
+    directory = vlm_checkpoints.qwen2_5_vl(tmp_path_factory.mktemp("q"), SEEDS["qwen2_5_vl"])
+    prompts = [PROMPTS[1], [0, "the cat sat on a warm mat", 2, "How?"]]
+    oracle = _oracle(directory, prompts, photos)
+    config = EngineConfig(
+        model=str(directory),
+        model_impl="transformers",
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=24,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=0,
+        preemption=preemption,
+        speculative_method="ngram",
+        prompt_lookup_min=1,
+    )
+    llm = LLM(config)
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
+    requests = [llm.make_request(_messages(p, photos, hf=False), sampling) for p in prompts]
+    outs = llm.generate(requests)
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.num_preemptions > 0
+    assert (scheduler.num_swapped_out > 0) == (preemption == "swap")
+    assert scheduler.spec_stats.num_draft_tokens > 0
+    for out, (_, ref) in zip(outs, oracle, strict=True):
+        assert [o.token_ids for o in out.outputs] == [ref, ref]
