@@ -173,10 +173,6 @@ class ModelRunner:
                 images=new.images,
                 cache_salt=new.cache_salt,
             )
-            if new.images and getattr(self.model, "mrope", False):  # 3-D positions, once
-                prompt = new.token_ids[: new.num_prompt_tokens]
-                grids = [im.inputs["image_grid_thw"] for im in new.images]
-                self.seqs[new.seq_id].rope = self.model.rope_positions(prompt, grids)
             if new.seed is not None and new.seq_id not in self.generators:
                 self.generators[new.seq_id] = make_generator(new.seed, self.device)
         for item in sched.scheduled:
@@ -390,6 +386,12 @@ class ModelRunner:
         embeds, extra = self._embed_with_images(inputs.input_ids, items, inputs.query_start)
         positions = inputs.positions
         if getattr(self.model, "mrope", False):  # [3, T] rotary positions (Qwen2-VL family)
+            for item in items:  # a sequence's prompt positions, once (here: a failure is its own)
+                st = self.seqs[item.seq_id]
+                if st.images and st.rope is None:
+                    grids = [im.inputs.get("image_grid_thw") for im in st.images]
+                    prompt = st.token_ids[: st.num_prompt_tokens]
+                    st.rope = self.model.rope_positions(prompt, grids)
             positions = mrope_positions(inputs, [
                 (q0, item.num_new_tokens, self.seqs[item.seq_id].rope)
                 for item, q0 in zip(items, inputs.query_start, strict=False)

@@ -158,7 +158,12 @@ class TransformersForImageTextToText(TransformersForCausalLM):
             ``([3, P] int64 positions, delta)``: a later token at position ``p`` (generated, or
             past the prompt) has position ``p + delta`` in all three sections, as transformers'
             ``generate`` continues (its ``rope_deltas``).
+
+        Raises:
+            ValueError: an image without its ``image_grid_thw``.
         """
+        if any(g is None for g in grids):
+            raise ValueError("an image without image_grid_thw: no rotary positions for it")
         ids = torch.tensor([token_ids], device=self.device)
         types = (ids == self.image_token_id).int()
         grid = torch.cat([g.reshape(-1, 3) for g in grids]).to(self.device) if grids else None
