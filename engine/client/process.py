@@ -85,9 +85,8 @@ class ProcessCoreClient(EngineCoreClient):
         launcher: Any = None,
         quarantine: Quarantine | None = None,
     ) -> None:
-        from loraplex.engine.models.source import resolve_model_source
-
-        self.config = resolve_model_source(config)  # a no-op on a resolved config
+        self.config = config  # resolved by whoever made it (gateway build, front); a core
+        # given an unresolved Hub id resolves it itself (EngineCore)
         self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.launcher = launcher if launcher is not None else ProcessLauncher()
         self.store_root = store_root
