@@ -156,7 +156,7 @@ class DraftProposer:
         ]
 
     def _propose(self, items: list[Any], inputs: Mapping[str, DraftInput]) -> dict[str, list[int]]:
-        chunks, rows, drafting = [], [], []
+        chunks, rows, drafting, reached = [], [], [], {}
         row, room = 0, self.max_catch_up_tokens
         for item in items:
             if not item.num_draft_tokens or room <= 0:
@@ -167,12 +167,13 @@ class DraftProposer:
             chunks.append((st.token_ids[begin:end], begin, st.table))
             row += end - begin
             room -= end - begin
-            self.draft_len[item.seq_id] = end
+            reached[item.seq_id] = end
             if end == item.start + 1:  # caught up: its last token's logits propose
                 rows.append(row - 1)
                 drafting.append(item)
         proposals: dict[str, list[int]] = {item.seq_id: [] for item in drafting}
         next_ids = self._forward(chunks, rows)
+        self.draft_len.update(reached)  # written only once the forward has run
         for step in range(1, max((i.num_draft_tokens for i in drafting), default=0) + 1):
             for item, token in zip(drafting, next_ids, strict=True):
                 proposals[item.seq_id].append(token)
@@ -200,6 +201,9 @@ class DraftProposer:
     def verified(self, seq_id: str, start: int, num_drafted: int, num_kept: int) -> None:
         """After verification: the draft KV is valid through the last kept proposal it wrote.
 
+        An undrafted step (``num_drafted == 0``: its catch-up did not reach ``start``, or the
+        draft forward failed) wrote nothing past the catch-up, whose ``draft_len`` stands.
+
         Args:
             seq_id: The sequence.
             start: The step's first position (its last real token).
@@ -207,4 +211,5 @@ class DraftProposer:
                 ``start .. start + k - 1``.
             num_kept: Tokens the step kept (``a + 1``).
         """
-        self.draft_len[seq_id] = min(start + num_drafted, start + num_kept)
+        if num_drafted:
+            self.draft_len[seq_id] = min(start + num_drafted, start + num_kept)

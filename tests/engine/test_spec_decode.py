@@ -414,3 +414,27 @@ def test_the_draft_catch_up_of_a_step_is_bounded(tiny_text_dir, tmp_path_factory
     assert outputs(spec, build(spec, prompts, params)) == expected
     assert max(sizes) <= 48 < sum(sizes)
     assert spec.engine.stats()["spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.slow  # two engines' start-up (about 2 s)
+def test_a_draft_identical_to_the_target_is_always_accepted_after_a_bounded_catch_up(
+    tiny_text_dir,
+):
+    """The target as its own draft, greedy, prompts longer than the step's budget: the first
+    catch-up of each does not fit one step, and every proposal after it must be accepted (a
+    step left undrafted once marked positions its catch-up had not reached as valid draft KV,
+    so the draft attended over zeros and about half its proposals were rejected)."""
+    config = EngineConfig(
+        model=tiny_text_dir,
+        num_kv_blocks=256,
+        max_num_batched_tokens=16,
+        speculative_method="draft",
+        speculative_model=tiny_text_dir,
+        num_speculative_tokens=3,
+    )
+    llm = LLM(config)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm.generate(build(llm, [long_text(30, seed=40)], [params]))
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 8
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
