@@ -19,6 +19,10 @@ output. The Triton attention backend, which has no soft-capping, refuses Gemma 2
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
+import jsonschema
 import pytest
 import torch
 
@@ -26,6 +30,7 @@ from loraplex.adapters.errors import AdapterError
 from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.sampling.params import SamplingParams
+from loraplex.engine.structured_output.grammar import StructuredOutputSpec
 from tests.media import long_text
 from tests.models.text_archs import (
     ARCHS,
@@ -72,7 +77,7 @@ class Built:
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir)
         self.hf = load_hf(self.dir)
         self._adapter = None
-        self._drafts = {}
+        self._draft = None
 
     @property
     def adapter(self):
@@ -83,15 +88,22 @@ class Built:
         return self._adapter
 
     def draft(self):
-        """A 1-layer checkpoint of the same architecture and vocabulary (another seed)."""
-        if "draft" not in self._drafts:
-            fields = ARCHS[self.name].fields
-            extra = {"layer_types": fields["layer_types"][:1]} if "layer_types" in fields else {}
-            out = self.dir.parent / f"{self.name}-draft"
-            self._drafts["draft"] = build_checkpoint(
-                self.name, out, seed=5, num_hidden_layers=1, **extra
-            )
-        return str(self._drafts["draft"])
+        """A draft of the same architecture: the checkpoint cut to its first layer.
+
+        (LayerSkip's early exit, as ``engine.spec_decode.layer_skip`` cuts Llama drafts: the
+        target's embeddings, first layer, final norm and head, so it agrees with the target
+        more often than chance.)
+        """
+        if self._draft is None:
+            model = load_hf(self.dir)
+            model.model.layers = model.model.layers[:1]
+            model.config.num_hidden_layers = 1
+            if getattr(model.config, "layer_types", None):
+                model.config.layer_types = model.config.layer_types[:1]
+            self._draft = self.dir.parent / f"{self.name}-draft"
+            model.save_pretrained(self._draft, safe_serialization=True)
+            self.tokenizer.save_pretrained(self._draft)
+        return str(self._draft)
 
     def oracle(self, batch):
         """``[(prompt ids, greedy ids)]``: transformers for base rows, peft for adapter rows."""
@@ -116,11 +128,12 @@ def built(tmp_path_factory):
 
 
 def requests(llm, batch, digest, tag, **sampling):
-    sampling.setdefault("logprobs", 0)
+    """Engine requests of ``batch`` rows (greedy, the sampled token's logprob, ``sampling``)."""
+    sampling = {"temperature": 0.0, "logprobs": 0, **sampling}
     return [
         llm.make_request(
             [{"role": "user", "content": text}],
-            SamplingParams(temperature=0, max_tokens=k, **sampling),
+            SamplingParams(max_tokens=k, **sampling),
             lora_digest=digest if a else None,
             request_id=f"{tag}-{i}",
         )
@@ -145,8 +158,12 @@ def assert_clean(llm):
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
 
 
-def run_mixed(b, batches=(FIRST, SECOND), lora=True, **engine):
-    """Both batches through one engine, against the oracles; returns the engine."""
+def run_mixed(b, batches=(FIRST, SECOND), lora=True, hits=True, **engine):
+    """Both batches through one engine, against the oracles; returns the engine.
+
+    ``hits``: the second batch's shared-prefix rows must hit the prefix cache (not under a KV
+    pool too small to keep the first batch's blocks).
+    """
     llm = LLM(EngineConfig(model=str(b.dir), **{**ENGINE, **engine}))
     digest = llm.engine.add_lora_dir(b.adapter[1]).digest if lora else None
     for n, batch in enumerate(batches):
@@ -154,7 +171,7 @@ def run_mixed(b, batches=(FIRST, SECOND), lora=True, **engine):
         assert sum(len(p) > 2 * CHUNK for p, _, _ in oracle) >= 2, "prefills must be chunked"
         outs = llm.generate(requests(llm, batch, digest, f"b{n}"))
         check(outs, oracle, f"{b.name} batch {n}")
-        if n == 1:  # the second batch's shared-prefix rows hit the first's cached blocks
+        if n == 1 and hits:  # the second batch's shared-prefix rows hit the first's blocks
             shared = [
                 o for o, (_, text, _) in zip(outs, batch, strict=True) if text.startswith(SHARED)
             ]
@@ -230,3 +247,110 @@ def test_mixtral(built):
 @pytest.mark.slow
 def test_qwen3_moe(built):
     check_architecture(built("qwen3_moe"))
+
+
+# The rest of the engine on two architectures: Qwen3 (q/k norms, yarn) and Gemma 2 (sliding
+# windows, soft-capping, tied embeddings).
+ENGINE_ARCHS = ["qwen3", "gemma2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+@pytest.mark.parametrize("name", ENGINE_ARCHS)
+def test_speculative_decoding(built, name, kind):
+    b = built(name)
+    if kind == "ngram":
+        spec = {"speculative_method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    else:  # a 1-layer draft of the same architecture, also through the transformers backend
+        spec = {
+            "speculative_method": "draft",
+            "num_speculative_tokens": 3,
+            "speculative_model": b.draft(),
+        }
+    llm = run_mixed(b, **spec)
+    assert type(
+        llm.engine.runner.draft.model if kind == "draft" else llm.engine.model
+    ).__name__ == ("TransformersForCausalLM")
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+@pytest.mark.parametrize("name", ENGINE_ARCHS)
+def test_preemption(built, name, policy):
+    # 40 blocks of 4 tokens hold the longest request but not the batch (about 90 blocks).
+    llm = run_mixed(built(name), hits=False, num_kv_blocks=40, preemption=policy)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert (llm.engine.scheduler.num_swapped_out > 0) == (policy == "swap")
+
+
+def teacher_forced_logprobs(model, prompt, tokens):
+    """transformers' logprobs of ``tokens`` after ``prompt``, in one forward over both."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0]
+    steps = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), -1)
+    return steps[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ENGINE_ARCHS)
+def test_n_greater_than_one(built, name):
+    b = built(name)
+    llm = LLM(EngineConfig(model=str(b.dir), **ENGINE))
+    digest = llm.engine.add_lora_dir(b.adapter[1]).digest
+    # Greedy, n=2: both children are the oracle's tokens (forked from one prefill).
+    for out, (_, expected, _) in zip(
+        llm.generate(requests(llm, FIRST, digest, "greedy", n=2)), b.oracle(FIRST), strict=True
+    ):
+        assert [list(c.token_ids) for c in out.outputs] == [expected, expected]
+    # Seeded sampling, n=2: the children diverge from their shared prompt blocks; each child's
+    # logprobs are transformers' (or peft's) over the prompt and that child's own tokens.
+    outs = llm.generate(requests(llm, FIRST, digest, "sampled", n=2, temperature=1.0, seed=7))
+    for out, (a, _, _) in zip(outs, FIRST, strict=True):
+        model = b.hf if a is None else b.adapter[0]
+        for child in out.outputs:
+            tokens = list(child.token_ids)
+            expected = teacher_forced_logprobs(model, out.prompt_token_ids, tokens)
+            ours = [lp for lp, _ in child.logprobs]
+            torch.testing.assert_close(ours, expected, atol=1e-3, rtol=0)
+    assert sum(o.outputs[0].token_ids != o.outputs[1].token_ids for o in outs) >= 3
+    assert_clean(llm)
+
+
+REPLY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ENGINE_ARCHS)
+def test_structured_output(built, name):
+    # JSON-schema rows (base and adapter) in a batch with free rows: the constrained outputs
+    # parse and validate, the free rows stay token-exact.
+    b = built(name)
+    llm = LLM(EngineConfig(model=str(b.dir), **ENGINE))
+    digest = llm.engine.add_lora_dir(b.adapter[1]).digest
+    free = requests(llm, FIRST, digest, "free")
+    spec = StructuredOutputSpec.json_schema(REPLY)
+    constrained = requests(llm, [(None, "reply in JSON", 80), (LORA, SHARED, 80)], digest, "json")
+    constrained = [
+        dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, structured_output=spec))
+        for r in constrained
+    ]
+    outs = llm.generate(free + constrained)
+    check(outs[: len(free)], b.oracle(FIRST), name)
+    replies = [json.loads(o.outputs[0].text) for o in outs[len(free) :]]
+    for reply in replies:
+        jsonschema.validate(reply, REPLY)
+    assert replies[0] != replies[1]
+    assert_clean(llm)
