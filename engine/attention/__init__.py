@@ -7,6 +7,7 @@
 from loraplex.engine.attention.backend import (
     AttentionBackend,
     TorchAttentionBackend,
+    check_backend_runs,
     get_attention_backend,
 )
 from loraplex.engine.attention.metadata import AttentionMetadata
@@ -15,5 +16,6 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "TorchAttentionBackend",
+    "check_backend_runs",
     "get_attention_backend",
 ]

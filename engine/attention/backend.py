@@ -137,6 +137,29 @@ class TorchAttentionBackend(PagedKernelBackend):
         )
 
 
+def check_backend_runs(backend: AttentionBackend, model: Any, role: str = "model") -> None:
+    """Refuse, at load, a model whose attention the backend cannot compute.
+
+    A model states its attention logit soft cap as ``attention_soft_cap`` (Gemma 2's
+    ``attn_logit_softcapping``; absent or None for none); a backend without
+    ``supports_soft_cap`` (the Triton kernel) would fail on the first forward pass instead.
+
+    Args:
+        backend: The attention backend.
+        model: The loaded model.
+        role: What the model is, for the message (``model``, ``speculative model``).
+
+    Raises:
+        ValueError: the model needs soft-capping the backend lacks.
+    """
+    cap = getattr(model, "attention_soft_cap", None)
+    if cap is not None and not getattr(backend, "supports_soft_cap", False):
+        raise ValueError(
+            f"the {backend.name} attention backend has no attention logit soft-capping, which "
+            f"the {role} needs (attn_logit_softcapping={cap}): use --attention-backend torch"
+        )
+
+
 def get_attention_backend(name: str) -> AttentionBackend:
     """The backend called ``name``.
 

@@ -28,7 +28,7 @@ import torch
 
 from loraplex.adapters.limits import AdapterLimits
 from loraplex.adapters.registry import AdapterRegistry
-from loraplex.engine.attention import get_attention_backend
+from loraplex.engine.attention import check_backend_runs, get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core.breadcrumb import STEP, Breadcrumb
 from loraplex.engine.core.validation import RequestLimits, validate_request
@@ -166,8 +166,11 @@ class EngineCore:
         lora_backend = select_lora_backend(config.attention_backend)
         install_lora(self.model, self.lora_manager.buffers, lora_backend)
         backend = get_attention_backend(config.attention_backend)
+        check_backend_runs(backend, self.model)
         # After the weights and LoRA slots, before the pool: what the machine has left.
         draft_model = load_draft_model(loaded)  # its KV is part of every block's bytes
+        if draft_model is not None:
+            check_backend_runs(backend, draft_model, "speculative model")
         config, self.kv_sizing, num_cpu_blocks = size_kv_pool(loaded, backend)
         if draft_model is not None:
             check_draft(draft_model, self.model, config.max_model_len)

@@ -354,3 +354,22 @@ def test_structured_output(built, name):
         jsonschema.validate(reply, REPLY)
     assert replies[0] != replies[1]
     assert_clean(llm)
+
+
+def test_triton_backend_refuses_soft_capping_at_load(built):
+    # The Triton kernel has no attention soft cap: Gemma 2 is refused before anything runs,
+    # as a target and as a draft.
+    gemma2, qwen3 = built("gemma2"), built("qwen3")
+    triton = {**ENGINE, "attention_backend": "triton"}
+    with pytest.raises(ValueError, match="no attention logit soft-capping.*attn_logit_softcapping"):
+        LLM(EngineConfig(model=str(gemma2.dir), **triton))
+    draft = {"speculative_method": "draft", "speculative_model": str(gemma2.dir)}
+    with pytest.raises(ValueError, match="speculative model needs"):
+        LLM(EngineConfig(model=str(qwen3.dir), **triton, **draft, num_speculative_tokens=2))
+
+
+@pytest.mark.slow
+def test_triton_backend(built):
+    # The Triton kernels (interpreted on CPU, so one batch): paged attention with Gemma 3's
+    # sliding windows, chunked prefill, and the Triton LoRA kernels on transformers' linears.
+    run_mixed(built("gemma3_text"), (FIRST,), attention_backend="triton", max_num_batched_tokens=64)

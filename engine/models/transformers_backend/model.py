@@ -139,6 +139,15 @@ class TransformersForCausalLM(nn.Module):
         return int(self.lm_head.weight.shape[0])
 
     @property
+    def attention_soft_cap(self) -> float | None:
+        """The attention logit soft cap the model's layers pass (``attn_logit_softcapping``).
+
+        The attention backend must apply it (``engine.attention.check_backend_runs``).
+        """
+        cap = getattr(self.text_config, "attn_logit_softcapping", None)
+        return float(cap) if cap is not None else None
+
+    @property
     def max_position_embeddings(self) -> int:
         """The model's longest context."""
         return self._max_positions
