@@ -218,6 +218,37 @@ def test_phi3(built):
     run_mixed(built("phi3"), BASE_ONLY, lora=False)
 
 
+LONGROPE = [
+    (None, "hello", 8),  # short factors throughout
+    (None, long_text(10, seed=1), 8),
+    (None, long_text(40, seed=2), 8),  # a prompt past 64: long factors from the start
+    (None, long_text(18, seed=9), 30),  # a prompt under 64 decoding past it
+]
+
+
+@pytest.mark.slow
+def test_phi3_longrope(built):
+    # longrope picks its factors from the sequence's length; in one batch row of every
+    # sequence, each must still get its own (a short request batched with a long one got the
+    # long factors: engine/models/transformers_backend/rotary.py).
+    b = built("phi3_longrope")
+    oracle = b.oracle(LONGROPE)
+    lengths = [len(p) for p, _, _ in oracle]
+    assert lengths[1] + 8 <= 64 < lengths[2] and lengths[3] < 64 < lengths[3] + 30
+    crossing = 64 - lengths[3]  # tokens of the last row generated within 64 positions
+    for chunk, exact in ((512, 3), (CHUNK, 2)):
+        llm = LLM(EngineConfig(model=str(b.dir), **{**ENGINE, "max_num_batched_tokens": chunk}))
+        outs = llm.generate(requests(llm, LONGROPE, None, f"c{chunk}"))
+        # Unchunked, the long prompt is exact too; chunked, its first chunks (within 64
+        # positions) get the short factors, transformers' whole prompt the long ones.
+        check(outs[:exact], oracle[:exact], f"chunks of {chunk}")
+        # Past 64 positions transformers recomputes the whole sequence with the long factors
+        # (Phi3ForCausalLM.prepare_inputs_for_generation); the engine keeps the KV it has:
+        # exact up to the switch-over only (docs/transformers_text_archs.md).
+        got = list(outs[3].outputs[0].token_ids)
+        assert got[:crossing] == oracle[3][1][:crossing]
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(
     raises=AdapterError,
@@ -373,3 +404,22 @@ def test_triton_backend(built):
     # The Triton kernels (interpreted on CPU, so one batch): paged attention with Gemma 3's
     # sliding windows, chunked prefill, and the Triton LoRA kernels on transformers' linears.
     run_mixed(built("gemma3_text"), (FIRST,), attention_backend="triton", max_num_batched_tokens=64)
+
+
+def test_bidirectional_attention_is_refused(tmp_path):
+    # An embedding model's bidirectional attention (Gemma 3's use_bidirectional_attention) has
+    # no causal paged equivalent: refused at load, and ``auto`` says why.
+    from loraplex.engine.models.loader import load_config
+    from loraplex.engine.models.transformers_backend import supports
+
+    model_dir = build_checkpoint("gemma3_text", tmp_path / "bidi", use_bidirectional_attention=True)
+    assert "bidirectional" in supports(load_config(model_dir))
+    with pytest.raises(ValueError, match="bidirectional"):
+        LLM(EngineConfig(model=str(model_dir), model_impl="transformers"))
+    # Whatever the config calls it, a decoder attention module that is not causal is refused.
+    from loraplex.engine.models.transformers_backend import TransformersForCausalLM
+
+    hf = load_hf(build_checkpoint("gemma3_text", tmp_path / "causal"))
+    hf.model.layers[1].self_attn.is_causal = False
+    with pytest.raises(ValueError, match="layer 1's attention is bidirectional"):
+        TransformersForCausalLM(hf)

@@ -126,6 +126,23 @@ ARCHS: dict[str, Arch] = {
         },
         lora_targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     ),
+    # Phi-3 128k / Phi-3.5 / Phi-4-mini's longrope: short factors up to 64 positions (the
+    # original length here), long ones past it.
+    "phi3_longrope": Arch(
+        "Phi3Config",
+        {
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.5, 2.0, 3.0],
+                "long_factor": [2.0, 4.0, 8.0, 16.0],
+                "original_max_position_embeddings": 64,
+            },
+        },
+        lora_targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    ),
     # Embedding, residual and attention multipliers, logits divided by logits_scaling; llama3
     # rope scaling over 64 original positions.
     "granite": Arch(

@@ -61,6 +61,18 @@ def paged_step(step: PagedStep) -> Iterator[None]:
         _STEP.reset(token)
 
 
+def current_step() -> PagedStep:
+    """The step of the forward pass under way.
+
+    Raises:
+        RuntimeError: outside :func:`paged_step`.
+    """
+    step = _STEP.get()
+    if step is None:
+        raise RuntimeError("the loraplex attention runs only inside an engine step")
+    return step
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -92,9 +104,7 @@ def paged_attention_forward(
     Raises:
         RuntimeError: called outside an engine step, or by a module of no decoder layer.
     """
-    step = _STEP.get()
-    if step is None:
-        raise RuntimeError("the loraplex attention runs only inside an engine step")
+    step = current_step()
     layer = step.layer_of.get(id(module))
     if layer is None:
         raise RuntimeError(f"{type(module).__name__} is not a decoder layer's attention")

@@ -24,6 +24,7 @@ from torch import nn
 from loraplex.adapters.base_model import find_decoder_layers, lora_target_names
 from loraplex.engine.attention import AttentionBackend, AttentionMetadata
 from loraplex.engine.models.transformers_backend.attention import PagedStep, paged_step
+from loraplex.engine.models.transformers_backend.rotary import wrap_length_dependent_rotary
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -31,7 +32,11 @@ _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_leng
 
 
 def _attention_of(layer: nn.Module, index: int) -> nn.Module:
-    """The one self-attention module of a decoder layer."""
+    """The one self-attention module of a decoder layer, which must be causal.
+
+    Raises:
+        ValueError: none or several, or a module that is not causal (``is_causal`` False).
+    """
     found = [
         m
         for m in layer.modules()
@@ -43,7 +48,10 @@ def _attention_of(layer: nn.Module, index: int) -> nn.Module:
             "with a layer index; the transformers backend needs exactly one"
         )
     if getattr(found[0], "is_causal", True) is False:
-        raise ValueError(f"decoder layer {index}'s attention is not causal (an encoder?)")
+        raise ValueError(
+            f"decoder layer {index}'s attention is bidirectional (is_causal False): the paged "
+            "attention is causal"
+        )
     return found[0]
 
 
@@ -52,7 +60,8 @@ def check_text_config(text_config: Any) -> None:
 
     Raises:
         ValueError: a hybrid (state-space, linear or chunked attention) layer type, K/V shared
-            between layers, or multi-head latent attention.
+            between layers, multi-head latent attention, or bidirectional attention over the
+            whole sequence (an embedding model's ``use_bidirectional_attention``).
     """
     layer_types = getattr(text_config, "layer_types", None) or []
     odd = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
@@ -65,6 +74,11 @@ def check_text_config(text_config: Any) -> None:
         raise ValueError("K/V shared between layers (num_kv_shared_layers) is not supported")
     if getattr(text_config, "kv_lora_rank", None):
         raise ValueError("multi-head latent attention (kv_lora_rank) is not supported")
+    if getattr(text_config, "use_bidirectional_attention", None) in (True, "all"):
+        raise ValueError(
+            "bidirectional attention (use_bidirectional_attention) is not supported: the paged "
+            "attention is causal"
+        )
 
 
 class TransformersForCausalLM(nn.Module):
@@ -86,6 +100,7 @@ class TransformersForCausalLM(nn.Module):
         self.text_config = self.hf_config.get_text_config()
         check_text_config(self.text_config)
         self.decoder = hf_model.get_decoder()
+        wrap_length_dependent_rotary(self.decoder)  # longrope, dynamic NTK: per sequence
         num_layers = int(self.text_config.num_hidden_layers)
         self.layers = find_decoder_layers(self.decoder, num_layers)
         self._layer_of = {id(_attention_of(layer, i)): i for i, layer in enumerate(self.layers)}
