@@ -218,6 +218,54 @@ def test_phi3(built):
     run_mixed(built("phi3"), BASE_ONLY, lora=False)
 
 
+@pytest.mark.slow
+def test_llama_native_and_transformers(built):
+    # The engine's own Llama and transformers' through the backend: both exact against
+    # transformers and peft, and seeded sampling (n=2) draws the same tokens from both.
+    b = built("llama")
+    assert adapter_matters(b)
+    engines = {impl: run_mixed(b, model_impl=impl) for impl in ("native", "transformers")}
+    assert type(engines["native"].engine.model).__name__ == "LlamaForCausalLM"
+    sampled = {}
+    for impl, llm in engines.items():
+        digest = llm.engine.add_lora_dir(b.adapter[1]).digest
+        outs = llm.generate(requests(llm, FIRST, digest, "s", n=2, temperature=1.0, seed=3))
+        sampled[impl] = [[list(c.token_ids) for c in o.outputs] for o in outs]
+        logprobs = [[lp for c in o.outputs for lp, _ in c.logprobs] for o in outs]
+        sampled[impl + " logprobs"] = logprobs
+    assert sampled["native"] == sampled["transformers"]
+    torch.testing.assert_close(
+        sampled["native logprobs"], sampled["transformers logprobs"], atol=1e-4, rtol=0
+    )
+
+
+@pytest.mark.slow
+def test_gpt_neox(built):
+    run_mixed(built("gpt_neox"), BASE_ONLY, lora=False)
+
+
+@pytest.mark.slow
+def test_gpt_bigcode(built):
+    # One K/V head: the paged cache takes the head counts the layers pass, not the config's.
+    llm = run_mixed(built("gpt_bigcode"), BASE_ONLY, lora=False)
+    assert llm.engine.model.num_kv_heads == 1
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("bloom", "each of the 2 decoder layers must call it exactly once"),
+        ("gpt_oss", "does not reproduce the model's own attention"),
+    ],
+)
+def test_attention_the_paged_attention_cannot_compute_is_refused_at_load(built, name, why):
+    # The load-time probe (engine/models/transformers_backend/probe.py): BLOOM's ALiBi attention
+    # bypasses AttentionInterface, gpt-oss's attention sinks go through it unapplied; both
+    # would run and produce wrong tokens.
+    with pytest.raises(ValueError, match=why):
+        LLM(EngineConfig(model=str(built(name).dir), **ENGINE))
+
+
 LONGROPE = [
     (None, "hello", 8),  # short factors throughout
     (None, long_text(10, seed=1), 8),

@@ -55,6 +55,7 @@ class Arch:
             by ``sqrt(hidden)`` and post-norms every sublayer's output, so with plain norms the
             input token's own embedding dominates the residual and greedy decoding repeats it;
             smaller embeddings and larger layer norms make every layer matter.
+        exclude: Keys of :data:`COMMON` the config class does not take under that name.
     """
 
     config_class: str
@@ -62,15 +63,33 @@ class Arch:
     lora_targets: tuple[str, ...] = LLAMA_TARGETS
     embed_std: float = 0.3
     norm_shift: float = 0.0
+    exclude: tuple[str, ...] = ()
 
     def config(self, **overrides: Any) -> Any:
         """The transformers config: :data:`COMMON`, then :attr:`fields`, then ``overrides``."""
         import transformers
 
-        return getattr(transformers, self.config_class)(**{**COMMON, **self.fields, **overrides})
+        common = {k: v for k, v in COMMON.items() if k not in self.exclude}
+        return getattr(transformers, self.config_class)(**{**common, **self.fields, **overrides})
 
 
 ARCHS: dict[str, Arch] = {
+    # The engine's native architecture, for the native-vs-transformers comparison: tied
+    # embeddings, llama3 rope scaling over 64 original positions.
+    "llama": Arch(
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
+            },
+        },
+    ),
     # q/k RMSNorm per head; yarn rope scaling (factor 4 over 128 original positions).
     "qwen3": Arch(
         "Qwen3Config",
@@ -164,6 +183,35 @@ ARCHS: dict[str, Arch] = {
     ),
     # q/k RMSNorm over the whole projection (not per head), norms after each sublayer.
     "olmo2": Arch("Olmo2Config"),
+    # Pythia's GPT-NeoX: fused query_key_value, rotary on a quarter of each head, parallel
+    # residual; its config has no num_key_value_heads (every head has its K/V).
+    "gpt_neox": Arch(
+        "GPTNeoXConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.25,
+            }
+        },
+        lora_targets=(),
+        exclude=("num_key_value_heads", "head_dim"),
+    ),
+    # StarCoder's GPT-BigCode: multi-query attention (one K/V head), learned absolute positions.
+    "gpt_bigcode": Arch(
+        "GPTBigCodeConfig",
+        {"multi_query": True, "n_inner": 96},
+        lora_targets=(),
+        exclude=("num_key_value_heads", "head_dim", "intermediate_size"),
+    ),
+    # Architectures the transformers backend must refuse at load: BLOOM's ALiBi biases its own
+    # attention outside AttentionInterface; gpt-oss passes attention sinks (s_aux) through it.
+    "bloom": Arch("BloomConfig", lora_targets=()),
+    "gpt_oss": Arch(
+        "GptOssConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+        lora_targets=ATTENTION_TARGETS,
+    ),
     # 4 experts, top-2 routing, a sliding window on every layer.
     "mixtral": Arch(
         "MixtralConfig",

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,12 +40,19 @@ class PagedStep:
         meta: The step's attention metadata.
         backend: The attention backend.
         layer_of: ``id(attention module) -> decoder layer index`` (its KV cache pair).
+        calls: The layers that called :func:`paged_attention_forward` so far, in order (the
+            model checks that every layer did).
     """
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
     backend: AttentionBackend
     layer_of: dict[int, int]
+    calls: list[int] = field(default_factory=list)
+
+
+class PagedAttentionBypassed(RuntimeError):
+    """A decoder layer's attention did not call :func:`paged_attention_forward` in a step."""
 
 
 _STEP: ContextVar[PagedStep | None] = ContextVar("loraplex_paged_step", default=None)
@@ -114,6 +121,7 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    step.calls.append(layer)
     key_cache, value_cache = step.kv_caches[layer]
     out = step.backend.forward(
         q, k, v, key_cache, value_cache, step.meta, scale,

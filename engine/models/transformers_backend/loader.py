@@ -13,6 +13,7 @@ from loraplex.engine.models.transformers_backend.model import (
     TransformersForCausalLM,
     check_text_config,
 )
+from loraplex.engine.models.transformers_backend.probe import check_paged_attention
 from loraplex.engine.models.transformers_backend.vision import TransformersForImageTextToText
 
 logger = logging.getLogger(__name__)
@@ -107,9 +108,10 @@ def load_transformers_model(
         :class:`TransformersForImageTextToText` for a config with a ``vision_config``.
 
     Raises:
-        ValueError: an architecture transformers cannot build here, or a checkpoint that lacks
+        ValueError: an architecture transformers cannot build here, a checkpoint that lacks
             tensors the model needs (transformers would initialise them at random) or has
-            tensors of the wrong shape.
+            tensors of the wrong shape, or a model whose attention the engine's paged attention
+            does not reproduce (:func:`.probe.check_paged_attention`).
     """
     reason = supports(hf_config)
     if reason is not None:
@@ -126,7 +128,13 @@ def load_transformers_model(
             output_loading_info=True,
         )
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise ValueError(f"transformers cannot load {model_dir}: {exc}") from exc
+        hint = ""
+        if not getattr(cls, "_supports_attention_backend", False):
+            hint = (
+                f" ({cls.__name__} does not declare transformers' attention-backend support: "
+                "the transformers backend plugs its paged attention into AttentionInterface)"
+            )
+        raise ValueError(f"transformers cannot load {model_dir}: {exc!r}{hint}") from exc
     missing = sorted(info.get("missing_keys") or [])
     mismatched = info.get("mismatched_keys") or []
     if missing:
@@ -144,5 +152,8 @@ def load_transformers_model(
     hf_model.eval()
     hf_model.requires_grad_(False)
     if getattr(hf_config, "vision_config", None) is not None:
-        return TransformersForImageTextToText(hf_model)
-    return TransformersForCausalLM(hf_model)
+        model = TransformersForImageTextToText(hf_model)
+    else:
+        model = TransformersForCausalLM(hf_model)
+    check_paged_attention(model)
+    return model

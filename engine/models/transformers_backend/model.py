@@ -23,7 +23,13 @@ from torch import nn
 
 from loraplex.adapters.base_model import find_decoder_layers, lora_target_names
 from loraplex.engine.attention import AttentionBackend, AttentionMetadata
-from loraplex.engine.models.transformers_backend.attention import PagedStep, paged_step
+from loraplex.engine.models.transformers_backend.attention import (
+    ATTN_IMPLEMENTATION,
+    PagedAttentionBypassed,
+    PagedStep,
+    paged_step,
+)
+from loraplex.engine.models.transformers_backend.probe import measure_attention_shapes
 from loraplex.engine.models.transformers_backend.rotary import wrap_length_dependent_rotary
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -108,9 +114,8 @@ class TransformersForCausalLM(nn.Module):
         if self.lm_head is None:
             raise ValueError(f"{type(hf_model).__name__} has no output embeddings (LM head)")
         cfg = self.text_config
-        self._num_heads = int(cfg.num_attention_heads)
-        self._num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self._num_heads)
-        self._head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self._num_heads)
+        # As the attention layers pass them, not as the config names them (:mod:`.probe`).
+        self._num_heads, self._num_kv_heads, self._head_dim = measure_attention_shapes(self)
         positions = [getattr(cfg, f, None) for f in _POSITION_FIELDS]
         if not any(positions):
             raise ValueError("the config gives no maximum length (max_position_embeddings)")
@@ -210,6 +215,12 @@ class TransformersForCausalLM(nn.Module):
 
         Returns:
             ``[T, hidden]`` final-normed hidden states.
+
+        Raises:
+            ValueError: neither ``input_ids`` nor ``inputs_embeds``, or not one KV cache pair
+                per layer.
+            PagedAttentionBypassed: a decoder layer's attention did not run through the paged
+                attention (the load-time probe, :mod:`.probe`, refuses such a model first).
         """
         if input_ids is None and inputs_embeds is None:
             raise ValueError("pass input_ids or inputs_embeds")
@@ -224,6 +235,12 @@ class TransformersForCausalLM(nn.Module):
                 use_cache=False,
                 return_dict=True,
                 **decoder_kwargs,
+            )
+        paged = self.text_config._attn_implementation == ATTN_IMPLEMENTATION
+        if paged and sorted(step.calls) != list(range(self.num_layers)):
+            raise PagedAttentionBypassed(
+                f"the engine's paged attention ran for layers {sorted(step.calls)} of one forward "
+                f"pass; each of the {self.num_layers} decoder layers must call it exactly once"
             )
         return out.last_hidden_state[0]
 
