@@ -194,14 +194,14 @@ ARCHS: dict[str, Arch] = {
                 "partial_rotary_factor": 0.25,
             }
         },
-        lora_targets=(),
+        lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
         exclude=("num_key_value_heads", "head_dim"),
     ),
     # StarCoder's GPT-BigCode: multi-query attention (one K/V head), learned absolute positions.
     "gpt_bigcode": Arch(
         "GPTBigCodeConfig",
         {"multi_query": True, "n_inner": 96},
-        lora_targets=(),
+        lora_targets=("c_attn", "c_proj", "c_fc"),
         exclude=("num_key_value_heads", "head_dim", "intermediate_size"),
     ),
     # Architectures the transformers backend must refuse at load: BLOOM's ALiBi biases its own

@@ -19,7 +19,11 @@ from typing import Any
 import torch
 
 from loraplex.engine.attention import AttentionMetadata, TorchAttentionBackend
-from loraplex.engine.models.transformers_backend.attention import PagedAttentionBypassed
+from loraplex.engine.models.transformers_backend.attention import (
+    ATTN_IMPLEMENTATION,
+    PagedAttentionBypassed,
+    register,
+)
 
 PROBE_TOKENS = 24
 """Length of the probe sequence: past a block, short enough to cost nothing at load."""
@@ -85,6 +89,10 @@ def measure_attention_shapes(model: Any, num_tokens: int = 4) -> tuple[int, int,
     empty = torch.empty(0, device=device)
     caches = [(empty, empty)] * model.num_layers
     name = type(model.hf).__name__
+    register()
+    config = model.text_config
+    implementation = config._attn_implementation
+    config._attn_implementation = ATTN_IMPLEMENTATION  # as the loader builds it
     try:
         model.forward(ids, positions, caches, _probe_metadata(num_tokens, device), recorder)
     except PagedAttentionBypassed as exc:
@@ -94,6 +102,8 @@ def measure_attention_shapes(model: Any, num_tokens: int = 4) -> tuple[int, int,
             f"{name} cannot run as the transformers backend runs it (the step's tokens as one "
             f"row of positions, no attention mask, no cache): {type(exc).__name__}: {exc}"
         ) from exc
+    finally:
+        config._attn_implementation = implementation
     if len(recorder.shapes) != 1:
         raise ValueError(
             f"attention layers of different shapes {sorted(recorder.shapes)} (query heads, KV "

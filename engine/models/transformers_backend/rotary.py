@@ -49,7 +49,7 @@ class PerSequenceRotary(nn.Module):
 
     Args:
         inner: A transformers rotary embedding module (``forward(x, position_ids, ...)`` returning
-            ``(cos, sin)``, each ``[1, T, rotary_dim]``), in its state as loaded.
+            ``(cos, sin)``, each ``[..., 1, T, rotary_dim]``), in its state as loaded.
     """
 
     def __init__(self, inner: nn.Module) -> None:
@@ -77,7 +77,7 @@ class PerSequenceRotary(nn.Module):
 
         Args:
             x: ``[1, T, hidden]`` (its dtype and device are what the module reads).
-            position_ids: ``[1, T]`` positions, the step's sequences one after another.
+            position_ids: ``[..., 1, T]`` positions, the step's sequences one after another.
             args: Passed on (Gemma 3's ``layer_type``).
             kwargs: Passed on.
 
@@ -91,9 +91,10 @@ class PerSequenceRotary(nn.Module):
         parts = []
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             self._restore()
-            parts.append(self.inner(x[:, start:end], position_ids[:, start:end], *args, **kwargs))
+            positions = position_ids[..., start:end]  # [1, n], or M-RoPE's [3, 1, n]
+            parts.append(self.inner(x[:, start:end], positions, *args, **kwargs))
         self._restore()
-        return torch.cat([c for c, _ in parts], dim=1), torch.cat([s for _, s in parts], dim=1)
+        return torch.cat([c for c, _ in parts], dim=-2), torch.cat([s for _, s in parts], dim=-2)
 
 
 def wrap_length_dependent_rotary(root: nn.Module) -> int:
