@@ -59,6 +59,7 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     visible_up_to: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole cached context.
 
@@ -89,6 +90,10 @@ def paged_attention_ref(
             the causal mask). A sliding window still ends at the query's own position, as
             ``sliding_window_overlay`` AND'ed after the OR. Sequences where it differs from the
             causal bound run one at a time with an explicit mask.
+        sinks: ``[num_heads]`` or None: attention sinks (gpt-oss's ``s_aux``): one more logit
+            per head in every query's softmax, over no value, so
+            ``probs = softmax([scores, sink])[:-1]`` (transformers' eager gpt-oss attention).
+            Computed over materialised scores, one sequence at a time, like the soft cap.
 
     Returns:
         ``[T, num_heads, head_dim]`` in ``query``'s dtype (computed in float32).
@@ -101,10 +106,11 @@ def paged_attention_ref(
     lens = seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     upper = _non_causal(visible_up_to, starts, lens, q_lens)
-    if logits_soft_cap is not None:
+    if logits_soft_cap is not None or sinks is not None:
         for b, n in enumerate(q_lens):
-            _soft_capped(query, key_cache, value_cache, block_tables[b], lens[b], starts[b], n,
-                         scale, sliding_window, logits_soft_cap, out, upper.get(b))  # fmt: skip
+            _materialised(query, key_cache, value_cache, block_tables[b], lens[b], starts[b], n,
+                          scale, sliding_window, logits_soft_cap, sinks, out,
+                          upper.get(b))  # fmt: skip
         return out.to(query.dtype)
     # Decodes sorted by context length and batched in groups of similar length, so a short
     # sequence is not padded to the longest one's context.
@@ -251,14 +257,28 @@ def _prefill(
     out[start : start + num_q] = res[0].permute(1, 0, 2).reshape(num_q, num_heads, head_dim)
 
 
-def _soft_capped(
-    query, key_cache, value_cache, table, length, start, num_q, scale, window, cap, out, upper=None
+def _materialised(
+    query,
+    key_cache,
+    value_cache,
+    table,
+    length,
+    start,
+    num_q,
+    scale,
+    window,
+    cap,
+    sinks,
+    out,
+    upper=None,
 ) -> None:
-    """One sequence's ``num_q`` queries with soft-capped scores (Gemma 2's attention).
+    """One sequence's ``num_q`` queries over materialised scores: soft cap and sinks.
 
-    ``softmax(cap * tanh(q.k * scale / cap) + mask) @ v``, float32, in the order Hugging Face's
-    eager attention computes it; grouped-query heads repeat the key/value heads. ``upper`` as
-    in :func:`_prefill`.
+    ``softmax(cap * tanh(q.k * scale / cap) + mask) @ v`` (Gemma 2's attention; no ``tanh``
+    when ``cap`` is None), with a sink logit per head appended to each softmax and dropped after
+    it when ``sinks`` is given (gpt-oss's); float32, in the order Hugging Face's eager attention
+    computes it; grouped-query heads repeat the key/value heads. ``upper`` as in
+    :func:`_prefill`.
     """
     if num_q == 0:
         return
@@ -271,10 +291,15 @@ def _soft_capped(
     values = values.repeat_interleave(groups, dim=0)
     q = query[start : start + num_q].float().permute(1, 0, 2)  # [H, Q, D]
     scores = torch.matmul(q, keys.transpose(1, 2)) * scale  # [H, Q, L]
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     mask = _explicit_mask(num_q, length, window, upper, device)
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(device=device, dtype=torch.float32).view(-1, 1, 1).expand(-1, num_q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     res = torch.matmul(probs, values)  # [H, Q, D]
     out[start : start + num_q] = res.permute(1, 0, 2).reshape(num_q, num_heads, head_dim)
 

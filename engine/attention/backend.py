@@ -32,6 +32,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write K/V, then attend.
 
@@ -45,12 +46,14 @@ class AttentionBackend(Protocol):
             scale: Softmax scale.
             sliding_window: Mistral-style window, None for full attention.
             logits_soft_cap: Gemma 2-style ``cap * tanh(score / cap)``, None for none.
+            sinks: gpt-oss-style attention sinks, ``[num_heads]`` softmax logits over no value
+                (``kernels.paged_attention_ref``), None for none.
 
         Returns:
             ``[T, num_heads, head_dim]`` in ``query``'s dtype.
 
         Raises:
-            ValueError: a soft cap on a backend that cannot apply one.
+            ValueError: a soft cap or sinks on a backend that cannot apply them.
         """
         ...
 
@@ -65,6 +68,7 @@ class PagedKernelBackend:
             block_tables, seq_lens, query_start_loc, scale, *, max_query_len, max_seq_len,
             sliding_window) -> [T, num_heads, head_dim]``.
         supports_soft_cap: Whether ``attend`` takes ``logits_soft_cap``.
+        supports_sinks: Whether ``attend`` takes ``sinks``.
         supports_visible_up_to: Whether ``attend`` takes ``visible_up_to`` (queries that see
             past themselves). A step that has them runs the torch reference's attention
             (``kernels.paged_attention_ref``, exact on any device) when ``attend`` does not.
@@ -78,12 +82,14 @@ class PagedKernelBackend:
         *,
         supports_soft_cap: bool = False,
         supports_visible_up_to: bool = False,
+        supports_sinks: bool = False,
     ):
         self.name = name
         self._write_kv = write_kv
         self._attend = attend
         self.supports_soft_cap = supports_soft_cap
         self.supports_visible_up_to = supports_visible_up_to
+        self.supports_sinks = supports_sinks
 
     def forward(
         self,
@@ -96,6 +102,7 @@ class PagedKernelBackend:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`."""
         extra = {}
@@ -108,6 +115,10 @@ class PagedKernelBackend:
             if not self.supports_soft_cap and attend is not paged_attention_ref:
                 raise ValueError(f"the {self.name} attention backend has no logits soft cap")
             extra["logits_soft_cap"] = logits_soft_cap
+        if sinks is not None:
+            if not self.supports_sinks and attend is not paged_attention_ref:
+                raise ValueError(f"the {self.name} attention backend has no attention sinks")
+            extra["sinks"] = sinks
         self._write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         return attend(
             query,
@@ -134,6 +145,7 @@ class TorchAttentionBackend(PagedKernelBackend):
             paged_attention_ref,
             supports_soft_cap=True,
             supports_visible_up_to=True,
+            supports_sinks=True,
         )
 
 
@@ -141,8 +153,9 @@ def check_backend_runs(backend: AttentionBackend, model: Any, role: str = "model
     """Refuse, at load, a model whose attention the backend cannot compute.
 
     A model states its attention logit soft cap as ``attention_soft_cap`` (Gemma 2's
-    ``attn_logit_softcapping``; absent or None for none); a backend without
-    ``supports_soft_cap`` (the Triton kernel) would fail on the first forward pass instead.
+    ``attn_logit_softcapping``; absent or None for none) and whether its layers have attention
+    sinks as ``attention_sinks`` (gpt-oss); a backend without ``supports_soft_cap`` or
+    ``supports_sinks`` (the Triton kernel) would fail on the first forward pass instead.
 
     Args:
         backend: The attention backend.
@@ -150,13 +163,18 @@ def check_backend_runs(backend: AttentionBackend, model: Any, role: str = "model
         role: What the model is, for the message (``model``, ``speculative model``).
 
     Raises:
-        ValueError: the model needs soft-capping the backend lacks.
+        ValueError: the model needs soft-capping or sinks the backend lacks.
     """
     cap = getattr(model, "attention_soft_cap", None)
     if cap is not None and not getattr(backend, "supports_soft_cap", False):
         raise ValueError(
             f"the {backend.name} attention backend has no attention logit soft-capping, which "
             f"the {role} needs (attn_logit_softcapping={cap}): use --attention-backend torch"
+        )
+    if getattr(model, "attention_sinks", False) and not getattr(backend, "supports_sinks", False):
+        raise ValueError(
+            f"the {backend.name} attention backend has no attention sinks, which the {role} "
+            "needs: use --attention-backend torch"
         )
 
 

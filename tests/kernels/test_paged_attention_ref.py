@@ -7,9 +7,13 @@ import torch.nn.functional as F
 from loraplex.kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_ref
 
 
-def contiguous_attention(q, k, v, ctx_len, sliding_window=None):
-    """q: [Q, H, D] at positions ctx_len.., k/v: [L, Hkv, D] -> [Q, H, D]."""
-    num_q, heads, _ = q.shape
+def contiguous_attention(q, k, v, ctx_len, sliding_window=None, sinks=None):
+    """q: [Q, H, D] at positions ctx_len.., k/v: [L, Hkv, D] -> [Q, H, D].
+
+    ``sinks`` ([H]): gpt-oss's attention sinks as transformers' eager attention applies them, a
+    softmax logit per head over no value.
+    """
+    num_q, heads, dim = q.shape
     length, kv_heads, _ = k.shape
     k = k.repeat_interleave(heads // kv_heads, dim=1)
     v = v.repeat_interleave(heads // kv_heads, dim=1)
@@ -18,6 +22,12 @@ def contiguous_attention(q, k, v, ctx_len, sliding_window=None):
     mask = kpos <= qpos
     if sliding_window is not None:
         mask &= kpos > qpos - sliding_window
+    if sinks is not None:
+        scores = torch.einsum("qhd,khd->hqk", q, k) * dim**-0.5
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.view(-1, 1, 1).expand(-1, num_q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("hqk,khd->qhd", probs, v)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
     )
@@ -27,8 +37,10 @@ def contiguous_attention(q, k, v, ctx_len, sliding_window=None):
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_matches_contiguous_attention(block_size, heads, kv_heads, window):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_matches_contiguous_attention(block_size, heads, kv_heads, window, with_sinks):
     gen = torch.Generator().manual_seed(0)
+    sinks = torch.randn(heads, generator=gen) * 2 if with_sinks else None
     head_dim = 8
     # (context already cached, new query tokens): decode, prefill, prefix-hit prefill, chunk.
     seqs = [(9, 1), (0, 13), (8, 5), (20, 7), (0, 1)]
@@ -72,9 +84,10 @@ def test_matches_contiguous_attention(block_size, heads, kv_heads, window):
         max_query_len=max(n for _, n in seqs),
         max_seq_len=int(seq_lens.max()),
         sliding_window=window,
+        sinks=sinks,
     )
     assert out.shape == q.shape
     for b, (ctx, _) in enumerate(seqs):
-        ref = contiguous_attention(queries[b], full_k[b], full_v[b], ctx, window)
+        ref = contiguous_attention(queries[b], full_k[b], full_v[b], ctx, window, sinks)
         torch.testing.assert_close(out[qsl[b] : qsl[b + 1]], ref, atol=1e-5, rtol=1e-5)
     assert not torch.isnan(out).any()

@@ -251,19 +251,35 @@ def test_gpt_bigcode(built):
     assert llm.engine.model.num_kv_heads == 1
 
 
-@pytest.mark.parametrize(
-    "name, why",
-    [
-        ("bloom", "each of the 2 decoder layers must call it exactly once"),
-        ("gpt_oss", "does not reproduce the model's own attention"),
-    ],
-)
-def test_attention_the_paged_attention_cannot_compute_is_refused_at_load(built, name, why):
-    # The load-time probe (engine/models/transformers_backend/probe.py): BLOOM's ALiBi attention
-    # bypasses AttentionInterface, gpt-oss's attention sinks go through it unapplied; both
-    # would run and produce wrong tokens.
-    with pytest.raises(ValueError, match=why):
-        LLM(EngineConfig(model=str(built(name).dir), **ENGINE))
+@pytest.mark.slow
+def test_gpt_oss(built):
+    # Attention sinks (s_aux) in the paged attention, alternating sliding/full layers, yarn,
+    # 4 experts top-2, attention biases; the adapter on the attention.
+    check_architecture(built("gpt_oss"))
+
+
+def test_attention_the_paged_attention_cannot_compute_is_refused_at_load(built, monkeypatch):
+    # The load-time probe (engine/models/transformers_backend/probe.py). BLOOM's ALiBi attention
+    # bypasses AttentionInterface; a model whose sinks the paged attention ignored (as before
+    # it took s_aux) would go through it and give other hidden states. Both would run and
+    # produce wrong tokens.
+    with pytest.raises(ValueError, match="each of the 2 decoder layers must call it exactly once"):
+        LLM(EngineConfig(model=str(built("bloom").dir), **ENGINE))
+    from loraplex.engine.models.transformers_backend import attention
+
+    forward = attention.paged_attention_forward
+
+    def without_sinks(*args, s_aux=None, **kwargs):
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_attention_forward", without_sinks)
+    attention.register()
+    try:
+        with pytest.raises(ValueError, match="does not reproduce the model's own attention"):
+            LLM(EngineConfig(model=str(built("gpt_oss").dir), **ENGINE))
+    finally:
+        monkeypatch.undo()
+        attention.register()
 
 
 LONGROPE = [
@@ -424,7 +440,7 @@ def test_structured_output(built, name):
     assert_clean(llm)
 
 
-def test_triton_backend_refuses_soft_capping_at_load(built):
+def test_triton_backend_refuses_soft_capping_and_sinks_at_load(built):
     # The Triton kernel has no attention soft cap: Gemma 2 is refused before anything runs,
     # as a target and as a draft.
     gemma2, qwen3 = built("gemma2"), built("qwen3")
@@ -434,6 +450,9 @@ def test_triton_backend_refuses_soft_capping_at_load(built):
     draft = {"speculative_method": "draft", "speculative_model": str(gemma2.dir)}
     with pytest.raises(ValueError, match="speculative model needs"):
         LLM(EngineConfig(model=str(qwen3.dir), **triton, **draft, num_speculative_tokens=2))
+    # Nor has it attention sinks (gpt-oss).
+    with pytest.raises(ValueError, match="no attention sinks, which the model needs"):
+        LLM(EngineConfig(model=str(built("gpt_oss").dir), **triton))
 
 
 @pytest.mark.slow

@@ -204,14 +204,29 @@ ARCHS: dict[str, Arch] = {
         lora_targets=("c_attn", "c_proj", "c_fc"),
         exclude=("num_key_value_heads", "head_dim", "intermediate_size"),
     ),
-    # Architectures the transformers backend must refuse at load: BLOOM's ALiBi biases its own
-    # attention outside AttentionInterface; gpt-oss passes attention sinks (s_aux) through it.
-    "bloom": Arch("BloomConfig", lora_targets=()),
+    # gpt-oss: attention sinks (s_aux), alternating sliding/full layers, yarn rope, attention
+    # biases, 4 experts top-2 (its default layer_types alternate sliding and full).
     "gpt_oss": Arch(
         "GptOssConfig",
-        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+                "rope_theta": 150000.0,
+            },
+        },
         lora_targets=ATTENTION_TARGETS,
     ),
+    # BLOOM: ALiBi biases its own attention outside AttentionInterface; the backend refuses it.
+    "bloom": Arch("BloomConfig", lora_targets=()),
     # 4 experts, top-2 routing, a sliding window on every layer.
     "mixtral": Arch(
         "MixtralConfig",

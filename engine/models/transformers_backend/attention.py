@@ -90,6 +90,7 @@ def paged_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """Transformers' attention-function signature over the engine's paged KV cache.
@@ -104,6 +105,7 @@ def paged_attention_forward(
         dropout: Must be 0 (inference).
         sliding_window: The layer's window, None for full attention.
         softcap: The layer's attention logit soft cap, None for none.
+        s_aux: The layer's attention sinks (gpt-oss), ``[num_heads]``, None for none.
 
     Returns:
         ``([1, T, num_heads, head_dim], None)``, as transformers' functions return.
@@ -123,9 +125,10 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     step.calls.append(layer)
     key_cache, value_cache = step.kv_caches[layer]
+    extra = {} if s_aux is None else {"sinks": s_aux}
     out = step.backend.forward(
         q, k, v, key_cache, value_cache, step.meta, scale,
-        sliding_window=sliding_window, logits_soft_cap=softcap,
+        sliding_window=sliding_window, logits_soft_cap=softcap, **extra,
     )  # fmt: skip
     return out.unsqueeze(0), None
 

@@ -109,7 +109,8 @@ class TransformersForCausalLM(nn.Module):
         wrap_length_dependent_rotary(self.decoder)  # longrope, dynamic NTK: per sequence
         num_layers = int(self.text_config.num_hidden_layers)
         self.layers = find_decoder_layers(self.decoder, num_layers)
-        self._layer_of = {id(_attention_of(layer, i)): i for i, layer in enumerate(self.layers)}
+        self._attention_modules = [_attention_of(layer, i) for i, layer in enumerate(self.layers)]
+        self._layer_of = {id(m): i for i, m in enumerate(self._attention_modules)}
         self.lm_head = hf_model.get_output_embeddings()
         if self.lm_head is None:
             raise ValueError(f"{type(hf_model).__name__} has no output embeddings (LM head)")
@@ -166,6 +167,17 @@ class TransformersForCausalLM(nn.Module):
         """
         cap = getattr(self.text_config, "attn_logit_softcapping", None)
         return float(cap) if cap is not None else None
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether the decoder's attention layers have sinks.
+
+        gpt-oss's ``sinks``, passed to the attention function as ``s_aux``; the attention
+        backend must apply them (``engine.attention.check_backend_runs``).
+        """
+        return any(
+            isinstance(getattr(m, "sinks", None), torch.Tensor) for m in self._attention_modules
+        )
 
     @property
     def max_position_embeddings(self) -> int:
