@@ -7,7 +7,8 @@ attention layers hand their queries, keys and values (after q/k norms and rotary
 the model's own code) to the engine's attention backend, which writes K/V into the paged cache
 through the step's slot mapping and attends through its block tables. A name that is not in
 ``AttentionMaskInterface`` also makes transformers skip building masks: causality, sliding
-windows and soft-capping are the backend's (docs/transformers_backend.md).
+windows, soft-capping and attention sinks are the backend's (docs/transformers_backend.md); a
+model whose attention needs more is refused at load (:mod:`.probe`).
 
 The step's caches and metadata reach the function through a context variable set for the
 duration of one forward pass (:func:`paged_step`), not through the model's keyword arguments,

@@ -1,10 +1,11 @@
 """A load-time check that the paged attention computes what the model's own attention does.
 
 The backend hands every decoder attention layer's queries, keys and values to the engine's
-paged attention, which knows causality, sliding windows and logit soft-capping, nothing else.
-An architecture whose attention means more (ALiBi or other biases passed as the attention mask,
-attention sinks, differential attention, an attention layer that does not go through
-transformers' ``AttentionInterface`` at all) would run and produce wrong tokens silently.
+paged attention, which knows causality, sliding windows, logit soft-capping and attention sinks
+(``s_aux``), nothing else. An architecture whose attention means more (ALiBi or other biases
+passed as the attention mask, differential attention, an attention layer that does not go
+through transformers' ``AttentionInterface`` at all) would run and produce wrong tokens
+silently.
 
 :func:`check_paged_attention` runs the decoder twice over one probe sequence at load: through
 the engine's paged attention (a private one-sequence KV cache), and through transformers'
@@ -165,7 +166,7 @@ def check_paged_attention(model: Any, num_tokens: int = PROBE_TOKENS) -> None:
         raise ValueError(
             f"{name}: the engine's paged attention does not reproduce the model's own attention "
             f"(relative difference {error:.2g} over a {num_tokens}-token probe, tolerance "
-            f"{tolerance:g}): its attention uses something besides causal, sliding-window and "
-            "soft-capped softmax attention (an attention bias such as ALiBi, attention sinks, "
+            f"{tolerance:g}): its attention uses something besides causal or sliding-window "
+            "softmax attention with soft-capping and sinks (an attention bias such as ALiBi, "
             "...), which the transformers backend does not support"
         )
