@@ -1,0 +1,153 @@
+"""``bench.throughput --model-impl both``: the transformers backend against the native model.
+
+The same checkpoint served twice in one process: ``LLM(EngineConfig(model_impl="native"))``
+(the engine's own Llama code) and ``LLM(EngineConfig(model_impl="transformers"))``
+(transformers' ``LlamaForCausalLM`` over the same paged KV cache, ``engine.models.
+transformers_backend``), both with the preset's engine flags. Rounds are interleaved and the
+order alternates (round 0: native then transformers, round 1: transformers then native, ...),
+so a machine getting busier or quieter during the run weighs on both alike; each round's ratio
+compares two adjacent runs. Every round draws its own prompts (the preset's workload with a
+seed of its own; :func:`fresh_tokens` keeps the lengths and redraws the ids), so no round hits
+the prefix cache an earlier round filled; both implementations run the same prompts in a
+round. Reported: tokens/s of each implementation per round, their medians, the
+transformers/native ratio per round and its median, engine steps, and whether both produced
+the same tokens (greedy, float32: they should, request for request).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from loraplex.engine.client.llm import LLM
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.request import EngineRequest
+from loraplex.engine.sampling.params import SamplingParams
+
+IMPLS = ("native", "transformers")
+
+
+def fresh_tokens(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
+    """Prompts of the same lengths as ``prompts`` with new random ids (above the specials)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(16, vocab, (len(p),), generator=gen).tolist() for p in prompts]
+
+
+def build(path: Path, model_impl: str, **config) -> LLM:
+    """An ``LLM`` of ``model_impl`` over ``path``, warmed up by one short request."""
+    llm = LLM(EngineConfig(model=str(path), model_impl=model_impl, **config))
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([EngineRequest("warm", list(range(16, 48)), warm)])
+    return llm
+
+
+def run_round(llm: LLM, prompts: list[list[int]], output_tokens: int, tag: str) -> dict:
+    """One timed ``generate`` of every prompt; tokens/s, steps, and the output token ids."""
+    engine = llm.engine
+    engine.step_stats.reset()
+    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    requests = [EngineRequest(f"{tag}-{i}", list(p), params) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    outs = llm.generate(requests)
+    elapsed = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    stats = engine.step_stats
+    return {
+        "tokens_per_s": sum(len(t) for t in tokens) / elapsed,
+        "seconds": elapsed,
+        "steps": stats.num_steps,
+        "forward_fraction": stats.forward_seconds / stats.step_seconds,
+        "tokens": tokens,
+    }
+
+
+def compare(
+    path: Path,
+    prompts_of_round: Callable[[int], list[list[int]]],
+    output_tokens: int,
+    rounds: int,
+    **config,
+) -> dict:
+    """Interleaved rounds of both implementations (see the module docstring).
+
+    Args:
+        path: The model directory (a native architecture, else ``native`` refuses it).
+        prompts_of_round: Round index -> that round's prompts (token ids).
+        output_tokens: Tokens generated per request (EOS ignored).
+        rounds: Rounds (each runs both implementations once).
+        **config: ``EngineConfig`` fields on top of the defaults, for both.
+
+    Returns:
+        ``{"rounds": [...], "native": median tok/s, "transformers": median tok/s, "ratio":
+        median per-round transformers/native ratio, "token_exact": requests with equal
+        outputs over requests, ...}``.
+    """
+    start = load()
+    llms = {impl: build(path, impl, **config) for impl in IMPLS}
+    per_round = []
+    same = total = 0
+    for r in range(rounds):
+        batch = prompts_of_round(r)
+        order = IMPLS if r % 2 == 0 else IMPLS[::-1]
+        runs = {impl: run_round(llms[impl], batch, output_tokens, f"r{r}{impl}") for impl in order}
+        pairs = zip(runs["native"]["tokens"], runs["transformers"]["tokens"], strict=True)
+        same += sum(a == b for a, b in pairs)
+        total += len(batch)
+        per_round.append(
+            {
+                "order": list(order),
+                **{f"{impl}_tokens_per_s": runs[impl]["tokens_per_s"] for impl in IMPLS},
+                **{f"{impl}_steps": runs[impl]["steps"] for impl in IMPLS},
+                **{f"{impl}_forward_fraction": runs[impl]["forward_fraction"] for impl in IMPLS},
+                "ratio": runs["transformers"]["tokens_per_s"] / runs["native"]["tokens_per_s"],
+            }
+        )
+    return {
+        "load": f"at the start {start}; at the end {load()}",
+        "rounds": per_round,
+        "native": statistics.median(r["native_tokens_per_s"] for r in per_round),
+        "transformers": statistics.median(r["transformers_tokens_per_s"] for r in per_round),
+        "ratio": statistics.median(r["ratio"] for r in per_round),
+        "token_exact": f"{same}/{total}",
+    }
+
+
+def load() -> str:
+    """The machine's load averages (1, 5, 15 minutes), for the record."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f}"
+
+
+def report(result: dict, header: str) -> dict:
+    """Print the per-round table and return the JSON figures."""
+    print(header)
+    print(
+        f"tok/s per round (transformers: the transformers backend, not generate); {result['load']}"
+    )
+    print(f"{'round':<7}{'order':<24}{'native':>14}{'transformers':>15}{'ratio':>8}{'steps':>8}")
+    for i, r in enumerate(result["rounds"]):
+        order = ", ".join(r["order"])
+        print(
+            f"{i:<7}{order:<24}{r['native_tokens_per_s']:>14.1f}"
+            f"{r['transformers_tokens_per_s']:>15.1f}{r['ratio']:>8.3f}"
+            f"{r['native_steps']:>4}/{r['transformers_steps']:<3}"
+        )
+    print(
+        f"{'median':<31}{result['native']:>14.1f}{result['transformers']:>15.1f}"
+        f"{result['ratio']:>8.3f}"
+    )
+    print(f"same tokens (requests): {result['token_exact']}")
+    return {
+        "model_impl": "both",
+        "native_tokens_per_s": round(result["native"], 1),
+        "transformers_tokens_per_s": round(result["transformers"], 1),
+        "ratio_transformers_vs_native": round(result["ratio"], 3),
+        "ratios_per_round": [round(r["ratio"], 3) for r in result["rounds"]],
+        "token_exact": result["token_exact"],
+        "rounds": len(result["rounds"]),
+    }
