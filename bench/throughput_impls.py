@@ -10,8 +10,11 @@ compares two adjacent runs. Every round draws its own prompts (the preset's work
 seed of its own; :func:`fresh_tokens` keeps the lengths and redraws the ids), so no round hits
 the prefix cache an earlier round filled; both implementations run the same prompts in a
 round. Reported: tokens/s of each implementation per round, their medians, the
-transformers/native ratio per round and its median, engine steps, and whether both produced
-the same tokens (greedy, float32: they should, request for request).
+transformers/native ratio per round and its median, the process CPU time of each run (native
+over transformers: the same ratio in CPU time, which a busy machine disturbs less when torch
+runs one thread; with more threads, threads that wait for a descheduled partner burn CPU time
+too), engine steps, and whether both produced the same tokens (greedy, float32: they should,
+request for request).
 """
 
 from __future__ import annotations
@@ -52,14 +55,15 @@ def run_round(llm: LLM, prompts: list[list[int]], output_tokens: int, tag: str) 
     engine.step_stats.reset()
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     requests = [EngineRequest(f"{tag}-{i}", list(p), params) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate(requests)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     stats = engine.step_stats
     return {
         "tokens_per_s": sum(len(t) for t in tokens) / elapsed,
         "seconds": elapsed,
+        "cpu_seconds": cpu,
         "steps": stats.num_steps,
         "forward_fraction": stats.forward_seconds / stats.step_seconds,
         "tokens": tokens,
@@ -104,7 +108,9 @@ def compare(
                 **{f"{impl}_tokens_per_s": runs[impl]["tokens_per_s"] for impl in IMPLS},
                 **{f"{impl}_steps": runs[impl]["steps"] for impl in IMPLS},
                 **{f"{impl}_forward_fraction": runs[impl]["forward_fraction"] for impl in IMPLS},
+                **{f"{impl}_cpu_seconds": runs[impl]["cpu_seconds"] for impl in IMPLS},
                 "ratio": runs["transformers"]["tokens_per_s"] / runs["native"]["tokens_per_s"],
+                "cpu_ratio": runs["native"]["cpu_seconds"] / runs["transformers"]["cpu_seconds"],
             }
         )
     return {
@@ -113,6 +119,7 @@ def compare(
         "native": statistics.median(r["native_tokens_per_s"] for r in per_round),
         "transformers": statistics.median(r["transformers_tokens_per_s"] for r in per_round),
         "ratio": statistics.median(r["ratio"] for r in per_round),
+        "cpu_ratio": statistics.median(r["cpu_ratio"] for r in per_round),
         "token_exact": f"{same}/{total}",
     }
 
@@ -129,17 +136,21 @@ def report(result: dict, header: str) -> dict:
     print(
         f"tok/s per round (transformers: the transformers backend, not generate); {result['load']}"
     )
-    print(f"{'round':<7}{'order':<24}{'native':>14}{'transformers':>15}{'ratio':>8}{'steps':>8}")
+    print(
+        f"{'round':<7}{'order':<24}{'native':>8}{'transformers':>14}{'ratio':>7}"
+        f"{'CPU s native':>14}{'transformers':>14}{'ratio':>7}{'steps':>9}"
+    )
     for i, r in enumerate(result["rounds"]):
         order = ", ".join(r["order"])
         print(
-            f"{i:<7}{order:<24}{r['native_tokens_per_s']:>14.1f}"
-            f"{r['transformers_tokens_per_s']:>15.1f}{r['ratio']:>8.3f}"
-            f"{r['native_steps']:>4}/{r['transformers_steps']:<3}"
+            f"{i:<7}{order:<24}{r['native_tokens_per_s']:>8.1f}"
+            f"{r['transformers_tokens_per_s']:>14.1f}{r['ratio']:>7.3f}"
+            f"{r['native_cpu_seconds']:>14.1f}{r['transformers_cpu_seconds']:>14.1f}"
+            f"{r['cpu_ratio']:>7.3f}{r['native_steps']:>5}/{r['transformers_steps']:<3}"
         )
     print(
-        f"{'median':<31}{result['native']:>14.1f}{result['transformers']:>15.1f}"
-        f"{result['ratio']:>8.3f}"
+        f"{'median':<31}{result['native']:>8.1f}{result['transformers']:>14.1f}"
+        f"{result['ratio']:>7.3f}{'':>28}{result['cpu_ratio']:>7.3f}"
     )
     print(f"same tokens (requests): {result['token_exact']}")
     return {
@@ -148,6 +159,8 @@ def report(result: dict, header: str) -> dict:
         "transformers_tokens_per_s": round(result["transformers"], 1),
         "ratio_transformers_vs_native": round(result["ratio"], 3),
         "ratios_per_round": [round(r["ratio"], 3) for r in result["rounds"]],
+        "cpu_time_ratio_native_vs_transformers": round(result["cpu_ratio"], 3),
+        "cpu_time_ratios_per_round": [round(r["cpu_ratio"], 3) for r in result["rounds"]],
         "token_exact": result["token_exact"],
         "rounds": len(result["rounds"]),
     }
