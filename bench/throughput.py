@@ -220,7 +220,13 @@ def main() -> None:
 
         flags = engine_flags(num_requests, caching=True)
         result = compare(
-            path, lambda r: workload(num_requests, vocab, 1000 + r), output_tokens, rounds, **flags
+            path,
+            lambda r: workload(num_requests, vocab, 1000 + r),
+            output_tokens,
+            rounds,
+            vocab,
+            decode_batches=(1,) if args.quick else (1, 8, 32),
+            **flags,
         )
         figures = {"preset": "bench", **report(result, header), "requests": num_requests}
         figures |= {"output_tokens": output_tokens, "torch_threads": torch.get_num_threads()}

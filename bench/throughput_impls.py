@@ -14,7 +14,9 @@ transformers/native ratio per round and its median, the process CPU time of each
 over transformers: the same ratio in CPU time, which a busy machine disturbs less when torch
 runs one thread; with more threads, threads that wait for a descheduled partner burn CPU time
 too), engine steps, and whether both produced the same tokens (greedy, float32: they should,
-request for request).
+request for request). Then decode-only steps at batch 1, 8 and 32 (:func:`decode_steps`), the
+two engines stepped alternately: the per-step cost the transformers backend adds (its module
+tree's Python, ``bench.backend_overhead``) weighs most there.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def compare(
     prompts_of_round: Callable[[int], list[list[int]]],
     output_tokens: int,
     rounds: int,
+    vocab: int,
+    decode_batches: tuple[int, ...] = (1, 8, 32),
     **config,
 ) -> dict:
     """Interleaved rounds of both implementations (see the module docstring).
@@ -84,6 +88,9 @@ def compare(
         prompts_of_round: Round index -> that round's prompts (token ids).
         output_tokens: Tokens generated per request (EOS ignored).
         rounds: Rounds (each runs both implementations once).
+        vocab: The model's vocabulary size (for :func:`decode_steps`' prompts).
+        decode_batches: Batch sizes of the decode-only comparison run after the rounds
+            (:func:`decode_steps`).
         **config: ``EngineConfig`` fields on top of the defaults, for both.
 
     Returns:
@@ -113,8 +120,10 @@ def compare(
                 "cpu_ratio": runs["native"]["cpu_seconds"] / runs["transformers"]["cpu_seconds"],
             }
         )
+    decodes = [decode_steps(llms, b, vocab) for b in decode_batches]
     return {
         "load": f"at the start {start}; at the end {load()}",
+        "decode": decodes,
         "rounds": per_round,
         "native": statistics.median(r["native_tokens_per_s"] for r in per_round),
         "transformers": statistics.median(r["transformers_tokens_per_s"] for r in per_round),
@@ -128,6 +137,48 @@ def load() -> str:
     """The machine's load averages (1, 5, 15 minutes), for the record."""
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f}"
+
+
+def decode_steps(
+    llms: dict[str, LLM], batch: int, vocab: int, steps: int = 32, prompt_len: int = 100
+) -> dict:
+    """Decode-only steps of ``batch`` sequences, the two engines stepped alternately.
+
+    Both engines get the same ``batch`` prompts of ``prompt_len`` random ids and run their
+    prefill; then each step of one is followed by the same step of the other, ``steps``
+    times (every sequence decodes one token per step). Per-step Python cost weighs most here:
+    the step's matrix products are smallest.
+
+    Returns:
+        ``{"batch", "native_ms", "transformers_ms"}`` (median step times) and ``"ratio"``,
+        the median over steps of native step time over transformers step time.
+    """
+    gen = torch.Generator().manual_seed(2000 + batch)
+    prompts = torch.randint(16, vocab, (batch, prompt_len), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    engines = {impl: llms[impl].engine for impl in IMPLS}
+    for engine in engines.values():
+        for i, p in enumerate(prompts):
+            engine.add_request(EngineRequest(f"decode{batch}-{i}", p, params))
+        sched = engine.scheduler
+        while sched.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in sched.running):
+            engine.step()  # the prefills, not timed
+    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    for _ in range(steps):
+        for impl, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.step()
+            times[impl].append(time.perf_counter() - t0)
+    for engine in engines.values():
+        while engine.has_unfinished_requests():
+            engine.step()
+    pairs = zip(times["native"], times["transformers"], strict=True)
+    return {
+        "batch": batch,
+        "native_ms": statistics.median(times["native"]) * 1e3,
+        "transformers_ms": statistics.median(times["transformers"]) * 1e3,
+        "ratio": statistics.median(n / t for n, t in pairs),
+    }
 
 
 def report(result: dict, header: str) -> dict:
@@ -153,6 +204,14 @@ def report(result: dict, header: str) -> dict:
         f"{result['ratio']:>7.3f}{'':>28}{result['cpu_ratio']:>7.3f}"
     )
     print(f"same tokens (requests): {result['token_exact']}")
+    print("decode-only steps, engines stepped alternately (median ms per step)")
+    print(f"{'batch':<7}{'native':>10}{'transformers':>14}{'extra ms':>10}{'ratio':>8}")
+    for d in result["decode"]:
+        extra = d["transformers_ms"] - d["native_ms"]
+        print(
+            f"{d['batch']:<7}{d['native_ms']:>10.1f}{d['transformers_ms']:>14.1f}{extra:>10.2f}"
+            f"{d['ratio']:>8.3f}"
+        )
     return {
         "model_impl": "both",
         "native_tokens_per_s": round(result["native"], 1),
@@ -162,5 +221,10 @@ def report(result: dict, header: str) -> dict:
         "cpu_time_ratio_native_vs_transformers": round(result["cpu_ratio"], 3),
         "cpu_time_ratios_per_round": [round(r["cpu_ratio"], 3) for r in result["rounds"]],
         "token_exact": result["token_exact"],
+        "decode_step_ratios": {str(d["batch"]): round(d["ratio"], 3) for d in result["decode"]},
+        "decode_step_ms": {
+            str(d["batch"]): [round(d["native_ms"], 2), round(d["transformers_ms"], 2)]
+            for d in result["decode"]
+        },
         "rounds": len(result["rounds"]),
     }

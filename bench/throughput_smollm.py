@@ -102,7 +102,12 @@ def main(quick: bool, model_impl: str = "auto", rounds: int = 3) -> None:
         from bench.throughput_impls import compare, fresh_tokens, report
 
         result = compare(
-            path, lambda r: fresh_tokens(prompts, vocab, 1000 + r), output_tokens, rounds
+            path,
+            lambda r: fresh_tokens(prompts, vocab, 1000 + r),
+            output_tokens,
+            rounds,
+            vocab,
+            decode_batches=(1,) if quick else (1, 8, 32),
         )
         figures = report(result, shape)
         figures = {"preset": "smollm-135m", **figures, "requests": num_requests}
