@@ -8,7 +8,10 @@ with a 100-token context decodes one token; each component is called alone, nati
 transformers alternately, and the median of each is reported in microseconds, with the
 difference per call and per step (components that run once per layer count 30 times).
 
-Components: the whole forward pass; one decoder layer; its attention module (projections,
+Components: the whole forward pass; the same embedding, rotary embedding, decoder layers and
+final norm called in a plain loop (the difference to the whole pass is the model-level code
+around the layers: transformers' decorators, output classes, mask preparation); one decoder
+layer; its attention module (projections,
 rotary embedding, the paged attention, output projection); the paged attention itself through
 the backend's hook (``paged_attention_forward``) against the attention backend called directly
 (what the hook adds); the MLP; one RMSNorm; the rotary embedding of the step's positions.
@@ -115,9 +118,32 @@ def measure(path: Path, reps: int) -> list[tuple[str, int, float, float]]:
     q, k = torch.randn(1, heads, dim), torch.randn(1, kv_heads, dim)
     v = torch.randn(1, kv_heads, dim)
     q_t, k_t, v_t = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, T, D]
+
+    def loop_native():  # the forward pass without the model-level code around its layers
+        x = nat.embed_tokens(ids)
+        c, s = nat.model.rotary_emb(pos, x.dtype)
+        for layer, kv in zip(nat.model.layers, kv_n, strict=True):
+            x = layer(x, c, s, kv, meta, backend)
+        return nat.model.norm(x)
+
+    def loop_transformers():
+        x = dec.embed_tokens(ids[None])
+        e = dec.rotary_emb(x, position_ids=pid)
+        for layer in dec.layers:
+            x = layer(
+                x,
+                attention_mask=None,
+                position_embeddings=e,
+                position_ids=pid,
+                cache=None,
+                use_cache=False,
+            )
+        return dec.norm(x)
+
     rows = [
         ("forward pass (whole step)", 1,
          lambda: nat(ids, pos, kv_n, meta, backend), lambda: tf(ids, pos, kv_t, meta, backend)),
+        ("the same layers in a plain loop", 1, loop_native, loop_transformers),
         ("rotary embedding of the positions", 1,
          lambda: nat.model.rotary_emb(pos, h.dtype), lambda: dec.rotary_emb(h_t, position_ids=pid)),
         ("decoder layer", layers,
