@@ -31,6 +31,11 @@ from loraplex.engine.models.registry import SUPPORTED_ARCHITECTURES, build_model
 
 TEXT_TESTS = "tests/models/test_transformers_text.py"
 VISION_TESTS = "tests/models/test_transformers_vision.py"
+VISION_LORA = (
+    "tests/models/test_transformers_vision_lora.py"
+    "::test_vision_language_model_with_adapters_matches_peft"
+)
+VISION_PREEMPTION = f"{VISION_TESTS}::test_images_survive_preemption_forks_and_speculation"
 
 # A decoder of two layers, GQA 4/2, head_dim 16 (the fields every causal-LM config has), and
 # special tokens inside its vocabulary.
@@ -105,7 +110,12 @@ def _text_row(model_type: str, class_name: str, **fields: Any) -> Architecture:
 
 
 def _vision_row(
-    model_type: str, class_name: str, text: dict | None = None, vision: dict | None = None, **kw
+    model_type: str,
+    class_name: str,
+    text: dict | None = None,
+    vision: dict | None = None,
+    more_tests: tuple[str, ...] = (),
+    **kw: Any,
 ) -> Architecture:
     return Architecture(
         model_type,
@@ -115,7 +125,7 @@ def _vision_row(
             vision_config={**_VISION, **(vision or {})},
             **kw,
         ),
-        (f"{VISION_TESTS}::test_{model_type}",),
+        (f"{VISION_TESTS}::test_{model_type}", *more_tests),
     )
 
 
@@ -151,6 +161,7 @@ NATIVE: dict[str, Architecture] = {
             "tests/models/test_llava.py::test_two_images_long_prompt_greedy_matches_generate",
             "tests/engine/test_engine_parity.py::test_llava_parity",
             "tests/engine/test_lora_parity.py::test_mixed_adapter_batch_matches_peft",
+            f"{VISION_TESTS}::test_llava_through_transformers_is_the_native_llava",
         ),
     ),
 }
@@ -192,6 +203,7 @@ TRANSFORMERS: tuple[Architecture, ...] = (
         "Gemma3Config",
         {"model_type": "gemma3_text", "head_dim": 16},
         {"model_type": "siglip_vision_model"},
+        (VISION_LORA,),
         mm_tokens_per_image=4,
     ),
     _vision_row(
@@ -199,6 +211,7 @@ TRANSFORMERS: tuple[Architecture, ...] = (
         "Qwen2_5_VLConfig",
         {"head_dim": 16},
         {"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2},
+        (VISION_LORA, VISION_PREEMPTION),
     ),
     _vision_row(
         "qwen3_vl",
@@ -224,11 +237,14 @@ def _engine_model(hf_config: Any, impl: str) -> torch.nn.Module:
             return build_model(hf_config)
         from loraplex.engine.models.transformers_backend import (
             TransformersForCausalLM,
+            TransformersForImageTextToText,
             model_class_of,
         )
 
         cls, _ = model_class_of(hf_config)
-        return TransformersForCausalLM(cls(hf_config))
+        vision = getattr(hf_config, "vision_config", None) is not None  # as the loader wraps it
+        wrapper = TransformersForImageTextToText if vision else TransformersForCausalLM
+        return wrapper(cls(hf_config))
 
 
 def _accepts(hf_config: Any, impl: str) -> bool:
