@@ -8,10 +8,14 @@ transformers runs them as a transformers user would: left-padded batches through
 forward pass), and KV memory waste (slots allocated but not holding a token, over slots
 allocated, averaged over steps), with the prefix cache on and off.
 
-Run: ``python -m bench.throughput [--quick] [--preset smollm-135m|bench]``. Prints a table, then
+Run: ``python -m bench.throughput [--quick] [--preset smollm-135m|bench]
+[--model-impl auto|native|transformers|both] [--rounds N] [--threads N]``. Prints a table, then
 one JSON line. The default preset, ``smollm-135m``, is the real 135M checkpoint's shape (30
 layers, GQA, a 49k vocabulary) with the engine's default flags (``bench.throughput_smollm``);
-``--preset bench`` runs the older 8-layer workload described above.
+``--preset bench`` runs the older 8-layer workload described above. ``--model-impl`` is the
+engine's (``auto``: the native model); ``both`` serves the model with the native code and with
+the transformers backend and compares them in ``--rounds`` interleaved rounds
+(``bench.throughput_impls``) instead of against ``generate``.
 """
 
 from __future__ import annotations
@@ -69,15 +73,21 @@ def kv_waste(engine) -> tuple[int, int]:
     return engine.kv.pool.num_used * bs, sum(filled.values())
 
 
-def run_loraplex(path: Path, prompts, output_tokens: int, caching: bool) -> dict[str, float]:
+def engine_flags(num_requests: int, caching: bool) -> dict:
+    """The bench preset's ``EngineConfig`` fields."""
+    return {
+        "max_num_seqs": num_requests,
+        "max_num_batched_tokens": 4096,
+        "num_kv_blocks": 4096,
+        "enable_prefix_caching": caching,
+    }
+
+
+def run_loraplex(
+    path: Path, prompts, output_tokens: int, caching: bool, model_impl: str = "auto"
+) -> dict[str, float]:
     llm = LLM(
-        EngineConfig(
-            model=str(path),
-            max_num_seqs=len(prompts),
-            max_num_batched_tokens=4096,
-            num_kv_blocks=4096,
-            enable_prefix_caching=caching,
-        )
+        EngineConfig(model=str(path), model_impl=model_impl, **engine_flags(len(prompts), caching))
     )
     engine = llm.engine
     # Warm-up (allocator, kernels), not timed.
@@ -170,11 +180,27 @@ def main() -> None:
         help="smollm-135m: SmolLM-135M's shape, 32 requests of 100-400 tokens, default engine "
         "flags (default); bench: the 26M 8-layer model, 64 requests",
     )
+    parser.add_argument(
+        "--model-impl",
+        choices=["auto", "native", "transformers", "both"],
+        default="auto",
+        help="the engine's model implementation (auto: native where one exists); both: native "
+        "and the transformers backend in interleaved rounds, compared with each other",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds for --model-impl both"
+    )
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rounds = 2 if args.quick else args.rounds
     if args.preset == "smollm-135m":
         from bench import throughput_smollm
 
-        throughput_smollm.main(args.quick)
+        throughput_smollm.main(args.quick, args.model_impl, rounds)
         return
     num_requests, output_tokens = (16, 16) if args.quick else (64, 64)
     hf_batches = [16] if args.quick else [8, 16, 32]
@@ -184,16 +210,34 @@ def main() -> None:
 
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompts = workload(num_requests, vocab)
-    on = run_loraplex(path, prompts, output_tokens, caching=True)
-    off = run_loraplex(path, prompts, output_tokens, caching=False)
-    hf_runs = [run_transformers(path, prompts, output_tokens, b) for b in hf_batches]
-    hf = max(hf_runs, key=lambda r: r["tokens_per_s"])
-
-    print(
+    header = (
         f"model {path.name}: {parameter_count(path) / 1e6:.1f}M parameters; "
         f"{num_requests} requests, {output_tokens} output tokens, torch threads "
         f"{torch.get_num_threads()}"
     )
+    if args.model_impl == "both":
+        from bench.throughput_impls import compare, report
+
+        flags = engine_flags(num_requests, caching=True)
+        result = compare(
+            path,
+            lambda r: workload(num_requests, vocab, 1000 + r),
+            output_tokens,
+            rounds,
+            vocab,
+            decode_batches=(1,) if args.quick else (1, 8, 32),
+            **flags,
+        )
+        figures = {"preset": "bench", **report(result, header), "requests": num_requests}
+        figures |= {"output_tokens": output_tokens, "torch_threads": torch.get_num_threads()}
+        print(json.dumps(figures))
+        return
+    on = run_loraplex(path, prompts, output_tokens, caching=True, model_impl=args.model_impl)
+    off = run_loraplex(path, prompts, output_tokens, caching=False, model_impl=args.model_impl)
+    hf_runs = [run_transformers(path, prompts, output_tokens, b) for b in hf_batches]
+    hf = max(hf_runs, key=lambda r: r["tokens_per_s"])
+
+    print(f"{header}; model implementation {args.model_impl}")
     print(f"{'system':<34}{'tok/s':>10}{'seconds':>10}{'overhead':>10}{'kv waste':>10}")
     print(
         f"{'loraplex, prefix cache on':<34}{on['tokens_per_s']:>10.1f}{on['seconds']:>10.2f}"
@@ -209,6 +253,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "model_impl": args.model_impl,
                 "tokens_per_s": round(on["tokens_per_s"], 1),
                 "ratio_vs_transformers": round(on["tokens_per_s"] / hf["tokens_per_s"], 2),
                 "overhead_fraction": round(on["overhead_fraction"], 3),

@@ -10,6 +10,10 @@ machine (``engine.kv_cache.sizing``); for comparison the same batch with the old
 (``kv_cache_memory_bytes``), which ran it in about twice the steps. transformers runs
 ``generate`` over left-padded batches of 8, 16 and 32 in the same run; the best is the baseline.
 Reported: output tokens/s, engine steps, the pool, and the ratio to transformers.
+
+``--model-impl native|transformers`` picks the engine's model implementation (default ``auto``:
+the native Llama); ``--model-impl both`` runs the native model and the transformers backend in
+interleaved rounds instead (``bench.throughput_impls``; no ``generate`` baseline).
 """
 
 from __future__ import annotations
@@ -71,8 +75,15 @@ def run_loraplex(path: Path, prompts, output_tokens: int, **config) -> dict:
     }
 
 
-def main(quick: bool) -> None:
-    """Run the preset and print the table and the JSON line."""
+def main(quick: bool, model_impl: str = "auto", rounds: int = 3) -> None:
+    """Run the preset and print the table and the JSON line.
+
+    Args:
+        quick: 2 requests of 8 output tokens instead of 32 of 64.
+        model_impl: ``auto``, ``native`` or ``transformers`` (the engine's), or ``both``
+            (``bench.throughput_impls``).
+        rounds: Interleaved rounds for ``both``.
+    """
     from bench.throughput import run_transformers
     from loraplex.engine.models.tiny_model import parameter_count
 
@@ -82,18 +93,36 @@ def main(quick: bool) -> None:
     path = model_dir()
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompts = workload(num_requests, vocab)
-    sized = run_loraplex(path, prompts, output_tokens)
-    old = None if quick else run_loraplex(
-        path, prompts, output_tokens, kv_cache_memory_bytes=OLD_DEFAULT_BYTES
-    )  # fmt: skip
-    hf_runs = [run_transformers(path, prompts, output_tokens, b) for b in hf_batches]
-    hf = max(hf_runs, key=lambda r: r["tokens_per_s"])
-
-    print(
+    shape = (
         f"model smollm-135m shape: {parameter_count(path) / 1e6:.1f}M parameters; "
         f"{num_requests} requests of 100-400 prompt tokens, {output_tokens} output tokens, "
         f"torch threads {torch.get_num_threads()}"
     )
+    if model_impl == "both":
+        from bench.throughput_impls import compare, fresh_tokens, report
+
+        result = compare(
+            path,
+            lambda r: fresh_tokens(prompts, vocab, 1000 + r),
+            output_tokens,
+            rounds,
+            vocab,
+            decode_batches=(1,) if quick else (1, 8, 32),
+        )
+        figures = report(result, shape)
+        figures = {"preset": "smollm-135m", **figures, "requests": num_requests}
+        figures |= {"output_tokens": output_tokens, "torch_threads": torch.get_num_threads()}
+        print(json.dumps(figures))
+        return
+    sized = run_loraplex(path, prompts, output_tokens, model_impl=model_impl)
+    old = None if quick else run_loraplex(
+        path, prompts, output_tokens, model_impl=model_impl,
+        kv_cache_memory_bytes=OLD_DEFAULT_BYTES,
+    )  # fmt: skip
+    hf_runs = [run_transformers(path, prompts, output_tokens, b) for b in hf_batches]
+    hf = max(hf_runs, key=lambda r: r["tokens_per_s"])
+
+    print(f"{shape}; model implementation {model_impl}")
     print(f"default flags: {sized['pool']}")
     print(f"{'system':<36}{'tok/s':>10}{'seconds':>10}{'steps':>8}{'KV GiB':>9}")
     rows = [("loraplex, default (sized) pool", sized)]
@@ -109,6 +138,7 @@ def main(quick: bool) -> None:
         print(f"{name:<36}{r['tokens_per_s']:>10.1f}{r['seconds']:>10.2f}")
     figures = {
         "preset": "smollm-135m",
+        "model_impl": model_impl,
         "tokens_per_s": round(sized["tokens_per_s"], 1),
         "ratio_vs_transformers": round(sized["tokens_per_s"] / hf["tokens_per_s"], 2),
         "steps": sized["steps"],
