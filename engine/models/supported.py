@@ -209,14 +209,29 @@ TRANSFORMERS: tuple[Architecture, ...] = (
     _vision_row(
         "qwen2_5_vl",
         "Qwen2_5_VLConfig",
-        {"head_dim": 16},
+        {
+            "head_dim": 16,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+            },
+        },
         {"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2},
         (VISION_LORA, VISION_PREEMPTION),
     ),
     _vision_row(
         "qwen3_vl",
         "Qwen3VLConfig",
-        {"head_dim": 16},
+        {
+            "head_dim": 16,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        },
         {"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2},
     ),
 )
@@ -231,10 +246,16 @@ def architectures() -> Iterator[Architecture]:
 
 
 def _engine_model(hf_config: Any, impl: str) -> torch.nn.Module:
-    """The engine model ``impl`` would serve ``hf_config`` with, on the meta device."""
-    with torch.device("meta"):
-        if impl == "native":
+    """The engine model ``impl`` would serve ``hf_config`` with (random weights: tiny configs).
+
+    On the CPU, not the meta device: the transformers wrapper runs its decoder once at
+    construction to measure the attention shapes (``.probe``), and some kernels (the fused MoE
+    experts' grouped matmul) have no float32 meta implementation.
+    """
+    if impl == "native":
+        with torch.device("meta"):
             return build_model(hf_config)
+    with torch.device("cpu"):
         from loraplex.engine.models.transformers_backend import (
             TransformersForCausalLM,
             TransformersForImageTextToText,
