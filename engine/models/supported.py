@@ -181,6 +181,8 @@ TRANSFORMERS: tuple[Architecture, ...] = (
     _text_row(
         "qwen3_moe", "Qwen3MoeConfig", head_dim=16, num_experts=4, moe_intermediate_size=32, **_MOE
     ),
+    _text_row("gpt_neox", "GPTNeoXConfig"),
+    _text_row("gpt_oss", "GptOssConfig", head_dim=16, num_local_experts=4, **_MOE),
     _vision_row(
         "llava_next",
         "LlavaNextConfig",
