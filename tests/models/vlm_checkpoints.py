@@ -374,6 +374,37 @@ BUILDERS["mistral3"] = mistral3
 BUILDERS["gemma3"] = gemma3
 
 
+def _qwen_vl_processor(processor_class: Any) -> tuple[Any, Any, dict[str, int]]:
+    """Qwen2.5-VL's and Qwen3-VL's tiny images-only processor (8 px patches merged 2x2, at most
+    64x64 pixels), its tokenizer, and the config's vision token ids."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from loraplex.engine.client.auto_processor import image_only_class
+
+    start, pad, end = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+    tok = tokenizer([start, pad, end, "<|video_pad|>"], start + pad + end)
+    processor = image_only_class(processor_class)(
+        image_processor=Qwen2VLImageProcessorPil(
+            patch_size=8,
+            merge_size=2,
+            temporal_patch_size=2,
+            size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
+        ),
+        tokenizer=tok,
+        video_processor=None,
+        chat_template=tok.chat_template,
+    )
+    ids = {
+        "image_token_id": tok.convert_tokens_to_ids(pad),
+        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
+        "vision_start_token_id": tok.convert_tokens_to_ids(start),
+        "vision_end_token_id": tok.convert_tokens_to_ids(end),
+    }
+    return tok, processor, ids
+
+
 def qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
     """Qwen2.5-VL: dynamic resolution (8 px patches merged 2x2, at most 64x64 pixels: up to 16
     tokens an image, ``image_grid_thw`` per image), window attention in the vision tower, and
@@ -390,25 +421,8 @@ def qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
         Qwen2_5_VLTextConfig,
         Qwen2_5_VLVisionConfig,
     )
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
 
-    from loraplex.engine.client.auto_processor import image_only_class
-
-    start, pad, end = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
-    tok = tokenizer([start, pad, end, "<|video_pad|>"], start + pad + end)
-    processor = image_only_class(Qwen2_5_VLProcessor)(
-        image_processor=Qwen2VLImageProcessorPil(
-            patch_size=8,
-            merge_size=2,
-            temporal_patch_size=2,
-            size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
-        ),  # fmt: skip
-        tokenizer=tok,
-        video_processor=None,
-        chat_template=tok.chat_template,
-    )
+    tok, processor, ids = _qwen_vl_processor(Qwen2_5_VLProcessor)
     text = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                         "mrope_section": [2, 3, 3]}}  # fmt: skip
     config = Qwen2_5_VLConfig(
@@ -427,10 +441,7 @@ def qwen2_5_vl(directory: Path, seed: int = 0) -> Path:
             out_hidden_size=TEXT["hidden_size"],
             fullatt_block_indexes=[1],
         ),  # fmt: skip
-        image_token_id=tok.convert_tokens_to_ids(pad),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids(start),
-        vision_end_token_id=tok.convert_tokens_to_ids(end),
+        **ids,
     )
     return _save(Qwen2_5_VLForConditionalGeneration(config), processor, directory, seed)
 
@@ -446,29 +457,12 @@ def qwen3_vl(directory: Path, seed: int = 0) -> Path:
     Its processor takes a video processor, so it is built images-only (torchvision-free).
     """
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
     from transformers.models.qwen3_vl.configuration_qwen3_vl import (
         Qwen3VLTextConfig,
         Qwen3VLVisionConfig,
     )
 
-    from loraplex.engine.client.auto_processor import image_only_class
-
-    start, pad, end = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
-    tok = tokenizer([start, pad, end, "<|video_pad|>"], start + pad + end)
-    processor = image_only_class(Qwen3VLProcessor)(
-        image_processor=Qwen2VLImageProcessorPil(
-            patch_size=8,
-            merge_size=2,
-            temporal_patch_size=2,
-            size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
-        ),
-        tokenizer=tok,
-        video_processor=None,
-        chat_template=tok.chat_template,
-    )
+    tok, processor, ids = _qwen_vl_processor(Qwen3VLProcessor)
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
             "mrope_interleaved": True}  # fmt: skip
     config = Qwen3VLConfig(
@@ -492,10 +486,7 @@ def qwen3_vl(directory: Path, seed: int = 0) -> Path:
             num_position_embeddings=64,
             deepstack_visual_indexes=[0, 1],
         ),
-        image_token_id=tok.convert_tokens_to_ids(pad),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids(start),
-        vision_end_token_id=tok.convert_tokens_to_ids(end),
+        **ids,
     )
     return _save(Qwen3VLForConditionalGeneration(config), processor, directory, seed)
 
