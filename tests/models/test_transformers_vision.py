@@ -52,14 +52,19 @@ def _messages(parts, photos, *, hf: bool):
     return [{"role": "user", "content": content}]
 
 
-def _oracle(directory: Path, prompts, photos):
-    """(prompt ids, greedy tokens) of transformers' generate, per prompt."""
+def _oracle(directory: Path, prompts, photos, model=None):
+    """(prompt ids, greedy tokens) of transformers' generate, per prompt.
+
+    ``model``: the model to generate with (e.g. a peft model over the checkpoint); default the
+    checkpoint itself.
+    """
     from transformers import AutoModelForImageTextToText
 
     from loraplex.engine.client.auto_processor import load_auto_processor
 
     processor = load_auto_processor(str(directory))
-    model = AutoModelForImageTextToText.from_pretrained(str(directory)).eval()
+    if model is None:
+        model = AutoModelForImageTextToText.from_pretrained(str(directory)).eval()
     model.generation_config.eos_token_id = None  # the engine ignores EOS too
     out = []
     for parts in prompts:

@@ -14,6 +14,7 @@ import torch
 
 from tests.models import vlm_checkpoints
 from tests.models.test_transformers_vision import NEW_TOKENS, SEEDS, _messages
+from tests.models.test_transformers_vision import _oracle as vision_oracle
 
 pytestmark = pytest.mark.slow
 
@@ -47,26 +48,17 @@ def _adapter(directory, out):
 
 
 def _oracle(directory, adapter, photos):
+    """Greedy tokens per ``(prompt index, with adapter)``: the base model's and peft's."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    from loraplex.engine.client.auto_processor import load_auto_processor
-
-    processor = load_auto_processor(str(directory))
     out = {}
     for with_adapter in (False, True):
         model = AutoModelForImageTextToText.from_pretrained(str(directory)).eval()
         if with_adapter:
             model = PeftModel.from_pretrained(model, adapter).eval()
-        model.generation_config.eos_token_id = None
-        for i, parts in enumerate(PROMPTS):
-            batch = processor.apply_chat_template(
-                _messages(parts, photos, hf=True),
-                add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
-            )  # fmt: skip
-            with torch.no_grad():
-                tokens = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
-            out[(i, with_adapter)] = tokens[0, batch["input_ids"].shape[1] :].tolist()
+        for i, (_, tokens) in enumerate(vision_oracle(directory, PROMPTS, photos, model)):
+            out[(i, with_adapter)] = tokens
     return out
 
 
