@@ -1,13 +1,60 @@
-"""Suite-wide set-up: the Triton interpreter on CPU, and the tiny models, made once a session."""
+"""Suite-wide set-up: the device the suite runs on, the Triton interpreter on CPU, and the tiny
+models, made once a session.
+
+``LORAPLEX_TEST_DEVICE=cuda`` runs the suite's engines and kernels on the GPU (docs/gpu.md):
+every ``EngineConfig`` a test builds without naming a device gets ``device="cuda"``, and
+``LORAPLEX_TEST_ATTENTION_BACKEND`` (torch or triton) is the attention backend of those that name
+none. The kernel tests take the ``test_device`` fixture. Unset, everything runs on the CPU with
+Triton's interpreter, as CI does.
+"""
 
 import os
 
-# Must be set before any @triton.jit is imported (the kernels issue runs Triton on CPU).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+TEST_DEVICE = os.environ.get("LORAPLEX_TEST_DEVICE", "cpu")
+TEST_ATTENTION_BACKEND = os.environ.get("LORAPLEX_TEST_ATTENTION_BACKEND")
+if TEST_DEVICE not in ("cpu", "cuda"):
+    raise RuntimeError(f"LORAPLEX_TEST_DEVICE must be cpu or cuda, got {TEST_DEVICE!r}")
+
+# Must be set before any @triton.jit is imported (on CPU, Triton runs in its interpreter).
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
 from loraplex.engine.models.tiny_model import init_tiny  # noqa: E402
+
+
+def _engine_defaults_from_environment() -> None:
+    """Point ``EngineConfig``'s device (and attention backend) defaults at the test device."""
+    if TEST_DEVICE == "cpu" and TEST_ATTENTION_BACKEND is None:
+        return
+    from loraplex.engine.config import EngineConfig
+
+    init = EngineConfig.__init__
+
+    def __init__(self, *args, **fields):
+        if not args:
+            fields.setdefault("device", TEST_DEVICE)
+            if TEST_ATTENTION_BACKEND is not None:
+                fields.setdefault("attention_backend", TEST_ATTENTION_BACKEND)
+        init(self, *args, **fields)
+
+    EngineConfig.__init__ = __init__
+
+
+_engine_defaults_from_environment()
+
+
+def pytest_report_header(config):
+    return f"loraplex test device: {TEST_DEVICE}, attention backend: {TEST_ATTENTION_BACKEND or 'each test its own'}"
+
+
+@pytest.fixture(scope="session")
+def test_device():
+    """The ``torch.device`` kernel tests allocate on (``LORAPLEX_TEST_DEVICE``, default cpu)."""
+    import torch
+
+    return torch.device(TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")
