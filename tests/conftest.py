@@ -46,7 +46,8 @@ _engine_defaults_from_environment()
 
 
 def pytest_report_header(config):
-    return f"loraplex test device: {TEST_DEVICE}, attention backend: {TEST_ATTENTION_BACKEND or 'each test its own'}"
+    backend = TEST_ATTENTION_BACKEND or "each test its own"
+    return f"loraplex test device: {TEST_DEVICE}, attention backend: {backend}"
 
 
 @pytest.fixture(scope="session")
