@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from functools import partial
 
@@ -93,6 +94,11 @@ def timer(device: torch.device, quick: bool):
     return best
 
 
+def progress(kind: str, row: dict) -> None:
+    """One measured row on stderr as it lands, so a run cut short still tells what it got."""
+    print(kind, json.dumps(rounded([row])[0]), file=sys.stderr, flush=True)
+
+
 def copy_bandwidth(device: torch.device, time_fn) -> float:
     """Bytes/s of ``dst.copy_(src)`` (read + write) on a 1 GiB (GPU) or 256 MiB (CPU) tensor."""
     nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
@@ -156,6 +162,7 @@ def bench_decode(p, device, time_fn, copy_bps, kernels, budget) -> list[dict]:
                 row["reference_gbs"] = moved / t / 1e9
                 row["reference_fraction_of_copy"] = moved / t / copy_bps
             rows.append(row)
+            progress("decode", row)
             del args
     return rows
 
@@ -195,6 +202,7 @@ def bench_prefill(p, device, time_fn, kernels) -> list[dict]:
             t = time_fn(partial(paged_attention_ref, *args, dim**-0.5, **kw))
             row["reference_tflops"] = flops / t / 1e12
         rows.append(row)
+        progress("prefill", row)
     return rows
 
 
@@ -256,6 +264,7 @@ def bench_lora(p, device, time_fn, kernels) -> list[dict]:
             row["triton_vs_base"] = row["triton_us"] / row["base_us"]
             row["triton_speedup_vs_loop"] = row["torch_loop_us"] / row["triton_us"]
         rows.append(row)
+        progress("lora", row)
     return rows
 
 
