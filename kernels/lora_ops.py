@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -34,6 +35,7 @@ from loraplex.kernels.lora_ref import TensorOrList, as_slices, slice_offsets
 from loraplex.kernels.triton_lora import lora_expand_kernel, lora_shrink_kernel
 
 SHRINK_BLOCK_K = 128  # input features per step of the shrink's reduction
+SHRINK_PROGRAMS_PER_SM = 2  # the auto split-K's target: about this many shrink programs per SM
 EXPAND_BLOCK_N = 128  # output columns per expand program
 
 
@@ -120,13 +122,41 @@ def _dot_f32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or _interpreted()
 
 
+@lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def shrink_split_k(programs: int, in_features: int, block_k: int, x: torch.Tensor) -> int:
+    """Split-K of a shrink launch: enough to give about ``SHRINK_PROGRAMS_PER_SM`` programs per SM.
+
+    A shrink's output is tiny (``[S, T, rank]``) and its reduction long (``in`` features), so a
+    step of few token blocks (one adapter, or decode) leaves most SMs idle unless the reduction
+    is split (vLLM's shrink splits K likewise). Each split keeps at least one ``block_k`` step.
+
+    Args:
+        programs: Programs of the unsplit launch (token blocks x rank tiles x slices).
+        in_features: Length of the reduction.
+        block_k: Features per reduction step of the kernel.
+        x: The input (its device and dtype decide: 1 off the GPU and for float32).
+
+    Returns:
+        A power of two >= 1.
+    """
+    if x.device.type != "cuda" or x.dtype == torch.float32 or programs <= 0:
+        return 1
+    target = SHRINK_PROGRAMS_PER_SM * _num_sms(x.device.index or 0)
+    want = min(-(-target // programs), max(1, in_features // block_k))
+    return 1 << (want.bit_length() - 1)
+
+
 def lora_shrink(
     x: torch.Tensor,
     lora_a: TensorOrList,
     batch: LoRABatch,
     ranks: TensorOrList | None = None,
     *,
-    split_k: int = 1,
+    split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shrink every adapter token of the step: ``h[k, i] = x[i] @ A_k[slot(i), :r].T`` (Triton).
@@ -138,7 +168,9 @@ def lora_shrink(
         batch: The step's :class:`LoRABatch`.
         ranks: ``[max_loras]`` int32 rank of each slot, per slice (None: ``max_rank``).
         split_k: Split the ``in`` reduction over this many programs (atomic float32 adds into a
-            zeroed ``h``): more parallelism for few tokens and a wide input.
+            zeroed ``h``): more parallelism for few tokens and a wide input. None: chosen by
+            :func:`shrink_split_k` (1 for float32 inputs and off the GPU: float32 stays
+            deterministic and bit-exact run to run).
         out: Optional ``[S, T, max_rank]`` float32 destination.
 
     Returns:
@@ -157,6 +189,11 @@ def lora_shrink(
     _check_device(x)
     if x.stride(1) != 1:
         x = x.contiguous()
+    block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
+    block_k = min(SHRINK_BLOCK_K, max(16, triton.next_power_of_2(in_features)))
+    if split_k is None:
+        programs = batch.num_blocks * triton.cdiv(max_rank, block_r) * len(stacks)
+        split_k = shrink_split_k(programs, in_features, block_k, x)
     shape = (len(stacks), x.shape[0], max_rank)
     if out is None:
         out = (torch.zeros if split_k > 1 else torch.empty)(
@@ -170,8 +207,6 @@ def lora_shrink(
     table = first
     if len(stacks) > 1:
         table = torch.tensor([a.data_ptr() for a in stacks], dtype=torch.int64, device=x.device)
-    block_r = max(16, triton.next_power_of_2(max_rank))
-    block_r = min(block_r, 64)
     grid = (batch.num_blocks, triton.cdiv(max_rank, block_r), len(stacks) * split_k)
     lora_shrink_kernel[grid](
         x,
@@ -191,7 +226,7 @@ def lora_shrink(
         stride_rs,
         BLOCK_M=batch.block_m,
         BLOCK_R=block_r,
-        BLOCK_K=min(SHRINK_BLOCK_K, max(16, triton.next_power_of_2(in_features))),
+        BLOCK_K=block_k,
         SPLIT_K=split_k,
         MULTI=len(stacks) > 1,
         HAS_RANKS=ranks is not None,

@@ -259,7 +259,7 @@ def paged_attention(
     grid_q = num_tokens // block_q + num_seqs
     if num_splits is None:
         num_splits = num_kv_splits(
-            grid_q * num_kv_heads, max_query_len, max_seq_len, tile_n, query.device
+            num_seqs * num_kv_heads, max_query_len, max_seq_len, tile_n, query.device
         )
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")

@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_SPLITS = 16
+MAX_SPLITS = 64
 MIN_TILES_PER_SPLIT = 4
+PROGRAMS_PER_SM = 16  # decode streams K/V: enough programs in flight to cover memory latency
 
 
 @triton.jit
@@ -122,12 +123,16 @@ def num_kv_splits(
 ) -> int:
     """How many KV splits a launch should use (a power of two, 1 = no split).
 
-    Splits only decode-only steps on a GPU, and only when the unsplit grid would leave SMs idle:
-    enough splits to reach about two programs per SM, each still covering at least
+    Splits only decode-only steps on a GPU, and only when the unsplit launch has fewer than
+    ``PROGRAMS_PER_SM`` programs per SM: a decode program streams its sequence's K/V and the
+    memory system needs many such streams in flight (measured on an H200, docs/gpu.md: 256
+    sequences x 8 KV heads, 2,048 programs, reach 92-96% of the copy bandwidth unsplit; 512
+    programs 72-83%). Enough splits to get there, each still covering at least
     ``MIN_TILES_PER_SPLIT`` tiles of keys, at most ``MAX_SPLITS``.
 
     Args:
-        num_programs: Programs of the unsplit launch (query blocks times KV heads).
+        num_programs: Programs of the unsplit launch that have work (sequences times KV heads
+            for a decode step).
         max_query_len: Longest query run in the step (splitting is for decodes: 1).
         max_seq_len: Longest context in the step.
         tile: Key positions per tile of the attention kernel.
@@ -135,9 +140,9 @@ def num_kv_splits(
     """
     if device.type != "cuda" or max_query_len != 1:
         return 1
-    target = 2 * _num_sms(device.index if device.index is not None else 0)
+    target = PROGRAMS_PER_SM * _num_sms(device.index if device.index is not None else 0)
     if num_programs >= target:
         return 1
     by_tiles = max(1, -(-max_seq_len // tile) // MIN_TILES_PER_SPLIT)
-    want = min(MAX_SPLITS, by_tiles, -(-target // num_programs))
+    want = min(MAX_SPLITS, by_tiles, -(-target // max(num_programs, 1)))
     return 1 << (want.bit_length() - 1)  # round down to a power of two
