@@ -12,6 +12,7 @@ import os
 
 TEST_DEVICE = os.environ.get("LORAPLEX_TEST_DEVICE", "cpu")
 TEST_ATTENTION_BACKEND = os.environ.get("LORAPLEX_TEST_ATTENTION_BACKEND")
+TEST_CUDA_KV_BYTES = 256 << 20
 if TEST_DEVICE not in ("cpu", "cuda"):
     raise RuntimeError(f"LORAPLEX_TEST_DEVICE must be cpu or cuda, got {TEST_DEVICE!r}")
 
@@ -35,6 +36,11 @@ def _engine_defaults_from_environment() -> None:
     def __init__(self, *args, **fields):
         if not args:
             fields.setdefault("device", TEST_DEVICE)
+            sized = {"num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization"}
+            if fields["device"] == "cuda" and not sized & fields.keys():
+                # Several test processes share the GPU (pytest -n): a fixed pool each, not
+                # gpu_memory_utilization of the whole device.
+                fields["kv_cache_memory_bytes"] = TEST_CUDA_KV_BYTES
             if TEST_ATTENTION_BACKEND is not None:
                 fields.setdefault("attention_backend", TEST_ATTENTION_BACKEND)
         init(self, *args, **fields)

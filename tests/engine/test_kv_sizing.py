@@ -215,7 +215,7 @@ def test_profile_forward_is_a_real_step(tiny_text_dir, hf_text):
 # --------------------------------------------------------------------------- the engine
 def test_engine_sizes_its_pool_from_available_memory(tiny_text_dir, monkeypatch):
     monkeypatch.setattr(kv_profile, "mem_available_bytes", lambda: 4 * MiB)
-    llm = LLM(EngineConfig(model=tiny_text_dir, max_num_seqs=4))
+    llm = LLM(EngineConfig(model=tiny_text_dir, max_num_seqs=4, device="cpu"))  # the CPU rule
     sizing = llm.engine.kv_sizing
     # Tiny model: 4 layers x 16 tokens x 2 KV heads x 16 x K,V x 4 bytes = 16 KiB a block.
     assert sizing.block_bytes == 16 * 1024 and sizing.rule == "cpu_kv_cache_share"
@@ -228,7 +228,7 @@ def test_engine_sizes_its_pool_from_available_memory(tiny_text_dir, monkeypatch)
 def test_engine_refuses_to_start_on_a_tiny_machine(tiny_text_dir, monkeypatch):
     monkeypatch.setattr(kv_profile, "mem_available_bytes", lambda: 1 * MiB)
     with pytest.raises(ValueError, match="not enough memory for the KV cache"):
-        LLM(EngineConfig(model=tiny_text_dir))
+        LLM(EngineConfig(model=tiny_text_dir, device="cpu"))  # the CPU rule
     # An explicit size needs no figures and starts.
     llm = LLM(EngineConfig(model=tiny_text_dir, kv_cache_memory_bytes=MiB))
     assert llm.engine.kv_sizing.rule == "kv_cache_memory" and llm.engine.kv.pool.num_blocks == 64
