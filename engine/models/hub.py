@@ -87,8 +87,9 @@ def download_snapshot(
     if progress is not None:
         where = "the HF cache only (HF_HUB_OFFLINE)" if offline else constants.ENDPOINT
         progress(f"fetching {label} {repo_id} (revision {rev}) from {where} into {cache}")
+    pinned = _cached_commit_snapshot(cache, repo_id, revision) if offline else None
     try:
-        path = snapshot_download(
+        path = pinned or snapshot_download(
             repo_id,
             revision=revision,
             allow_patterns=ALLOW_PATTERNS,
@@ -150,6 +151,23 @@ def download_snapshot(
             "(a GGUF repository: download its .gguf file and pass that file)"
         )
     return path
+
+
+def _cached_commit_snapshot(cache: str, repo_id: str, revision: str | None) -> str | None:
+    """Offline, a full commit hash whose snapshot the cache holds: that snapshot's directory.
+
+    huggingface_hub 1.x's ``snapshot_download`` asks the Hub for the file list of a commit
+    revision even offline (and fails); 2.x answers from the cache. A commit's snapshot never
+    changes, so it is read from the cache directly (seen on the GPU image, docs/gpu.md).
+    """
+    if (
+        revision is None
+        or len(revision) != 40
+        or any(c not in "0123456789abcdef" for c in revision)
+    ):
+        return None
+    folder = Path(cache) / ("models--" + repo_id.replace("/", "--")) / "snapshots" / revision
+    return str(folder) if folder.is_dir() else None
 
 
 def _has_token() -> bool:
