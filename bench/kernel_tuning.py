@@ -8,6 +8,8 @@
     steps over 1 to 64 adapters): time at every shrink split-K, next to the one
     ``kernels.lora_ops.shrink_split_k`` picks, as a share of the base projection ``x @ W.T``;
     also timed as a replayed CUDA graph (what a captured decode step pays: no launch gaps).
+(c) Launch options: prefill tiles (``PREFILL_BLOCK_M``, ``TILE_N``), warps and stages against
+    ``scaled_dot_product_attention``; decode warps and stages, over the copy bandwidth.
 
 Shapes as ``bench.kernels`` (Llama-3-8B attention, block 16). Timing: ``triton.testing.do_bench``
 medians. Run: ``python -m bench.kernel_tuning``; prints a table, then one JSON line. Needs CUDA.
@@ -28,6 +30,8 @@ DECODE_SHAPES += [(256, 512)]
 SPLITS = [1, 2, 4, 8, 16, 32, 64]
 LORA_CASES = [(256, 1), (256, 16), (256, 64), (64, 1), (64, 16), (64, 64)]
 SPLIT_KS = [1, 2, 4, 8, 16, 32]
+PREFILL_SHAPE = (4, 2048)  # sequences x tokens, for the launch options
+LAUNCH_DECODE_SHAPES = [(16, 4096), (64, 2048)]
 
 
 def timer():
@@ -78,6 +82,73 @@ def tune_decode(device, time_fn, copy_bps) -> list[dict]:
         rows.append(row)
         print("decode", json.dumps(rounded([row])[0]), file=sys.stderr, flush=True)
         del args
+    return rows
+
+
+def tune_launch(device, time_fn, copy_bps) -> list[dict]:
+    """Prefill tiles and warps, decode warps and stages, against the defaults (module knobs)."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    from loraplex.kernels import triton_attention as ta
+
+    cfg, dtype, rows = ATTN, torch.bfloat16, []
+    heads, kv_heads, dim = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    saved = (ta.TILE_N, ta.PREFILL_BLOCK_M, dict(ta.DECODE_LAUNCH), dict(ta.PREFILL_LAUNCH))
+    seqs, length = PREFILL_SHAPE
+    args = paged_problem(seqs, length, length, cfg, dtype, device)
+    flops = 4 * seqs * heads * dim * length * (length + 1) / 2
+    kw = {"max_query_len": length, "max_seq_len": length}
+    qc = args[0].view(seqs, length, heads, dim).transpose(1, 2).contiguous()
+    pos = torch.arange(length, device=device)
+    slots = (
+        args[3].long()[:, pos // cfg["block_size"]] * cfg["block_size"] + pos % cfg["block_size"]
+    )
+    kc = args[1].view(-1, kv_heads, dim)[slots].transpose(1, 2).contiguous()
+    vc = args[2].view(-1, kv_heads, dim)[slots].transpose(1, 2).contiguous()
+    sdpa = partial(F.scaled_dot_product_attention, qc, kc, vc, is_causal=True, enable_gqa=True)
+    sdpa_tflops = flops / time_fn(sdpa) / 1e12
+    want = sdpa().transpose(1, 2).reshape(args[0].shape).float()
+    for block_m, tile_n, warps, stages in itertools.product([64, 128], [64, 128], [4, 8], [2, 3]):
+        ta.TILE_N, ta.PREFILL_BLOCK_M = tile_n, block_m
+        ta.PREFILL_LAUNCH.clear()
+        ta.PREFILL_LAUNCH.update(num_warps=warps, num_stages=stages)
+        row = {"kind": "prefill", "block_m": block_m, "tile_n": tile_n, "num_warps": warps}
+        row |= {"num_stages": stages, "sdpa_tflops": sdpa_tflops}
+        try:
+            got = ta.paged_attention(*args, dim**-0.5, **kw).float()
+            torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+            t = time_fn(partial(ta.paged_attention, *args, dim**-0.5, **kw))
+            row["tflops"] = flops / t / 1e12
+            row["vs_sdpa"] = row["tflops"] / sdpa_tflops
+        except Exception as exc:  # noqa: BLE001 (out of shared memory: a row that says so)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        rows.append(row)
+        print("launch", json.dumps(rounded([row])[0]), file=sys.stderr, flush=True)
+    ta.TILE_N, ta.PREFILL_BLOCK_M = saved[0], saved[1]
+    ta.PREFILL_LAUNCH.clear()
+    ta.PREFILL_LAUNCH.update(saved[3])
+    del args
+    for batch, context in LAUNCH_DECODE_SHAPES:
+        args = paged_problem(batch, context, 1, cfg, dtype, device)
+        moved = 2 * batch * context * kv_heads * dim * 2
+        kw = {"max_query_len": 1, "max_seq_len": context}
+        for warps, stages in itertools.product([2, 4, 8], [2, 3, 4]):
+            ta.DECODE_LAUNCH.clear()
+            ta.DECODE_LAUNCH.update(num_warps=warps, num_stages=stages)
+            row = {"kind": "decode", "batch": batch, "context": context, "num_warps": warps}
+            row["num_stages"] = stages
+            try:
+                t = time_fn(partial(ta.paged_attention, *args, dim**-0.5, **kw))
+                row["fraction_of_copy"] = moved / t / copy_bps
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            rows.append(row)
+            print("launch", json.dumps(rounded([row])[0]), file=sys.stderr, flush=True)
+        del args
+    ta.DECODE_LAUNCH.clear()
+    ta.DECODE_LAUNCH.update(saved[2])
     return rows
 
 
@@ -139,6 +210,7 @@ def main() -> None:
     copy_bps = copy_bandwidth(device, time_fn)
     decode = tune_decode(device, time_fn, copy_bps)
     lora = tune_lora(device, time_fn)
+    launch = tune_launch(device, time_fn, copy_bps)
     print(f"device {torch.cuda.get_device_name(device)}, copy {copy_bps / 1e9:.0f} GB/s")
     print(f"{'decode':<20}{'picked':>7}{'of copy':>9}{'best':>6}{'of copy':>9}")
     for r in decode:
@@ -155,6 +227,11 @@ def main() -> None:
             f"{label:<20}{r['picked']:>7}{r['picked_us']:>8.1f}{r['picked_vs_base']:>8.2f}"
             f"{r['best']:>6}{r['picked_graph_vs_base_graph']:>14.2f}"
         )
+    ok = [r for r in launch if "error" not in r]
+    for kind, key in (("prefill", "vs_sdpa"), ("decode", "fraction_of_copy")):
+        best = sorted((r for r in ok if r["kind"] == kind), key=lambda r: -r[key])[:3]
+        for r in best:
+            print(kind, "launch", {k: v for k, v in r.items() if k != "kind"})
     print(
         json.dumps(
             {
@@ -162,6 +239,7 @@ def main() -> None:
                 "copy_gbs": copy_bps / 1e9,
                 "decode": rounded(decode),
                 "lora": rounded(lora),
+                "launch": rounded(launch),
             }
         )
     )

@@ -38,6 +38,11 @@ from loraplex.kernels.triton_split_kv import merge_splits, num_kv_splits
 
 LOG2E = 1.4426950408889634
 TILE_N = 64  # key positions per tile (whole cache blocks; at least one block)
+PREFILL_BLOCK_M = 64  # query rows (tokens x heads of a KV group) per program, steps with prefill
+# Triton launch options (num_warps, num_stages) per kind of step; empty: Triton's defaults.
+# bench.kernel_tuning measures the alternatives on a GPU (docs/gpu.md).
+DECODE_LAUNCH: dict[str, int] = {}
+PREFILL_LAUNCH: dict[str, int] = {}
 
 
 @triton.jit
@@ -253,7 +258,7 @@ def paged_attention(
         raise ValueError("the caches' head_dim must be contiguous")
     group = num_heads // num_kv_heads
     tile_n = max(TILE_N, block_size)
-    block_m = max(16 if max_query_len == 1 else 64, triton.next_power_of_2(group))
+    block_m = max(16 if max_query_len == 1 else PREFILL_BLOCK_M, triton.next_power_of_2(group))
     block_q = block_m // group
     num_seqs = seq_lens.shape[0]
     grid_q = num_tokens // block_q + num_seqs
@@ -310,6 +315,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None,
         DOT_F32=dot_f32,
+        **(DECODE_LAUNCH if max_query_len == 1 else PREFILL_LAUNCH),
     )
     if num_splits > 1:
         merge_splits(target, lse, out)
