@@ -1,7 +1,9 @@
-"""Helpers every test folder uses (one copy each): a free port, polling for a condition."""
+"""Helpers every test folder uses (one copy each): a free port, polling for a condition, marks
+that pick the test device."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -28,3 +30,24 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: floa
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+# The suite's device (tests/conftest.py reads the same variable), for marks decided at collection.
+ON_CUDA = os.environ.get("LORAPLEX_TEST_DEVICE", "cpu") == "cuda"
+
+
+def cuda_only(reason: str):
+    """Skip a test unless ``LORAPLEX_TEST_DEVICE=cuda`` (e.g. shapes the interpreter is too slow
+    for); ``reason`` says why it needs the GPU."""
+    import pytest
+
+    return pytest.mark.skipif(
+        not ON_CUDA, reason=f"CUDA only (LORAPLEX_TEST_DEVICE=cuda): {reason}"
+    )
+
+
+def cpu_only(reason: str):
+    """Skip a test when the suite runs on CUDA; ``reason`` says why it only makes sense on CPU."""
+    import pytest
+
+    return pytest.mark.skipif(ON_CUDA, reason=f"CPU only: {reason}")

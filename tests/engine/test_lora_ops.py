@@ -1,5 +1,9 @@
 """The LoRA backends: every layout of the torch backend against a per-token loop (Punica
-semantics), the Triton backend against the torch one."""
+semantics), the Triton backend against the torch one.
+
+The backends run on the ``test_device`` (tests/conftest.py; Triton's interpreter on CPU);
+inputs are drawn and the per-token oracle computed on the CPU.
+"""
 
 import subprocess
 import sys
@@ -16,7 +20,7 @@ from loraplex.engine.lora.triton_backend import TritonLoRABackend
 @pytest.mark.parametrize("layout", ["scattered", "grouped"])
 @pytest.mark.parametrize("popularity", ["distinct", "uniform", "zipf", "identical"])
 @pytest.mark.parametrize("num_slots", [1, 2, 5])
-def test_add_lora_matches_a_per_token_loop(popularity, num_slots, layout):
+def test_add_lora_matches_a_per_token_loop(test_device, popularity, num_slots, layout):
     gen = torch.Generator().manual_seed(num_slots)
     tokens, fan_in, fan_out, max_rank, max_loras = 23, 12, 10, 8, 6
     ranks = [8, 4, 2, 6, 8, 1][:max_loras]
@@ -26,7 +30,8 @@ def test_add_lora_matches_a_per_token_loop(popularity, num_slots, layout):
         a[s, :r] = torch.randn(r, fan_in, generator=gen)
         b[s, :, :r] = torch.randn(fan_out, r, generator=gen)
     scales = torch.rand(max_loras, generator=gen) + 0.5
-    buffers = SlotBuffers.of(a, b, scales, ranks)
+    dev = test_device
+    buffers = SlotBuffers.of(a.to(dev), b.to(dev), scales.to(dev), ranks)
     pool = list(range(num_slots))
     if popularity == "distinct":
         slots = [pool[i % num_slots] for i in range(tokens)]
@@ -47,9 +52,12 @@ def test_add_lora_matches_a_per_token_loop(popularity, num_slots, layout):
         if s >= 0:
             r = ranks[s]
             expected[i] += scales[s] * (x[i] @ a[s, :r].T) @ b[s, :, :r].T
+    # Float32 throughout; on a GPU cuBLAS sums in another order than the CPU loop (never TF32:
+    # torch's float32 matmuls default to full precision), so a little more absolute slack there.
+    atol = 1e-5 if dev.type == "cpu" else 1e-4
     for batched in (False, True, None):
         ctx = TorchLoRABackend(batched=batched)
-        ctx.update_metadata(slots, torch.device("cpu"))
+        ctx.update_metadata(slots, dev)
         runs = [s for i, s in enumerate(slots) if s >= 0 and (i == 0 or slots[i - 1] != s)]
         assert ctx.contiguous == (len(runs) == len(set(runs)))
         if layout == "grouped":
@@ -57,15 +65,17 @@ def test_add_lora_matches_a_per_token_loop(popularity, num_slots, layout):
         if batched is not None and not ctx.contiguous:
             assert (ctx.slot_ids is not None) == batched
         assert ctx.active
-        out = ctx.apply(y0.clone(), x, buffers)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        out = ctx.apply(y0.clone().to(dev), x.to(dev), buffers)
+        assert out.device == dev
+        torch.testing.assert_close(out.cpu(), expected, atol=atol, rtol=1e-5)
         ctx.clear()
         assert not ctx.active and ctx.segments == [] and ctx.slot_ids is None
 
 
 @pytest.mark.parametrize("layout", ["scattered", "grouped"])
-def test_the_triton_backend_equals_the_torch_backend(layout):
-    """The two implementations of ``engine.lora.backend`` on the same step (interpreter)."""
+def test_the_triton_backend_equals_the_torch_backend(test_device, layout):
+    """The two implementations of ``engine.lora.backend`` on the same step (float32: the
+    Triton kernels' dots are exact float32, ``input_precision="ieee"``)."""
     gen = torch.Generator().manual_seed(11)
     tokens, fan_in, fan_out, max_rank, max_loras = 19, 16, 24, 8, 4
     ranks = [8, 0, 4, 2]
@@ -74,7 +84,9 @@ def test_the_triton_backend_equals_the_torch_backend(layout):
     for s, r in enumerate(ranks):
         a[s, :r] = torch.randn(r, fan_in, generator=gen)
         b[s, :, :r] = torch.randn(fan_out, r, generator=gen)
-    buffers = SlotBuffers.of(a, b, torch.rand(max_loras, generator=gen) + 0.5, ranks)
+    dev = test_device
+    scales = torch.rand(max_loras, generator=gen) + 0.5
+    buffers = SlotBuffers.of(a.to(dev), b.to(dev), scales.to(dev), ranks)
     slots = torch.randint(-1, max_loras, (tokens,), generator=gen).tolist()
     if layout == "grouped":
         slots = sorted(slots)
@@ -82,9 +94,9 @@ def test_the_triton_backend_equals_the_torch_backend(layout):
     y0 = torch.randn(tokens, fan_out, generator=gen)
     out = {}
     for backend in (TorchLoRABackend(), TritonLoRABackend()):
-        backend.update_metadata(slots, torch.device("cpu"))  # each prepares its own metadata
+        backend.update_metadata(slots, dev)  # each prepares its own metadata
         assert backend.active
-        out[backend.name] = backend.apply(y0.clone(), x, buffers)
+        out[backend.name] = backend.apply(y0.clone().to(dev), x.to(dev), buffers).cpu()
     torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
     assert not torch.equal(out["torch"], y0)  # the adapters did something
 

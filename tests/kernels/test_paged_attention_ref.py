@@ -1,4 +1,8 @@
-"""The torch paged-attention reference against plain SDPA on contiguous K/V."""
+"""The torch paged-attention reference against plain SDPA on contiguous K/V.
+
+The reference (the torch attention backend's kernel) runs on the ``test_device``; the
+contiguous oracle on the CPU.
+"""
 
 import pytest
 import torch
@@ -38,7 +42,7 @@ def contiguous_attention(q, k, v, ctx_len, sliding_window=None, sinks=None):
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
-def test_matches_contiguous_attention(block_size, heads, kv_heads, window, with_sinks):
+def test_matches_contiguous_attention(test_device, block_size, heads, kv_heads, window, with_sinks):
     gen = torch.Generator().manual_seed(0)
     sinks = torch.randn(heads, generator=gen) * 2 if with_sinks else None
     head_dim = 8
@@ -73,19 +77,17 @@ def test_matches_contiguous_attention(block_size, heads, kv_heads, window, with_
     q = torch.cat(queries)
     qsl = torch.tensor([0] + [n for _, n in seqs]).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
+    on = [t.to(test_device) for t in (q, k_cache, v_cache, tables, seq_lens, qsl)]
     out = paged_attention_ref(
-        q,
-        k_cache,
-        v_cache,
-        tables,
-        seq_lens,
-        qsl,
+        *on,
         head_dim**-0.5,
         max_query_len=max(n for _, n in seqs),
         max_seq_len=int(seq_lens.max()),
         sliding_window=window,
-        sinks=sinks,
+        sinks=None if sinks is None else sinks.to(test_device),
     )
+    assert out.device == test_device
+    out = out.cpu()
     assert out.shape == q.shape
     for b, (ctx, _) in enumerate(seqs):
         ref = contiguous_attention(queries[b], full_k[b], full_v[b], ctx, window, sinks)

@@ -43,7 +43,7 @@ def dense(q, k, v, mask, cap=None):
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("cap", [None, 20.0])
-def test_image_spans_see_each_other(window, cap):
+def test_image_spans_see_each_other(test_device, window, cap):
     gen = torch.Generator().manual_seed(0)
     block, heads, kv_heads, dim = 4, 4, 2, 8
     # Sequence 0: 5 cached tokens, then a 14-token chunk holding two images [7, 11) and
@@ -74,23 +74,24 @@ def test_image_spans_see_each_other(window, cap):
         refs_in.append((q, k, v, hf_mask(length, groups, window)))
     qsl = torch.tensor([0] + [n for _, n, _ in seqs]).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([c + n for c, n, _ in seqs], dtype=torch.int32)
+    args = [t.to(test_device) for t in (torch.cat(qs), k_cache, v_cache, tables, seq_lens, qsl)]
     out = paged_attention_ref(
-        torch.cat(qs), k_cache, v_cache, tables, seq_lens, qsl, dim**-0.5,
+        *args, dim**-0.5,
         max_query_len=14, max_seq_len=19, sliding_window=window, logits_soft_cap=cap,
-        visible_up_to=torch.cat(bounds),
-    )  # fmt: skip
+        visible_up_to=torch.cat(bounds).to(test_device),
+    ).cpu()  # fmt: skip
     for b, (q, k, v, mask) in enumerate(refs_in):
         expected = dense(q, k, v, mask, cap)
         torch.testing.assert_close(out[qsl[b] : qsl[b + 1]], expected, atol=1e-5, rtol=1e-5)
     causal = paged_attention_ref(
-        torch.cat(qs), k_cache, v_cache, tables, seq_lens, qsl, dim**-0.5,
+        *args, dim**-0.5,
         max_query_len=14, max_seq_len=19, sliding_window=window, logits_soft_cap=cap,
-    )  # fmt: skip
+    ).cpu()  # fmt: skip
     assert not torch.allclose(causal[: qsl[1]], out[: qsl[1]])  # the images' rows differ
     torch.testing.assert_close(causal[qsl[1] :], out[qsl[1] :])  # the other sequences do not
 
 
-def test_a_kernel_without_it_falls_back_to_the_reference():
+def test_a_kernel_without_it_falls_back_to_the_reference(test_device):
     """A backend whose kernel takes no ``visible_up_to`` (Triton) runs the reference then."""
     from loraplex.engine.attention.backend import PagedKernelBackend, TorchAttentionBackend
     from loraplex.engine.attention.metadata import AttentionMetadata
@@ -101,19 +102,20 @@ def test_a_kernel_without_it_falls_back_to_the_reference():
 
     kernel = PagedKernelBackend("causal-only", reshape_and_cache_ref, causal_only)
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(6, 2, 8, generator=gen) for _ in range(3))
+    dev = test_device
+    q, k, v = (torch.randn(6, 2, 8, generator=gen).to(dev) for _ in range(3))
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(6),
-        query_start_loc=torch.tensor([0, 6], dtype=torch.int32),
-        seq_lens=torch.tensor([6], dtype=torch.int32),
-        block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+        slot_mapping=torch.arange(6, device=dev),
+        query_start_loc=torch.tensor([0, 6], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([6], dtype=torch.int32, device=dev),
+        block_tables=torch.tensor([[0, 1]], dtype=torch.int32, device=dev),
         max_query_len=6,
         max_seq_len=6,
-        visible_up_to=torch.tensor([0, 3, 3, 3, 4, 5]),  # an image at positions 1..3
+        visible_up_to=torch.tensor([0, 3, 3, 3, 4, 5], device=dev),  # an image at 1..3
     )
     outs = []
     for backend in (kernel, TorchAttentionBackend()):
-        caches = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+        caches = torch.zeros(2, 4, 2, 8, device=dev), torch.zeros(2, 4, 2, 8, device=dev)
         outs.append(backend.forward(q, k, v, *caches, meta, 8**-0.5))
     torch.testing.assert_close(outs[0], outs[1])
     causal = kernel.forward(q, k, v, *caches, _causal(meta), 8**-0.5)
