@@ -63,8 +63,8 @@ def make_stacks(num_loras, max_rank, fan_in, widths, dtype, gen):
 
 
 def check(device, slots, fan_in, widths, max_rank, num_loras, dtype, seed, offsets=None, split_k=1):
-    """Shrink and expand on ``device`` against the references on the CPU; returns the CPU
-    ``(y0, y)``."""
+    """Shrink and expand on ``device`` against the references on the CPU (``split_k``: None
+    lets the shrink choose, as the engine does); returns the CPU ``(y0, y)``."""
     gen = torch.Generator().manual_seed(seed)
     a, b, scales, ranks = make_stacks(num_loras, max_rank, fan_in, widths, dtype, gen)
     x = torch.randn(len(slots), fan_in, generator=gen).to(dtype)
@@ -194,9 +194,10 @@ LARGE = "production shapes, minutes under the Triton interpreter"
 @pytest.mark.parametrize("popularity", ["distinct", "zipf"])
 def test_large_decode_batch_fused_qkv(test_device, dtype, popularity):
     # Batch 64 of decodes over 16 adapters (rank 16 buffers, mixed ranks), a 4096-wide model's
-    # fused q/k/v (GQA 32/8 of head_dim 128): BLOCK_M 16, several rank tiles, MULTI slices.
+    # fused q/k/v (GQA 32/8 of head_dim 128): BLOCK_M 16, MULTI slices, the shrink's split-K
+    # its own choice (shrink_split_k) as in the engine.
     slots = token_slots(popularity, 64, 16, torch.Generator().manual_seed(21))
-    check(test_device, slots, 4096, [4096, 1024, 1024], 16, 16, dtype, seed=21)
+    check(test_device, slots, 4096, [4096, 1024, 1024], 16, 16, dtype, seed=21, split_k=None)
 
 
 @cuda_only(LARGE)
@@ -205,6 +206,6 @@ def test_large_prefill_gate_up_and_split_k(test_device, dtype):
     # 600 prefill tokens of 4 adapters (BLOCK_M 64) through gate/up (4096 -> 2 x 11008) at
     # rank 64, then a down projection's shrink split 4 ways over its 11008 inputs.
     slots = token_slots("uniform", 600, 4, torch.Generator().manual_seed(22))
-    check(test_device, slots, 4096, [11008, 11008], 64, 4, dtype, seed=22)
+    check(test_device, slots, 4096, [11008, 11008], 64, 4, dtype, seed=22, split_k=None)
     decode = token_slots("distinct", 8, 4, torch.Generator().manual_seed(23))
     check(test_device, decode, 11008, [4096], 64, 4, dtype, seed=23, split_k=4)
