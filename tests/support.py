@@ -44,10 +44,3 @@ def cuda_only(reason: str):
     return pytest.mark.skipif(
         not ON_CUDA, reason=f"CUDA only (LORAPLEX_TEST_DEVICE=cuda): {reason}"
     )
-
-
-def cpu_only(reason: str):
-    """Skip a test when the suite runs on CUDA; ``reason`` says why it only makes sense on CPU."""
-    import pytest
-
-    return pytest.mark.skipif(ON_CUDA, reason=f"CPU only: {reason}")
