@@ -8,27 +8,51 @@ cache with shuffled, non-contiguous block tables and NaN-filled caches against t
 without trusting the runner; the runner's own builder is checked end to end by the engine's
 parity tests (tests/engine), which compare whole generations with transformers and peft. A bug
 in one builder cannot hide one in the other.
+
+Everything a step needs (caches, slot mapping, positions, block tables, query start offsets,
+sequence lengths, embeddings) is made on the model's own device, read from its parameters: the
+tests load the model on the test device (``LORAPLEX_TEST_DEVICE``, tests/conftest.py) and the
+harness follows it. The attention backend (what the model's layers call, not part of the
+runner) is ``LORAPLEX_TEST_ATTENTION_BACKEND``: ``torch`` unless set, ``triton`` for the Triton
+kernels (compiled on a GPU), as for the engine's tests.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.engine.attention import AttentionMetadata, TorchAttentionBackend
+from loraplex.engine.attention import AttentionMetadata, get_attention_backend
 
-BACKEND = TorchAttentionBackend()
+BACKEND = get_attention_backend(os.environ.get("LORAPLEX_TEST_ATTENTION_BACKEND") or "torch")
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s weights (its first parameter's)."""
+    return next(model.parameters()).device
 
 
 def make_kv_caches(model, num_blocks: int, block_size: int, dtype=torch.float32):
-    """One (k_cache, v_cache) per layer, NaN-filled so a read of an unwritten slot shows."""
+    """One (k_cache, v_cache) per layer on the model's device, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype``, NaN-filled so a read of
+    an unwritten slot shows."""
     shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    return [
-        (torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype))
-        for _ in range(model.num_layers)
-    ]
+    device = model_device(model)
+
+    def nans():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    return [(nans(), nans()) for _ in range(model.num_layers)]
+
+
+def embed_tokens(model, token_ids: list[int]) -> torch.Tensor:
+    """``[len(token_ids), hidden]`` token embeddings, on the model's device."""
+    with torch.inference_mode():
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=model_device(model))
+        return model.embed_tokens(ids)
 
 
 class BlockAllocator:
@@ -50,7 +74,8 @@ class Seq:
     """One sequence: its token ids (and optional embeddings) and its blocks."""
 
     token_ids: list[int]
-    embeds: torch.Tensor | None = None  # [len(token_ids), hidden] when images are spliced in
+    # [len(token_ids), hidden] on the model's device when images are spliced in
+    embeds: torch.Tensor | None = None
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
 
@@ -61,8 +86,21 @@ def ensure_blocks(seq: Seq, upto: int, block_size: int, alloc: BlockAllocator) -
         seq.blocks += alloc.take(need - len(seq.blocks))
 
 
-def build_step(chunks: list[tuple[Seq, int]], block_size: int, alloc: BlockAllocator):
-    """Metadata, positions and inputs for one step computing ``n`` new tokens of each seq."""
+def build_step(
+    chunks: list[tuple[Seq, int]],
+    block_size: int,
+    alloc: BlockAllocator,
+    device: torch.device | str = "cpu",
+):
+    """Metadata, positions and inputs for one step computing ``n`` new tokens of each seq.
+
+    The tensors are built on the CPU, then moved to ``device`` (the model's); a sequence's
+    ``embeds`` must already be there.
+
+    Returns:
+        ``(meta, positions [T] int64, input_ids [T] int64, inputs_embeds [T, hidden] or
+        None)``, all on ``device``.
+    """
     slots, positions, starts, seq_lens, tables = [], [], [0], [], []
     ids, embeds, any_embeds = [], [], any(s.embeds is not None for s, _ in chunks)
     for seq, n in chunks:
@@ -83,23 +121,26 @@ def build_step(chunks: list[tuple[Seq, int]], block_size: int, alloc: BlockAlloc
         table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     q_lens = [n for _, n in chunks]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        block_tables=table.to(device),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
         num_decode_tokens=sum(1 for n in q_lens if n == 1),
     )
-    input_ids = torch.tensor(ids, dtype=torch.int64)
+    input_ids = torch.tensor(ids, dtype=torch.int64).to(device)
     inputs_embeds = torch.cat(embeds) if any_embeds else None
-    return meta, torch.tensor(positions, dtype=torch.int64), input_ids, inputs_embeds
+    positions_t = torch.tensor(positions, dtype=torch.int64).to(device)
+    return meta, positions_t, input_ids, inputs_embeds
 
 
 @torch.inference_mode()
 def run_step(model, kv_caches, chunks, block_size, alloc):
-    """Run one step; returns the hidden states of every token, split per sequence."""
-    meta, positions, input_ids, inputs_embeds = build_step(chunks, block_size, alloc)
+    """Run one step on the model's device; returns the hidden states of every token (on that
+    device), split per sequence."""
+    device = model_device(model)
+    meta, positions, input_ids, inputs_embeds = build_step(chunks, block_size, alloc, device)
     hidden = model(
         None if inputs_embeds is not None else input_ids,
         positions,
@@ -117,10 +158,17 @@ def run_step(model, kv_caches, chunks, block_size, alloc):
 
 
 def splice_images(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None):
-    """Prompt embeddings with the image features written at the image-token rows."""
+    """Prompt embeddings with the image features written at the image-token rows.
+
+    ``input_ids`` ``[T]`` and ``pixel_values`` may be on any device (the processor's are on the
+    CPU); they are moved to the model's, and so is the ``[T, hidden]`` result.
+    """
+    device = model_device(model)
+    input_ids = input_ids.to(device)
     with torch.inference_mode():
         embeds = model.embed_tokens(input_ids)
         if pixel_values is not None and len(pixel_values):
+            pixel_values = pixel_values.to(device)
             features = model.encode_images(pixel_values).reshape(-1, model.hidden_size)
             mask = input_ids == model.image_token_id
             assert int(mask.sum()) == features.shape[0]
@@ -140,7 +188,8 @@ def greedy_generate(
     eos_token_id=None,
     seed=0,
 ):
-    """Prefill (in chunks cycling through ``chunk_sizes``), then greedy decode."""
+    """Prefill (in chunks cycling through ``chunk_sizes``), then greedy decode, on the model's
+    device; returns the generated token ids (a list of ints)."""
     ids = list(prompt_ids)
     need_blocks = -(-(len(ids) + max_new_tokens) // block_size) + 2
     alloc = BlockAllocator(need_blocks * 2, seed=seed)
@@ -164,7 +213,7 @@ def greedy_generate(
             break
         seq.token_ids.append(token)
         if seq.embeds is not None:
-            seq.embeds = torch.cat([seq.embeds, model.embed_tokens(torch.tensor([token]))])
+            seq.embeds = torch.cat([seq.embeds, embed_tokens(model, [token])])
         (hidden,) = run_step(model, kv, [(seq, 1)], block_size, alloc)
     return out
 

@@ -1,4 +1,7 @@
-"""LLaVA specifics: image features, placeholder counts, and a long two-image request."""
+"""LLaVA specifics: image features, placeholder counts, and a long two-image request.
+
+Our LLaVA runs on the test device, transformers' on the CPU (tests/models/conftest.py).
+"""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def test_model_attributes(ours_llava):
 @torch.no_grad()
 def test_encode_images_matches_transformers(ours_llava, hf_llava, processor, photos):
     pixels = processor.image_processor(photos, return_tensors="pt")["pixel_values"]
-    ours = ours_llava.encode_images(pixels)
+    ours = ours_llava.encode_images(pixels.to(ours_llava.device)).cpu()
     ref = hf_llava.model.get_image_features(pixel_values=pixels).pooler_output
     assert ours.shape == (2, 64, 64)
     torch.testing.assert_close(ours, torch.stack(list(ref)), atol=1e-5, rtol=0)

@@ -1,4 +1,8 @@
-"""Loader: shards, every LLaVA key layout, dtype, and clear errors for broken directories."""
+"""Loader: shards, every LLaVA key layout, dtype, and clear errors for broken directories.
+
+Loading onto the test device and a forward there are checked with ``ours_llava`` (on the test
+device); the file-format checks load on the CPU and compare weights there.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +27,11 @@ def _state(model):
 
 
 def _assert_same_weights(a, b):
+    """Same names and bit-identical values (compared on the CPU: either may be on the device)."""
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
+        assert torch.equal(sa[key].cpu(), sb[key].cpu()), key
 
 
 def _rewrite(directory, rename):
@@ -35,9 +40,9 @@ def _rewrite(directory, rename):
     save_file({rename(k): v for k, v in tensors.items()}, path, metadata={"format": "pt"})
 
 
-def test_loads_every_parameter_with_real_values(ours_llava):
+def test_loads_every_parameter_with_real_values(ours_llava, test_device):
     for name, tensor in ours_llava.state_dict().items():
-        assert tensor.device.type == "cpu" and not tensor.isnan().any(), name
+        assert tensor.device.type == test_device.type and not tensor.isnan().any(), name
     norm = ours_llava.language_model.model.layers[0].input_layernorm.weight
     assert not torch.equal(norm, torch.ones_like(norm))  # tiny's norms are randomized
 
@@ -182,7 +187,7 @@ def test_missing_unexpected_and_misshaped_tensors(tmp_path, text_dir):
 
 
 @torch.no_grad()
-def test_bfloat16_forward_tracks_float32(llava_dir, ours_llava, processor, photos):
+def test_bfloat16_forward_tracks_float32(llava_dir, ours_llava, processor, photos, test_device):
     from tests.models.harness import BlockAllocator, Seq, make_kv_caches, run_step, splice_images
 
     batch = processor.apply_chat_template(
@@ -192,7 +197,7 @@ def test_bfloat16_forward_tracks_float32(llava_dir, ours_llava, processor, photo
     ids = batch["input_ids"][0]
     logits = {}
     for dtype, model in (
-        (torch.bfloat16, load_model(llava_dir, torch.bfloat16, "cpu")[0]),
+        (torch.bfloat16, load_model(llava_dir, torch.bfloat16, test_device)[0]),
         (torch.float32, ours_llava),
     ):
         embeds = splice_images(model, ids, batch["pixel_values"])
@@ -201,7 +206,7 @@ def test_bfloat16_forward_tracks_float32(llava_dir, ours_llava, processor, photo
         (hidden,) = run_step(
             model, kv, [(Seq(ids.tolist(), embeds), len(ids))], 16, BlockAllocator(16)
         )
-        logits[dtype] = model.compute_logits(hidden)
+        logits[dtype] = model.compute_logits(hidden).cpu()
         assert logits[dtype].dtype == torch.float32
     low, ref = logits[torch.bfloat16], logits[torch.float32]
     assert torch.isfinite(low).all()

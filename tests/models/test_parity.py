@@ -3,6 +3,8 @@
 Each case runs our model over shuffled, non-contiguous blocks: one full prefill, chunked
 prefill, a prefix already cached by another sequence, decode steps, and several sequences
 flattened into one step, and compares hidden states and logits with transformers' forward.
+Our model runs on the test device (tests/models/conftest.py), transformers on the CPU; our
+outputs come to the CPU for the comparison.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from tests.models.harness import (
     BlockAllocator,
     Seq,
     assert_same_greedy,
+    embed_tokens,
     greedy_generate,
     make_kv_caches,
     run_step,
@@ -87,7 +90,8 @@ def case(request, tokenizer, processor, photos):
 
 
 def _close(actual, expected):
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+    """``actual`` (ours, on the test device) against ``expected`` (transformers, on the CPU)."""
+    torch.testing.assert_close(actual.cpu(), expected, atol=ATOL, rtol=0)
 
 
 def test_full_prefill(case):
@@ -144,7 +148,7 @@ def test_decode_steps_match_teacher_forced_reference(case):
         token = int(logits[-1].argmax())
         seq.token_ids.append(token)
         if seq.embeds is not None:
-            seq.embeds = torch.cat([seq.embeds, case.ours.embed_tokens(torch.tensor([token]))])
+            seq.embeds = torch.cat([seq.embeds, embed_tokens(case.ours, [token])])
         (hidden,) = run_step(case.ours, kv, [(seq, 1)], block_size, alloc)
         logits.append(case.ours.compute_logits(hidden))
     _, ref_logits = case.reference(seq.token_ids)
@@ -185,7 +189,7 @@ def test_batch_of_three_flattened(case):
     for seq, token in ((a, a_next), (c, c_next)):
         seq.token_ids.append(token)
         if seq.embeds is not None:
-            seq.embeds = torch.cat([seq.embeds, case.ours.embed_tokens(torch.tensor([token]))])
+            seq.embeds = torch.cat([seq.embeds, embed_tokens(case.ours, [token])])
     rest = len(b.token_ids) - 20
     step2 = run_step(case.ours, kv, [(a, 1), (b, rest), (c, 1)], block_size, alloc)
     for seq, with_images, parts in (

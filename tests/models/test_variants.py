@@ -1,5 +1,9 @@
 """Other Llama-family configs against transformers: Qwen2 biases, Mistral sliding window, llama3
-and linear rope scaling, tied embeddings, Llama biases, LLaVA multi-layer features."""
+and linear rope scaling, tied embeddings, Llama biases, LLaVA multi-layer features.
+
+Our models run on the test device (``test_device``), transformers on the CPU; our outputs come
+to the CPU for the comparison.
+"""
 
 from __future__ import annotations
 
@@ -42,13 +46,13 @@ def _ours_logits(ours, ids, chunks=(None,), block_size=4):
         n = min(chunks[i % len(chunks)] or len(ids), len(ids) - seq.num_computed)
         outs += run_step(ours, kv, [(seq, n)], block_size, alloc)
         i += 1
-    return ours.compute_logits(torch.cat(outs))
+    return ours.compute_logits(torch.cat(outs)).cpu()  # [len(ids), V] on the CPU
 
 
 @torch.no_grad()
-def _check(tmp_path, model_cls, config, n=40, chunks=(None, 7)):
+def _check(tmp_path, device, model_cls, config, n=40, chunks=(None, 7)):
     hf = _save(tmp_path, model_cls, config)
-    ours, _ = load_model(tmp_path, torch.float32, "cpu")
+    ours, _ = load_model(tmp_path, torch.float32, device)
     ids = _prompt(n, vocab=config.vocab_size)
     ref = hf(torch.tensor([ids])).logits[0]
     for chunk in chunks:
@@ -56,22 +60,24 @@ def _check(tmp_path, model_cls, config, n=40, chunks=(None, 7)):
     return hf, ours, ids
 
 
-def test_qwen2_qkv_bias_and_mixed_sliding_layers(tmp_path):
+def test_qwen2_qkv_bias_and_mixed_sliding_layers(tmp_path, test_device):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     assert config.layer_types == ["full_attention", "sliding_attention"]
-    _, ours, _ = _check(tmp_path, Qwen2ForCausalLM, config)
+    _, ours, _ = _check(tmp_path, test_device, Qwen2ForCausalLM, config)
     attn = ours.model.layers[0].self_attn
     assert attn.q_proj.bias is not None and attn.o_proj.bias is None
     assert [layer.self_attn.sliding_window for layer in ours.model.layers] == [None, 8]
 
 
-def test_mistral_sliding_window_prefill_and_decode(tmp_path):
+def test_mistral_sliding_window_prefill_and_decode(tmp_path, test_device):
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(**SMALL, sliding_window=8)
-    hf, ours, ids = _check(tmp_path, MistralForCausalLM, config, n=30, chunks=(None, 5, 1))
+    hf, ours, ids = _check(
+        tmp_path, test_device, MistralForCausalLM, config, n=30, chunks=(None, 5, 1)
+    )
     # The window matters: without it the logits differ.
     for layer in ours.model.layers:
         layer.self_attn.sliding_window = None
@@ -94,11 +100,11 @@ def test_mistral_sliding_window_prefill_and_decode(tmp_path):
         {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     ],
 )  # fmt: skip
-def test_llama_rope_scaling(tmp_path, rope):
+def test_llama_rope_scaling(tmp_path, test_device, rope):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**SMALL, rope_parameters=rope)
-    _, ours, _ = _check(tmp_path, LlamaForCausalLM, config, n=120, chunks=(None, 33))
+    _, ours, _ = _check(tmp_path, test_device, LlamaForCausalLM, config, n=120, chunks=(None, 33))
     default = LlamaConfig(**SMALL)
     from loraplex.engine.models.config import rope_frequencies
 
@@ -122,11 +128,11 @@ def test_transformers4_rope_scaling_config_is_read(tmp_path):
     assert old.config.rope_inv_freq == new.config.rope_inv_freq
 
 
-def test_llama_tied_embeddings_and_biases(tmp_path):
+def test_llama_tied_embeddings_and_biases(tmp_path, test_device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**SMALL, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
-    _, ours, _ = _check(tmp_path, LlamaForCausalLM, config)
+    _, ours, _ = _check(tmp_path, test_device, LlamaForCausalLM, config)
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
     assert ours.model.layers[1].self_attn.o_proj.bias is not None
     assert ours.model.layers[1].mlp.down_proj.bias is not None
@@ -134,7 +140,7 @@ def test_llama_tied_embeddings_and_biases(tmp_path):
 
 @torch.no_grad()
 @pytest.mark.parametrize("feature_layer,strategy", [([-3, -1], "full"), (-1, "default")])
-def test_llava_feature_layers_and_strategy(tmp_path, feature_layer, strategy):
+def test_llava_feature_layers_and_strategy(tmp_path, test_device, feature_layer, strategy):
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
@@ -153,16 +159,18 @@ def test_llava_feature_layers_and_strategy(tmp_path, feature_layer, strategy):
         projector_hidden_act="gelu",
     )
     hf = _save(tmp_path, LlavaForConditionalGeneration, config)
-    ours, _ = load_model(tmp_path, torch.float32, "cpu")
-    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    ours, _ = load_model(tmp_path, torch.float32, test_device)
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))  # CPU
     tokens = 5 if strategy == "full" else 4
     assert ours.num_image_tokens == tokens
     ref = torch.stack(list(hf.model.get_image_features(pixel_values=pixels).pooler_output))
-    torch.testing.assert_close(ours.encode_images(pixels), ref, atol=1e-5, rtol=0)
+    features = ours.encode_images(pixels.to(ours.device))
+    torch.testing.assert_close(features.cpu(), ref, atol=1e-5, rtol=0)
     ids = _prompt(6) + [95] * tokens + _prompt(5, seed=1) + [95] * tokens + [7]
     ref_logits = hf(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
-    embeds = ours.embed_tokens(torch.tensor(ids))
-    embeds[torch.tensor(ids) == 95] = ours.encode_images(pixels).reshape(-1, 32)
+    ids_t = torch.tensor(ids, device=ours.device)
+    embeds = ours.embed_tokens(ids_t)
+    embeds[ids_t == 95] = features.reshape(-1, 32)
     alloc, kv = BlockAllocator(32), make_kv_caches(ours, 32, 4)
     (hidden,) = run_step(ours, kv, [(Seq(ids, embeds), len(ids))], 4, alloc)
-    torch.testing.assert_close(ours.compute_logits(hidden), ref_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.compute_logits(hidden).cpu(), ref_logits, atol=1e-4, rtol=0)
