@@ -83,8 +83,24 @@ TEXT_PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
     },
+    # A Llama-3.2-1B-like shape with a 32k vocabulary (1.05B parameters), random weights, for
+    # GPU benchmarks (use with text_only=True): 16 layers, hidden 2048, MLP 8192, GQA 32/8,
+    # head_dim 64, tied embeddings (as Llama 3.2 1B; the random-weight model then repeats
+    # itself, which bench.speculative's repeating workload relies on).
+    "llama-1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 32000,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+    },
 }
-PRESET_TOKENIZER_VOCAB = {"smollm-135m": DEFAULT_VOCAB_SIZE}
+PRESET_TOKENIZER_VOCAB = {"smollm-135m": DEFAULT_VOCAB_SIZE, "llama-1b": DEFAULT_VOCAB_SIZE}
 """Presets whose model vocabulary is larger than the tokenizer the built-in corpus can train:
 the tokenizer gets this many entries and the embedding rows above it are never produced by
 encoding (as in checkpoints whose embedding is padded past the tokenizer); they decode to
@@ -188,13 +204,20 @@ def _vision_spec(text_hidden: int) -> list[tuple[str, tuple[int, ...], float]]:
     return spec
 
 
-def _weights(spec: list[tuple[str, tuple[int, ...], float]], seed: int) -> dict[str, torch.Tensor]:
-    """Draw every tensor in ``spec`` order from one seeded CPU generator (norms: 1 + N(0, 0.1))."""
+def _weights(
+    spec: list[tuple[str, tuple[int, ...], float]],
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Draw every tensor in ``spec`` order from one seeded CPU generator (norms: 1 + N(0, 0.1)).
+
+    Drawn in float32 (the same values whatever ``dtype``), each tensor then cast to ``dtype``.
+    """
     generator = torch.Generator(device="cpu").manual_seed(seed)
     tensors = {}
     for name, shape, std in spec:
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-        tensors[name] = (1.0 + 0.1 * noise) if std < 0 else noise * std
+        tensors[name] = ((1.0 + 0.1 * noise) if std < 0 else noise * std).to(dtype)
     return tensors
 
 
@@ -263,6 +286,7 @@ def init_tiny(
     seed: int = 0,
     text_only: bool = False,
     preset: str = "tiny",
+    weights_dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> Path:
     """Write the built-in tiny model as a Hugging Face directory.
@@ -275,7 +299,12 @@ def init_tiny(
         preset: ``"tiny"`` (hidden 64, 4 layers, GQA 4/2), ``"bench"`` (about 26M
             parameters: hidden 512, 8 layers, 8 heads, MLP 1376) or ``"smollm-135m"`` (the
             real SmolLM-135M's shape: 30 layers, hidden 576, MLP 1536, GQA 9/3, head_dim 64,
-            vocab 49152, tied embeddings; 134.5M parameters).
+            vocab 49152, tied embeddings; 134.5M parameters) or ``"llama-1b"`` (16 layers,
+            hidden 2048, MLP 8192, GQA 32/8, head_dim 64, vocab 32000, tied embeddings;
+            1.05B parameters, for GPU benchmarks).
+        weights_dtype: The dtype the weights are saved in (drawn in float32, then cast;
+            ``config.json``'s ``dtype`` says it, when not float32). bfloat16 halves a large
+            preset's file.
         **overrides: LlamaConfig values replacing the preset's (see ``OVERRIDABLE``);
             ``vocab_size`` retrains the tokenizer to that size.
 
@@ -310,11 +339,17 @@ def init_tiny(
         )
         config.architectures = ["LlavaForConditionalGeneration"]
         spec = _text_spec(cfg, "model.language_model.") + _vision_spec(cfg["hidden_size"])
+    if weights_dtype != torch.float32:  # float32 files keep the config they always had
+        config.dtype = weights_dtype
     config.save_pretrained(str(directory))
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(
         str(directory)
     )
-    save_file(_weights(spec, seed), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        _weights(spec, seed, weights_dtype),
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     tokenizer_vocab = cfg["vocab_size"]
     if preset in PRESET_TOKENIZER_VOCAB and "vocab_size" not in overrides:
         tokenizer_vocab = PRESET_TOKENIZER_VOCAB[preset]
