@@ -13,7 +13,19 @@ reported as the two runs' tokens over their seconds (these machines drift by 10-
 minutes; mirroring cancels a linear drift out of the ratios); "run spread" is the faster run
 over the slower.
 
-Run: ``python -m bench.multi_lora [--quick]``. Prints a table, then one JSON line.
+On a GPU (``--device cuda``, ``bench.device``: bfloat16 unless ``--dtype`` says otherwise) the
+default model is the ``llama-1b`` preset (1.05B parameters, ``bench.presets``), the adapters
+are written in bfloat16, 128 requests run at 1 and 64 adapters, and peft runs on the same GPU
+in the same dtype (``autocast_adapter_dtype=False``: peft would otherwise upcast bfloat16
+adapters to float32, which the engine does not do). Peak GPU memory is reported per system.
+
+Each engine first runs the workload's first 32 requests (new ids, 2 output tokens, their
+adapters) untimed, so the LoRA path's one-time costs (Triton's compilations on a GPU) land
+there; slot loads count only the timed run's. peft gets one untimed 2-token ``generate``.
+
+Run: ``python -m bench.multi_lora [--quick] [--device cpu|cuda] [--dtype D]
+[--attention-backend torch|triton] [--preset tiny|bench|llama-1b] [--requests N] [--tokens N]
+[--adapters 1,64] [--passes 1|2] [--max-loras N]``. Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -27,12 +39,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bench.throughput import padded_generate
+from bench.device import Target, add_arguments, target_from_args
+from bench.presets import preset_dir
+from bench.throughput import CPU, padded_generate
+from bench.throughput_impls import fresh_tokens
 from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.gateway.settings import data_dir
 
 RANK = 16
 PROJ = {
@@ -48,24 +62,23 @@ PROJ = {
 
 def model_dir(quick: bool) -> Path:
     """The small text model: the tiny one for ``--quick``, the 26M ``bench`` preset otherwise."""
-    from loraplex.engine.models.tiny_model import init_tiny
-
-    name = "tiny-text" if quick else "tiny-text-bench"
-    target = data_dir() / "bench" / name
-    if not (target / "config.json").exists():
-        init_tiny(target, seed=0, text_only=True, **({} if quick else {"preset": "bench"}))
-    return target
+    return preset_dir("tiny" if quick else "bench")
 
 
 def write_adapters(
-    root: Path, cfg: dict, count: int, prefix: str = "base_model.model.model"
+    root: Path,
+    cfg: dict,
+    count: int,
+    prefix: str = "base_model.model.model",
+    dtype: torch.dtype = torch.float32,
 ) -> list[str]:
     """``count`` random PEFT LoRA adapters (rank 16, every projection) in PEFT's file format.
 
     ``cfg`` is the (text) model config; ``prefix`` is where PEFT puts the decoder layers
     (``base_model.model.model.language_model`` for a LLaVA). ``target_modules`` is a regex over
     the decoder layers only (a plain list of names would also reach a LLaVA's vision tower,
-    which validation refuses).
+    which validation refuses). The weights are drawn in float32 and saved in ``dtype``; an
+    adapter already on disk is kept.
     """
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -95,8 +108,10 @@ def write_adapters(
             for proj, parent in PROJ.items():
                 fan_in, fan_out = shapes[proj]
                 key = f"{prefix}.layers.{layer}.{parent}.{proj}"
-                tensors[f"{key}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=gen) * 0.02
-                tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen) * 0.02
+                a = torch.randn(RANK, fan_in, generator=gen) * 0.02
+                b = torch.randn(fan_out, RANK, generator=gen) * 0.02
+                tensors[f"{key}.lora_A.weight"] = a.to(dtype)
+                tensors[f"{key}.lora_B.weight"] = b.to(dtype)
         save_file(tensors, str(d / "adapter_model.safetensors"))
     return dirs
 
@@ -129,7 +144,8 @@ def workload(n: int, vocab: int, num_adapters: int, seed: int = 0):
     return prompts
 
 
-def run_engine(path, dirs, prompts, output_tokens, max_loras) -> dict:
+def run_engine(path, dirs, prompts, output_tokens, max_loras, target: Target = CPU) -> dict:
+    """One continuous batch of ``prompts`` (each with its adapter) through a new engine."""
     llm = LLM(
         EngineConfig(
             model=str(path),
@@ -139,6 +155,7 @@ def run_engine(path, dirs, prompts, output_tokens, max_loras) -> dict:
             max_loras=max_loras,
             max_cpu_loras=max(max_loras, 64),
             max_lora_rank=RANK,
+            **target.engine(),
         )
     )
     engine = llm.engine
@@ -146,6 +163,21 @@ def run_engine(path, dirs, prompts, output_tokens, max_loras) -> dict:
     by_dir = dict(zip(sorted({dirs[a] for _, a in prompts}), digests, strict=True))
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     llm.generate([EngineRequest("warm", [20] * 8, SamplingParams(temperature=0, max_tokens=2))])
+    # The LoRA path too (first-use costs, Triton's compilations on a GPU), not timed.
+    head = prompts[:32]
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    fresh = fresh_tokens([p for p, _ in head], vocab, seed=77)
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate(
+        [
+            EngineRequest(f"warm{i}", p, warm, lora_digest=by_dir[dirs[a]])
+            for i, (p, (_, a)) in enumerate(zip(fresh, head, strict=True))
+        ]
+    )
+    manager = engine.lora_manager
+    loads_before = manager.num_loads
+    target.reset_peak()
+    target.sync()
     t0 = time.perf_counter()
     for i, (prompt, a) in enumerate(prompts):
         engine.add_request(
@@ -156,43 +188,65 @@ def run_engine(path, dirs, prompts, output_tokens, max_loras) -> dict:
         for out in engine.step():
             if out.finished:
                 produced += out.outputs[0].num_tokens  # running total (DELTA outputs)
+    target.sync()
     elapsed = time.perf_counter() - t0
-    # Cold load: an adapter in neither tier, read from disk, validated, copied into a slot.
-    manager = engine.lora_manager
+    loads = manager.num_loads - loads_before
+    peak = target.peak_gib()
+    # Cold load: an adapter in neither tier, read from disk, validated, copied into a slot
+    # (the engine's registry still knows its directory: the manager's loader reads it again).
     cold = digests[-1]
-    manager.remove(cold)
-    engine._adapter_dirs[cold] = next(d for d, g in by_dir.items() if g == cold)
+    assert manager.remove(cold)
+    target.sync()
     t1 = time.perf_counter()
     slot = manager.acquire(cold)
+    target.sync()
     cold_ms = (time.perf_counter() - t1) * 1e3
     assert slot is not None
     manager.release(cold)
+    llm.shutdown()
+    del llm, engine, manager
+    target.release()
     return {
         "tokens_per_s": produced / elapsed,
         "seconds": elapsed,
         "cold_load_ms": cold_ms,
-        "loads": manager.num_loads,
+        "loads": loads,
+        "peak_gib": peak,
     }
 
 
-def run_peft(path, dirs, prompts, output_tokens) -> dict:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+def run_peft(path, dirs, prompts, output_tokens, target: Target = CPU) -> dict:
+    """The baseline: transformers + peft serving one adapter at a time.
 
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    Each adapter's requests run as one padded ``generate`` batch after ``set_adapter`` (every
+    used adapter loaded beforehand, untimed).
+    """
+    from peft import PeftModel
+
+    base = target.hf_model(path)
     used = sorted({a for _, a in prompts})
-    model = PeftModel.from_pretrained(base, dirs[used[0]], adapter_name=f"a{used[0]}")
+    keep = {"autocast_adapter_dtype": False}  # adapters in the model's dtype, as the engine
+    model = PeftModel.from_pretrained(base, dirs[used[0]], adapter_name=f"a{used[0]}", **keep)
     for a in used[1:]:
-        model.load_adapter(dirs[a], adapter_name=f"a{a}")
+        model.load_adapter(dirs[a], adapter_name=f"a{a}", **keep)
+    model.eval()
     pad = 0
+    model.set_adapter(f"a{used[0]}")
+    padded_generate(model, [prompts[0][0]], 2, pad)  # warm-up, not timed
+    target.reset_peak()
+    target.sync()
     t0 = time.perf_counter()
     produced = 0
     for a in used:
         model.set_adapter(f"a{a}")
         batch = [p for p, x in prompts if x == a]
         produced += padded_generate(model, batch, output_tokens, pad) * len(batch)
+    target.sync()
     elapsed = time.perf_counter() - t0
-    return {"tokens_per_s": produced / elapsed, "seconds": elapsed}
+    peak = target.peak_gib()
+    del model, base
+    target.release()
+    return {"tokens_per_s": produced / elapsed, "seconds": elapsed, "peak_gib": peak}
 
 
 def combine(runs: list[dict]) -> dict:
@@ -204,19 +258,59 @@ def combine(runs: list[dict]) -> dict:
         "seconds": seconds / len(runs),
         "cold_load_ms": min(r["cold_load_ms"] for r in runs),
         "loads": runs[0]["loads"],
+        "peak_gib": runs[0]["peak_gib"],
         "spread": max(r["tokens_per_s"] for r in runs) / min(r["tokens_per_s"] for r in runs),
     }
+
+
+def defaults(quick: bool, cuda: bool) -> dict:
+    """Preset, requests, output tokens and adapter counts when the options leave them out."""
+    if quick:
+        return {"preset": "tiny", "requests": 64, "tokens": 8, "adapters": [1, 8, 64]}
+    if cuda:
+        return {"preset": "llama-1b", "requests": 128, "tokens": 32, "adapters": [1, 64]}
+    return {"preset": "bench", "requests": 256, "tokens": 32, "adapters": [1, 8, 64, 512]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 64 requests")
+    parser.add_argument(
+        "--preset",
+        choices=["tiny", "bench", "llama-1b"],
+        help="the model (default: tiny with --quick, llama-1b on cuda, else bench)",
+    )
+    parser.add_argument("--requests", type=int, help="requests per configuration")
+    parser.add_argument("--tokens", type=int, help="output tokens each")
+    parser.add_argument(
+        "--adapters",
+        help="comma-separated adapter counts, 1 and 64 among them (default: 1,8,64,512 on "
+        "cpu, 1,64 on cuda)",
+    )
+    parser.add_argument(
+        "--passes",
+        type=int,
+        choices=[1, 2],
+        default=2,
+        help="engine runs per configuration: 2 mirrored around the peft baseline (default), "
+        "or 1 before it",
+    )
+    parser.add_argument("--max-loras", type=int, default=32, help="device slots (default 32)")
+    add_arguments(parser)
     args = parser.parse_args()
-    n, output_tokens = (64, 8) if args.quick else (256, 32)
-    counts = [1, 8, 64] if args.quick else [1, 8, 64, 512]
-    path = model_dir(args.quick)
+    target = target_from_args(parser, args)
+    d = defaults(args.quick, target.is_cuda)
+    preset = args.preset or d["preset"]
+    n, output_tokens = args.requests or d["requests"], args.tokens or d["tokens"]
+    counts = d["adapters"]
+    if args.adapters:
+        counts = sorted({int(c) for c in args.adapters.split(",")})
+    if not {1, 64} <= set(counts):
+        parser.error("--adapters must include 1 (the ratios' base) and 64 (peft's workload)")
+    path = preset_dir(preset)
     cfg = json.loads((path / "config.json").read_text())
-    dirs = write_adapters(path.parent / f"{path.name}-adapters", cfg, max(counts))
+    dtype = torch.bfloat16 if preset == "llama-1b" else torch.float32
+    dirs = write_adapters(path.parent / f"{path.name}-adapters", cfg, max(counts), dtype=dtype)
     # These machines drift by 10-20% over minutes: every engine configuration runs twice, in
     # mirrored order around the peft baseline (1, 8, 64, 512, peft, 512, 64, 8, 1), so a linear
     # drift cancels out of the ratios; each figure is the two runs' tokens over their seconds.
@@ -225,29 +319,32 @@ def main() -> None:
     def engine_pass(order):
         for c in order:
             prompts = workload(n, cfg["vocab_size"], c)
-            runs[c].append(run_engine(path, dirs, prompts, output_tokens, max_loras=min(c, 32)))
+            slots = min(c, args.max_loras)
+            runs[c].append(run_engine(path, dirs, prompts, output_tokens, slots, target))
 
     engine_pass(counts)
-    peft = run_peft(path, dirs, workload(n, cfg["vocab_size"], 64), output_tokens)
-    engine_pass(counts[::-1])
+    peft = run_peft(path, dirs, workload(n, cfg["vocab_size"], 64), output_tokens, target)
+    if args.passes == 2:
+        engine_pass(counts[::-1])
     results = {c: combine(r) for c, r in runs.items()}
     one = results[1]["tokens_per_s"]
     print(
         f"model {path.name}; {n} requests, {output_tokens} output tokens, rank {RANK}, "
-        f"Zipf(1.1) popularity"
+        f"Zipf(1.1) popularity; {target.describe()}"
     )
     print(
         f"{'adapters':<26}{'tok/s':>10}{'vs 1':>8}{'seconds':>10}{'slot loads':>12}"
-        f"{'run spread':>12}"
+        f"{'run spread':>12}{'peak GiB':>10}"
     )
     for c, r in results.items():
         print(
             f"{c:<26}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / one:>8.2f}"
-            f"{r['seconds']:>10.2f}{r['loads']:>12}{r['spread']:>12.2f}"
+            f"{r['seconds']:>10.2f}{r['loads']:>12}{r['spread']:>12.2f}{_gib(r['peak_gib']):>10}"
         )
     print(
         f"{'peft, 64, one at a time':<26}{peft['tokens_per_s']:>10.1f}"
-        f"{peft['tokens_per_s'] / one:>8.2f}{peft['seconds']:>10.2f}"
+        f"{peft['tokens_per_s'] / one:>8.2f}{peft['seconds']:>10.2f}{'':>24}"
+        f"{_gib(peft['peak_gib']):>10}"
     )
     out = {f"ratio_{c}_vs_1": round(results[c]["tokens_per_s"] / one, 3) for c in counts[1:]}
     out.update(
@@ -258,9 +355,19 @@ def main() -> None:
             "tokens_per_s_64": round(results[64]["tokens_per_s"], 1),
             "peft_tokens_per_s": round(peft["tokens_per_s"], 1),
             "requests": n,
+            "output_tokens": output_tokens,
+            "preset": preset,
+            "passes": args.passes,
+            "peak_gib_64": results[64]["peak_gib"],
+            "peft_peak_gib": peft["peak_gib"],
+            **target.figures(),
         }
     )
     print(json.dumps(out))
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

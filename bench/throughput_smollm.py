@@ -11,6 +11,10 @@ machine (``engine.kv_cache.sizing``); for comparison the same batch with the old
 ``generate`` over left-padded batches of 8, 16 and 32 in the same run; the best is the baseline.
 Reported: output tokens/s, engine steps, the pool, and the ratio to transformers.
 
+``--device``, ``--dtype`` and ``--attention-backend`` (``bench.device``) run both sides on a
+GPU; the sized pool then takes ``gpu_memory_utilization`` of the device, and each engine is
+dropped (``Target.release``) before the next is built.
+
 ``--model-impl native|transformers`` picks the engine's model implementation (default ``auto``:
 the native Llama); ``--model-impl both`` runs the native model and the transformers backend in
 interleaved rounds instead (``bench.throughput_impls``; no ``generate`` baseline).
@@ -24,23 +28,19 @@ from pathlib import Path
 
 import torch
 
+from bench.device import Target
+from bench.presets import preset_dir
 from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.gateway.settings import data_dir
 
 OLD_DEFAULT_BYTES = 256 * 1024 * 1024
 
 
 def model_dir() -> Path:
     """The smollm-135m-shaped text model, written once into the data directory (13 s)."""
-    from loraplex.engine.models.tiny_model import init_tiny
-
-    target = data_dir() / "bench" / "smollm-135m-shape"
-    if not (target / "config.json").exists():
-        init_tiny(target, seed=0, text_only=True, preset="smollm-135m")
-    return target
+    return preset_dir("smollm-135m")
 
 
 def workload(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -50,21 +50,26 @@ def workload(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(16, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def run_loraplex(path: Path, prompts, output_tokens: int, **config) -> dict:
+def run_loraplex(path: Path, prompts, output_tokens: int, target: Target, **config) -> dict:
     """One continuous batch through ``LLM`` built with ``config`` on top of the defaults."""
-    llm = LLM(EngineConfig(model=str(path), **config))
+    from bench.throughput import warm_up
+
+    llm = LLM(EngineConfig(model=str(path), **config, **target.engine()))
     engine = llm.engine
-    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate([EngineRequest("warm", prompts[0][:32], warm)])  # not timed
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    warm_up(llm, prompts, target, vocab)  # not timed
     engine.step_stats.reset()
+    target.reset_peak()
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     requests = [EngineRequest(f"r{i}", list(p), params) for i, p in enumerate(prompts)]
+    target.sync()
     t0 = time.perf_counter()
     outs = llm.generate(requests)
+    target.sync()
     elapsed = time.perf_counter() - t0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     sizing = engine.kv_sizing
-    return {
+    figures = {
         "tokens_per_s": produced / elapsed,
         "seconds": elapsed,
         "steps": engine.step_stats.num_steps,
@@ -72,10 +77,17 @@ def run_loraplex(path: Path, prompts, output_tokens: int, **config) -> dict:
         "kv_gib": sizing.pool_bytes / 2**30,
         "kv_rule": sizing.rule,
         "pool": sizing.describe(),
+        "peak_gib": target.peak_gib(),
     }
+    llm.shutdown()
+    del llm, engine, sizing
+    target.release()
+    return figures
 
 
-def main(quick: bool, model_impl: str = "auto", rounds: int = 3) -> None:
+def main(
+    quick: bool, model_impl: str = "auto", rounds: int = 3, target: Target | None = None
+) -> None:
     """Run the preset and print the table and the JSON line.
 
     Args:
@@ -83,12 +95,14 @@ def main(quick: bool, model_impl: str = "auto", rounds: int = 3) -> None:
         model_impl: ``auto``, ``native`` or ``transformers`` (the engine's), or ``both``
             (``bench.throughput_impls``).
         rounds: Interleaved rounds for ``both``.
+        target: Device, dtype and attention backend (default: CPU, float32, torch).
     """
-    from bench.throughput import run_transformers
+    from bench.throughput import CPU, run_transformers
     from loraplex.engine.models.tiny_model import parameter_count
 
     num_requests, output_tokens = (2, 8) if quick else (32, 64)
     hf_batches = [2] if quick else [8, 16, 32]
+    target = target or CPU
     torch.manual_seed(0)
     path = model_dir()
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -96,7 +110,7 @@ def main(quick: bool, model_impl: str = "auto", rounds: int = 3) -> None:
     shape = (
         f"model smollm-135m shape: {parameter_count(path) / 1e6:.1f}M parameters; "
         f"{num_requests} requests of 100-400 prompt tokens, {output_tokens} output tokens, "
-        f"torch threads {torch.get_num_threads()}"
+        f"torch threads {torch.get_num_threads()}; {target.describe()}"
     )
     if model_impl == "both":
         from bench.throughput_impls import compare, fresh_tokens, report
@@ -108,18 +122,19 @@ def main(quick: bool, model_impl: str = "auto", rounds: int = 3) -> None:
             rounds,
             vocab,
             decode_batches=(1,) if quick else (1, 8, 32),
+            **target.engine(),
         )
         figures = report(result, shape)
         figures = {"preset": "smollm-135m", **figures, "requests": num_requests}
         figures |= {"output_tokens": output_tokens, "torch_threads": torch.get_num_threads()}
-        print(json.dumps(figures))
+        print(json.dumps(figures | target.figures()))
         return
-    sized = run_loraplex(path, prompts, output_tokens, model_impl=model_impl)
+    sized = run_loraplex(path, prompts, output_tokens, target, model_impl=model_impl)
     old = None if quick else run_loraplex(
-        path, prompts, output_tokens, model_impl=model_impl,
+        path, prompts, output_tokens, target, model_impl=model_impl,
         kv_cache_memory_bytes=OLD_DEFAULT_BYTES,
     )  # fmt: skip
-    hf_runs = [run_transformers(path, prompts, output_tokens, b) for b in hf_batches]
+    hf_runs = run_transformers(path, prompts, output_tokens, hf_batches, target)
     hf = max(hf_runs, key=lambda r: r["tokens_per_s"])
 
     print(f"{shape}; model implementation {model_impl}")
@@ -149,6 +164,8 @@ def main(quick: bool, model_impl: str = "auto", rounds: int = 3) -> None:
         "transformers_batch_size": hf["batch_size"],
         "requests": num_requests,
         "output_tokens": output_tokens,
+        "peak_gib": sized["peak_gib"],
+        **target.figures(),
     }
     if old is not None:
         figures |= {

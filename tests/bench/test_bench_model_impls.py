@@ -32,6 +32,18 @@ def test_throughput_one_implementation_quick(tmp_path):
     assert result["model_impl"] == "transformers" and result["tokens_per_s"] > 0
 
 
+def test_throughput_tiny_bfloat16_quick(tmp_path):
+    """The dtype reaches both sides: the engine and transformers' ``generate`` (bfloat16)."""
+    result = run_bench(
+        "throughput", "--quick", "--preset", "tiny", "--dtype", "bfloat16", data_dir=tmp_path
+    )
+    assert result["preset"] == "tiny" and result["dtype"] == "bfloat16"
+    assert result["device"] == "cpu" and result["requests"] == 16
+    assert result["tokens_per_s"] > 0 and result["transformers_tokens_per_s"] > 0
+    assert set(result["transformers_tokens_per_s_by_batch"]) == {"16"}
+    assert result["peak_gib"] is None
+
+
 def test_backend_overhead_quick():
     result = run_bench("backend_overhead", "--quick")
     assert {"forward pass (whole step)", "decoder layer", "attention module", "MLP"} <= set(result)
