@@ -47,7 +47,9 @@ class LoRABatch:
         token_slots: ``[T]`` int64 slot of every token (-1: none), for the references.
         sorted_tokens: ``[N]`` int32 indices of the adapter tokens, sorted by slot (stable).
         blocks: ``[P, 3]`` int32 ``(slot, start, end)``: a program's rows are
-            ``sorted_tokens[start : min(start + block_m, end)]``, all of ``slot``.
+            ``sorted_tokens[start : min(start + block_m, end)]``, all of ``slot``; a block
+            with ``end <= start`` is empty and its programs return at once (a CUDA graph's
+            fixed grid has more blocks than a step needs: ``engine.runner.cuda_graphs``).
         block_m: Tokens per block (the kernels' ``BLOCK_M``).
         slots: The distinct adapter slots of the step, ascending.
     """
@@ -64,6 +66,34 @@ class LoRABatch:
         return int(self.blocks.shape[0])
 
 
+def lora_blocks(
+    token_slots: Sequence[int], block_m: int | None = None
+) -> tuple[list[int], list[tuple[int, int, int]], tuple[int, ...], int]:
+    """The host side of :func:`make_lora_batch`: tokens sorted by slot, cut into blocks.
+
+    Args:
+        token_slots: Slot of each of the step's tokens (-1: base model).
+        block_m: Tokens per block; None: 16 when every slot has at most 16 tokens, else 64.
+
+    Returns:
+        ``(sorted token indices, (slot, start, end) per block, distinct slots ascending,
+        block_m)``.
+    """
+    by_slot: dict[int, list[int]] = {}
+    for i, s in enumerate(token_slots):
+        if s >= 0:
+            by_slot.setdefault(int(s), []).append(i)
+    if block_m is None:
+        block_m = 16 if max((len(v) for v in by_slot.values()), default=0) <= 16 else 64
+    order: list[int] = []
+    blocks: list[tuple[int, int, int]] = []
+    for slot in sorted(by_slot):
+        start, end = len(order), len(order) + len(by_slot[slot])
+        blocks.extend((slot, b, end) for b in range(start, end, block_m))
+        order.extend(by_slot[slot])
+    return order, blocks, tuple(sorted(by_slot)), block_m
+
+
 def make_lora_batch(
     token_slots: Sequence[int], device: torch.device | str, block_m: int | None = None
 ) -> LoRABatch:
@@ -78,24 +108,13 @@ def make_lora_batch(
     Returns:
         The :class:`LoRABatch`.
     """
-    by_slot: dict[int, list[int]] = {}
-    for i, s in enumerate(token_slots):
-        if s >= 0:
-            by_slot.setdefault(int(s), []).append(i)
-    if block_m is None:
-        block_m = 16 if max((len(v) for v in by_slot.values()), default=0) <= 16 else 64
-    order: list[int] = []
-    blocks: list[tuple[int, int, int]] = []
-    for slot in sorted(by_slot):
-        start, end = len(order), len(order) + len(by_slot[slot])
-        blocks.extend((slot, b, end) for b in range(start, end, block_m))
-        order.extend(by_slot[slot])
+    order, blocks, slots, block_m = lora_blocks(token_slots, block_m)
     return LoRABatch(
         token_slots=torch.tensor(list(token_slots), dtype=torch.long, device=device),
         sorted_tokens=torch.tensor(order, dtype=torch.int32, device=device),
         blocks=torch.tensor(blocks, dtype=torch.int32, device=device).reshape(-1, 3),
         block_m=block_m,
-        slots=tuple(sorted(by_slot)),
+        slots=slots,
     )
 
 

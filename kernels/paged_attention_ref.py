@@ -36,11 +36,17 @@ def reshape_and_cache_ref(
         value: ``[T, num_kv_heads, head_dim]`` new values.
         key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         value_cache: same shape as ``key_cache``.
-        slot_mapping: ``[T]`` int64 flat slots (``block_id * block_size + offset``).
+        slot_mapping: ``[T]`` int64 flat slots (``block_id * block_size + offset``); a
+            negative slot (a padding row of a padded decode step) is skipped, as in the Triton
+            kernel. Checking for one reads the slots on the host: this reference is never
+            captured in a CUDA graph.
     """
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     flat_k = key_cache.view(-1, num_kv_heads, head_dim)
     flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = (slot_mapping >= 0).nonzero().squeeze(1)
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat_k.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     flat_v.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 

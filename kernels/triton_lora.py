@@ -51,6 +51,8 @@ def lora_shrink_kernel(
     slot = tl.load(blocks_ptr + pb * 3).to(tl.int64)
     start = tl.load(blocks_ptr + pb * 3 + 1)
     end = tl.load(blocks_ptr + pb * 3 + 2)
+    if end <= start:  # an empty block (a CUDA graph's spare programs): no rows
+        return
     rank = max_rank
     if HAS_RANKS:
         rank = tl.load(ranks_ptr + slice_id * stride_rs + slot)
@@ -135,6 +137,8 @@ def lora_expand_kernel(
     slot = tl.load(blocks_ptr + pb * 3).to(tl.int64)
     start = tl.load(blocks_ptr + pb * 3 + 1)
     end = tl.load(blocks_ptr + pb * 3 + 2)
+    if end <= start:  # an empty block (a CUDA graph's spare programs): no rows
+        return
     rank = max_rank
     if HAS_RANKS:
         rank = tl.load(ranks_ptr + slice_id * stride_rs + slot)

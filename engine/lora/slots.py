@@ -55,6 +55,8 @@ class SlotBuffers:
         host_scales: Host list, the same scales (the per-slot path passes them as ``alpha``
             without a device read).
         ranks: Host list: each slot's rank for this projection (0: not targeted / empty).
+        rank_tensor: ``[max_loras]`` int32 on the device, the same ranks, updated in place
+            (a captured CUDA graph reads it at every replay: ``engine.runner.cuda_graphs``).
         views: Host list: each slot's :func:`slot_view` (None: rank 0).
     """
 
@@ -72,6 +74,7 @@ class SlotBuffers:
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.host_scales = [0.0] * max_loras
         self.ranks = [0] * max_loras
+        self.rank_tensor = torch.zeros(max_loras, dtype=torch.int32, device=device)
         self.views: list[tuple[torch.Tensor, torch.Tensor, float] | None] = [None] * max_loras
 
     @classmethod
@@ -89,6 +92,7 @@ class SlotBuffers:
         buffers = cls.__new__(cls)
         buffers.lora_a, buffers.lora_b, buffers.scales = lora_a, lora_b, scales
         buffers.ranks = list(ranks)
+        buffers.rank_tensor = torch.tensor(buffers.ranks, dtype=torch.int32, device=lora_a.device)
         buffers.host_scales = [float(s) for s in scales.tolist()]
         buffers.views = [
             slot_view(lora_a, lora_b, s, r, buffers.host_scales[s]) for s, r in enumerate(ranks)
@@ -251,6 +255,7 @@ class LoRAManager:
     def _clear(self, slot: int) -> None:
         for buf in self.buffers.values():
             buf.ranks[slot] = 0
+            buf.rank_tensor[slot] = 0
             buf.scales[slot] = 0.0
             buf.host_scales[slot] = 0.0
             buf.views[slot] = None
@@ -272,5 +277,6 @@ class LoRAManager:
             buf.scales[slot] = float(scale)
             buf.host_scales[slot] = float(scale)
             buf.ranks[slot] = r
+            buf.rank_tensor[slot] = r
             buf.views[slot] = slot_view(buf.lora_a, buf.lora_b, slot, r, float(scale))
         self.num_loads += 1
