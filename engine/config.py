@@ -115,6 +115,15 @@ class EngineConfig:
     """Largest LoRA rank accepted (also bounds an upload's size)."""
     attention_backend: Literal["torch", "triton"] = "torch"
     """Paged attention: torch (any device) or triton (GPU kernels; the gpu extra)."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs: every step runs the model eagerly (vLLM's flag of that name).
+    Off: on CUDA with the triton attention backend and a native model, pure-decode steps replay
+    a graph captured per batch-size bucket at start (docs/cuda_graphs.md); the CPU never uses
+    graphs."""
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    """Batch sizes (sequences of a pure-decode step) to capture a CUDA graph for, e.g.
+    1,2,4,8,16; a step of B sequences replays the smallest size >= B, padded. Default: 1, 2, 4,
+    then every multiple of 8 up to ``max_num_seqs`` rounded up to 8, at most 256."""
     preemption: Literal["recompute", "swap"] = "recompute"
     """When the KV pool is full: recompute (free a victim's blocks) or swap (copy its KV to
     host memory and back)."""
@@ -173,6 +182,8 @@ class EngineConfig:
     gets a 400; 0: no limit."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.cuda_graph_sizes, list):  # hashable, as every field
+            object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
         checks = [
             (self.device in ("cpu", "cuda"), f"device must be cpu or cuda, got {self.device!r}"),
             (
@@ -224,6 +235,19 @@ class EngineConfig:
                 f"bad attention_backend {self.attention_backend!r}",
             ),
             (self.preemption in ("recompute", "swap"), f"bad preemption {self.preemption!r}"),
+            (
+                self.cuda_graph_sizes is None
+                or (
+                    len(self.cuda_graph_sizes) > 0
+                    and all(
+                        isinstance(n, int) and not isinstance(n, bool) and n > 0
+                        for n in self.cuda_graph_sizes
+                    )
+                    and len(set(self.cuda_graph_sizes)) == len(self.cuda_graph_sizes)
+                ),
+                "cuda_graph_sizes must be distinct positive integers (batch sizes), got "
+                f"{self.cuda_graph_sizes!r}",
+            ),
             (
                 self.max_loras > 0 and self.max_cpu_loras >= self.max_loras,
                 "need 0 < max_loras <= max_cpu_loras",

@@ -40,12 +40,28 @@ def _show_size(n: int) -> str:
     return str(n)
 
 
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """The argparse type of ``--cuda-graph-sizes``: comma-separated positive integers."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated batch sizes such as 1,2,4,8, got {text!r}"
+        ) from None
+    if not sizes or min(sizes) <= 0 or len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(
+            f"batch sizes must be distinct positive integers, got {text!r}"
+        )
+    return sizes
+
+
 #: Flags whose name, metavar or parser is not the field's own.
 FLAG_SPECS: dict[str, FlagSpec] = {
     "kv_cache_memory_bytes": FlagSpec(flag="--kv-cache-memory", metavar="SIZE", parse=_size),
     "swap_space_bytes": FlagSpec(
         flag="--swap-space", metavar="SIZE", parse=_size, show_default=_show_size
     ),
+    "cuda_graph_sizes": FlagSpec(metavar="N,N,...", parse=_batch_sizes),
     "num_speculative_tokens": FlagSpec(metavar="K"),
     "speculative_model": FlagSpec(metavar="MODEL"),
     "grammar_workers": FlagSpec(metavar="N"),

@@ -75,6 +75,8 @@ def _other_value(name: str, default):
     if typing.get_origin(base) is Literal:
         value = next(c for c in typing.get_args(base) if c != default)
         return value, [value]
+    if name == "cuda_graph_sizes":
+        return (1, 2, 8), ["1,2,8"]
     if name.endswith("_bytes"):
         return 3 * 1024**3, ["3GiB"]
     if base is bool:
