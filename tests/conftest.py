@@ -4,7 +4,8 @@ models, made once a session.
 ``LORAPLEX_TEST_DEVICE=cuda`` runs the suite's engines and kernels on the GPU (docs/gpu.md):
 every ``EngineConfig`` a test builds without naming a device gets ``device="cuda"``, and
 ``LORAPLEX_TEST_ATTENTION_BACKEND`` (torch or triton) is the attention backend of those that name
-none. The kernel tests take the ``test_device`` fixture. Unset, everything runs on the CPU with
+none; those CUDA engines run eagerly (``enforce_eager``) unless ``LORAPLEX_TEST_CUDA_GRAPHS=1``.
+The kernel tests take the ``test_device`` fixture. Unset, everything runs on the CPU with
 Triton's interpreter, as CI does.
 """
 
@@ -13,6 +14,7 @@ import os
 TEST_DEVICE = os.environ.get("LORAPLEX_TEST_DEVICE", "cpu")
 TEST_ATTENTION_BACKEND = os.environ.get("LORAPLEX_TEST_ATTENTION_BACKEND")
 TEST_CUDA_KV_BYTES = 256 << 20
+TEST_CUDA_GRAPHS = os.environ.get("LORAPLEX_TEST_CUDA_GRAPHS") == "1"
 if TEST_DEVICE not in ("cpu", "cuda"):
     raise RuntimeError(f"LORAPLEX_TEST_DEVICE must be cpu or cuda, got {TEST_DEVICE!r}")
 
@@ -43,6 +45,10 @@ def _engine_defaults_from_environment() -> None:
                 fields["kv_cache_memory_bytes"] = TEST_CUDA_KV_BYTES
             if TEST_ATTENTION_BACKEND is not None:
                 fields.setdefault("attention_backend", TEST_ATTENTION_BACKEND)
+            if fields["device"] == "cuda" and not TEST_CUDA_GRAPHS:
+                # Capturing every bucket's graphs costs seconds per engine: the suite's
+                # engines run eagerly unless asked (tests/engine/test_cuda_graphs.py captures).
+                fields.setdefault("enforce_eager", True)
         init(self, *args, **fields)
 
     EngineConfig.__init__ = __init__

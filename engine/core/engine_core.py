@@ -41,6 +41,7 @@ from loraplex.engine.lora.slots import LoRAManager
 from loraplex.engine.lora.targets import served_targets
 from loraplex.engine.models.source import resolve_model_source
 from loraplex.engine.request import EngineRequest
+from loraplex.engine.runner.cuda_graphs import build_decode_graphs
 from loraplex.engine.runner.loading import (
     attention_cost,
     load_draft_model,
@@ -261,6 +262,8 @@ class EngineCore:
                 max_catch_up_tokens=config.max_num_batched_tokens,
             ),
         )
+        # After the KV cache exists: CUDA graphs of pure-decode steps, or None (logged why).
+        self.runner.decode_graphs = build_decode_graphs(config, self.runner)
         self.request_limits = RequestLimits(
             max_model_len=self.max_model_len,
             vocab_size=self.model.vocab_size,

@@ -137,6 +137,10 @@ class LlamaForCausalLM(nn.Module):
         config: The decoder config.
     """
 
+    supports_cuda_graphs = True
+    """Its forward over a pure-decode step makes no host read of device values and no
+    value-dependent branch, so it can be captured (``engine.runner.cuda_graphs``)."""
+
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config

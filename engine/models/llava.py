@@ -52,6 +52,10 @@ class LlavaForConditionalGeneration(nn.Module):
         projector_bias: Whether the projector's linears have biases.
     """
 
+    supports_cuda_graphs = True
+    """Its forward over a pure-decode step makes no host read of device values and no
+    value-dependent branch, so it can be captured (``engine.runner.cuda_graphs``)."""
+
     def __init__(
         self,
         text_config: DecoderConfig,

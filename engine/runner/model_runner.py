@@ -20,6 +20,12 @@ it are the KV cache manager's to give back (``KVCacheManager.trim``, in the sche
 ``SchedulerOutput.kv_trims`` comes back (:meth:`ModelRunner.apply_kv_trims`). After sampling,
 the proposer offers the next step's proposals. A draft model (``engine.spec_decode.draft``)
 is handed each speculating sequence's tokens and table (``DraftInput``), nothing else.
+
+CUDA graphs (``engine.runner.cuda_graphs``): when :attr:`ModelRunner.decode_graphs` is set, a
+pure-decode step (one query token per sequence, no image, no proposal, within the largest
+bucket) copies its inputs into the graphs' static buffers and replays its bucket's graph (or,
+built with ``capture=False``, runs the same padded batch eagerly); logits and sampling follow
+from the real rows as for any step.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from loraplex.engine.kv_cache.block_table import BlockTable
 from loraplex.engine.kv_cache.profile import pool_zeros
 from loraplex.engine.lora.backend import LoRABackend
 from loraplex.engine.request import ImageInput
+from loraplex.engine.runner.cuda_graphs import DecodeGraphRunner
 from loraplex.engine.runner.image_splice import mrope_positions, splice_rows, with_image_bounds
 from loraplex.engine.runner.step_isolation import execute_isolating, sample_rows_isolating
 from loraplex.engine.runner.vision_cache import VisionCache
@@ -132,6 +139,9 @@ class ModelRunner:
         self.lora_backend = lora_backend
         self.num_images_encoded = 0
         self.last_forward_seconds = 0.0  # model forward + logits of the last step
+        # Pure-decode steps through CUDA graphs (or padded eagerly); set after the KV caches
+        # exist (engine.runner.cuda_graphs.build_decode_graphs); None: every step eager.
+        self.decode_graphs: DecodeGraphRunner | None = None
         self.seqs: dict[str, _RunnerSeq] = {}
         self.generators: dict[str, torch.Generator] = {}
         shape = (num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
@@ -365,6 +375,8 @@ class ModelRunner:
             ``item.num_sample_rows`` rows per item (its last position, or the ``1 + k`` of a
             speculating one), in order; None when none samples.
         """
+        if self.decode_graphs is not None and self.decode_graphs.accepts(items):
+            return self._forward_decode_graph(items)
         chunks = []
         sample_rows: list[int] = []
         row = 0
@@ -411,6 +423,33 @@ class ModelRunner:
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        self._sync()
+        self.last_forward_seconds = time.perf_counter() - t0
+        return logits
+
+    def _forward_decode_graph(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
+        """:meth:`forward` of a pure-decode step through :attr:`decode_graphs`.
+
+        Row ``i`` of the bucket is ``items[i]``'s one query; the padding rows past them are
+        dropped before the logits.
+        """
+        graphs = self.decode_graphs
+        assert graphs is not None
+        token_ids, positions, tables, lora_slots = [], [], [], []
+        for item in items:
+            st = self.seqs[item.seq_id]
+            token_ids.append(st.token_ids[item.start])
+            positions.append(item.start)
+            tables.append(st.table.block_ids)
+            lora_slots.append(item.lora_slot)
+        size = graphs.prepare(token_ids, positions, tables, lora_slots)
+        t0 = time.perf_counter()
+        hidden = graphs.run(size, len(items))
+        sample_rows = [i for i, item in enumerate(items) if item.sample]
+        logits = None
+        if sample_rows:
+            rows = hidden if len(sample_rows) == len(items) else hidden[sample_rows]
+            logits = self.model.compute_logits(rows).float()
         self._sync()
         self.last_forward_seconds = time.perf_counter() - t0
         return logits
