@@ -90,7 +90,9 @@ def test_the_flags_reach_the_config():
 
 
 def test_cpu_engines_never_capture(tiny_text_dir):
-    config = EngineConfig(model=tiny_text_dir, device="cpu", num_kv_blocks=32)
+    config = EngineConfig(
+        model=tiny_text_dir, device="cpu", attention_backend="torch", num_kv_blocks=32
+    )
     assert cuda_graphs.graphs_refusal(config, None, None, None) == "graphs are CUDA only"
     eager = EngineConfig(model=tiny_text_dir, device="cuda", enforce_eager=True)
     assert cuda_graphs.graphs_refusal(eager, None, None, None) == "--enforce-eager"
@@ -127,11 +129,14 @@ def workload(digests):
     return out
 
 
-def run(model_dir, adapter_dirs, *, backend, padded, device="cpu", enforce_eager=True, **cfg):
-    """Greedy tokens of :func:`workload`, and the buckets the decode steps ran at."""
+def run(model_dir, adapter_dirs, *, backend, padded, device=None, enforce_eager=True, **cfg):
+    """Greedy tokens of :func:`workload`, the buckets the decode steps ran at, preemptions.
+
+    ``device`` None: the test device (``LORAPLEX_TEST_DEVICE``, tests/conftest.py).
+    """
     config = EngineConfig(
         model=model_dir,
-        device=device,
+        **({"device": device} if device is not None else {}),
         attention_backend=backend,
         max_num_seqs=8,
         max_lora_rank=8,
@@ -180,8 +185,9 @@ def test_padded_decode_steps_give_the_same_greedy_tokens(
 
 def test_padding_rows_write_no_kv(tiny_text_dir):
     """A padded step leaves every cache slot but the real rows' own untouched."""
-    llm = LLM(EngineConfig(model=tiny_text_dir, device="cpu", num_kv_blocks=16, max_num_seqs=8,
-                           cuda_graph_sizes=(8,), enforce_eager=True))  # fmt: skip
+    llm = LLM(EngineConfig(model=tiny_text_dir, device="cpu", attention_backend="torch",
+                           num_kv_blocks=16, max_num_seqs=8, cuda_graph_sizes=(8,),
+                           enforce_eager=True))  # fmt: skip
     engine = llm.engine
     graphs = build_decode_graphs(engine.config, engine.runner, capture=False)
     for k, v in engine.runner.kv_caches:
@@ -235,5 +241,73 @@ def test_the_torch_backend_runs_eagerly_on_cuda(tiny_text_dir, adapters):
         tiny_text_dir, adapters, backend="torch", padded=False, enforce_eager=False, **kw
     )
     assert not buckets  # refused (the reference reads context lengths on the host)
-    expected, _, _ = run(tiny_text_dir, adapters, backend="triton", padded=False, **kw)
+    expected, _, _ = run(tiny_text_dir, adapters, backend="torch", padded=False, **kw)
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_capture_and_replay_bookkeeping_with_a_stand_in_graph(tiny_text_dir, adapters, monkeypatch):
+    """``capture()`` and ``run()``'s graph path on any device, a stand-in recording the forward.
+
+    The stand-in graph re-runs the captured bucket's forward into the captured output tensor
+    at each replay, with the LoRA backend's state as it was at capture: what a CUDA graph
+    does, minus the GPU. It checks the Python around the
+    capture (warm-up, the LoRA and no-LoRA variants, the static LoRA batch, the output kept
+    per bucket and sliced per step) that only a GPU would otherwise run.
+    """
+    from contextlib import contextmanager
+
+    from loraplex.engine.runner.cuda_graphs import DecodeGraphRunner
+
+    capturing = []
+
+    class StandInGraph:
+        def replay(self):
+            self.out.copy_(self.forward())
+
+    @contextmanager
+    def graph(g, pool=None):
+        capturing.append(g)
+        yield
+        capturing.pop()
+
+    plain_forward = DecodeGraphRunner._forward
+
+    def recording_forward(self, size):
+        out = plain_forward(self, size)
+        if capturing:  # a graph bakes in the host's choices: here, the LoRA backend's state
+            lora = self.lora_backend
+            state = (lora.kernel_batch, lora.static)
+
+            def replay_forward():
+                lora.kernel_batch, lora.static = state
+                return plain_forward(self, size)
+
+            capturing[-1].out, capturing[-1].forward = out, replay_forward
+        return out
+
+    monkeypatch.setattr(DecodeGraphRunner, "_forward", recording_forward)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
+    real = build_decode_graphs
+
+    def stand_in(config, runner, capture=True):
+        graphs = real(config, runner, capture=False)
+        graphs.capture_graphs = True
+        graphs.capture()
+        return graphs
+
+    expected, _, _ = run(tiny_text_dir, adapters, backend="triton", padded=False,
+                         num_kv_blocks=14)  # fmt: skip
+    with monkeypatch.context() as m:
+        m.setattr(
+            "tests.engine.test_cuda_graphs.build_decode_graphs",
+            lambda config, runner, capture=False: stand_in(config, runner),
+        )
+        got, buckets, _ = run(tiny_text_dir, adapters, backend="triton", padded=True,
+                              num_kv_blocks=14)  # fmt: skip
+    assert {1, 2, 4, 8} <= set(buckets)
     assert got == expected
