@@ -3,10 +3,10 @@
 Workload: ``B`` requests of ``--prompt`` random tokens are prefilled, then ``--steps`` pure-decode
 steps of all ``B`` sequences are timed (``EngineCore.step_stats``, reset after the prefill and
 one warm decode step), for each batch size of ``--batches``, once with ``--enforce-eager`` and
-once with CUDA graphs, on the same engine configuration. Models: ``tiny`` (the built-in tiny
-text Llama) and ``1b`` (a Llama-3.2-1B-shaped random-weight model: hidden 2048, 16 layers, GQA
-32/8, MLP 8192; about 1.0B parameters without embeddings), written once into the data
-directory. On CUDA the Triton attention backend runs (graphs need it) in ``--dtype``; on the CPU
+once with CUDA graphs, on the same engine configuration. Models (``bench.presets``, written
+once into the data directory): ``tiny`` (the built-in tiny text Llama) and ``llama-1b`` (a
+Llama-3.2-1B-like random-weight model: hidden 2048, 16 layers, GQA 32/8, MLP 8192; 1.05B
+parameters). On CUDA the Triton attention backend runs (graphs need it) in ``--dtype``; on the CPU
 graphs are never used: the bench says so and reports eager figures only.
 
 Reported per (model, batch, mode): mean step time (ms), mean forward time (the model forward and
@@ -15,7 +15,7 @@ the steps that replayed a graph, and the graphs' step-time gain (eager over grap
 tokens of the timed steps are checked to be the same in both modes (float32 only: in bfloat16 a
 different split-KV count may flip a near-tie).
 
-Run: ``python -m bench.cuda_graphs [--device cuda] [--quick] [--models tiny,1b]
+Run: ``python -m bench.cuda_graphs [--device cuda] [--quick] [--models tiny,llama-1b]
 [--batches 1,8,32,64] [--steps N] [--prompt N] [--dtype bfloat16]``. Prints a table, then one
 JSON line. ``--quick``: the tiny model, batches 1 and 4, 4 steps.
 """
@@ -24,35 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
+from bench.presets import preset_dir
 from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.gateway.settings import data_dir
 
-ONE_B = {  # Llama-3.2-1B's decoder shape (its 128k vocabulary left out: logits are not graphed)
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "max_position_embeddings": 4096,
-}
-
-
-def model_dir(name: str) -> Path:
-    """The ``tiny`` or ``1b`` text model, written once into the data directory."""
-    from loraplex.engine.models.tiny_model import init_tiny
-
-    target = data_dir() / "bench" / f"graphs-{name}"
-    if not (target / "config.json").exists():
-        init_tiny(target, seed=0, text_only=True, **(ONE_B if name == "1b" else {}))
-    return target
+MODELS = ("tiny", "llama-1b")
 
 
 def decode_steps(llm: LLM, batch: int, prompt: int, steps: int, seed: int) -> dict:
@@ -101,7 +82,7 @@ def run_model(name: str, args, modes: list[str]) -> dict:
     rows: dict[str, dict] = {}
     for mode in modes:
         config = EngineConfig(
-            model=str(model_dir(name)),
+            model=str(preset_dir(name)),
             device=args.device,
             dtype=args.dtype,
             attention_backend="triton" if args.device == "cuda" else "torch",
@@ -130,13 +111,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--models", default=None, help="comma-separated: tiny, 1b")
+    parser.add_argument("--models", default=None, help="comma-separated: tiny, llama-1b")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, else float32")
     args = parser.parse_args()
-    args.models = (args.models or ("tiny" if args.quick else "tiny,1b")).split(",")
+    args.models = (args.models or ("tiny" if args.quick else ",".join(MODELS))).split(",")
     args.batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,8,32,64"))
                     .split(",")]  # fmt: skip
     args.steps = args.steps or (4 if args.quick else 50)
@@ -149,8 +130,8 @@ def main() -> None:
         print("CPU: CUDA graphs are never used on the CPU; eager figures only")
     results: dict[str, dict] = {}
     for name in args.models:
-        if name not in ("tiny", "1b"):
-            raise SystemExit(f"unknown model {name!r}: tiny or 1b")
+        if name not in MODELS:
+            raise SystemExit(f"unknown model {name!r}: {' or '.join(MODELS)}")
         results.update(run_model(name, args, modes))
     print(f"{'model/batch/mode':<24}{'step ms':>10}{'fwd ms':>10}{'host %':>8}{'replays':>9}"
           f"{'gain':>7}")  # fmt: skip
