@@ -71,17 +71,43 @@ EOF
 
 tests_torch() {
     OMP_NUM_THREADS=2 LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_ATTENTION_BACKEND=torch $PY -m pytest -v \
-        -p no:cacheprovider -n 8 --timeout 300 -m "not service" -rfE \
+        -p no:cacheprovider -n "${WORKERS:-8}" --timeout 300 -m "not service" -rfE -s \
         ${TESTS_TORCH:-tests/engine tests/models tests/sampling tests/kernels tests/adapters tests/hashing}
 }
 
 tests_triton() {
-    OMP_NUM_THREADS=2 LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_ATTENTION_BACKEND=triton $PY -m pytest -v \
-        -p no:cacheprovider -n 8 --timeout 300 -m "not service" -rfE \
+    # The product's GPU path: Triton kernels, and every engine captures its CUDA graphs.
+    OMP_NUM_THREADS=2 LORAPLEX_TEST_CUDA_GRAPHS=1 LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_ATTENTION_BACKEND=triton $PY -m pytest -v \
+        -p no:cacheprovider -n "${WORKERS:-8}" --timeout 300 -m "not service" -rfE -s \
         ${TESTS_TRITON:-tests/engine tests/models tests/kernels}
 }
 
+parity() {
+    # bf16/fp16 against transformers on the GPU, both attention backends (PARITY lines; -s).
+    for backend in torch triton; do
+        LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_ATTENTION_BACKEND=$backend $PY -m pytest -q -s \
+            -p no:cacheprovider --timeout 120 tests/models/test_low_precision_parity.py
+    done
+}
+
 kernels() { $PY -m bench.kernels; }
+kernel_tuning() { $PY -m bench.kernel_tuning; }
+cuda_graphs() { $PY -m bench.cuda_graphs --device cuda --steps 30; }
+# End to end on the llama-1b shape (random weights, bfloat16), the Triton attention and LoRA path.
+throughput() {
+    $PY -m bench.throughput --device cuda --attention-backend triton --requests 128 --tokens 64
+}
+mbu() {
+    $PY -m bench.mbu --device cuda --attention-backend triton --batch 64 --context 1024 --steps 32
+}
+multi_lora() {
+    $PY -m bench.multi_lora --device cuda --attention-backend triton --requests 128 --tokens 32 \
+        --adapters 1,64 --passes 1
+}
+speculative() {
+    $PY -m bench.speculative --device cuda --attention-backend triton --requests 8 --tokens 96 \
+        --rounds 3
+}
 
 run_stage() {
     local name=$1 limit=$2
@@ -94,15 +120,29 @@ run_stage() {
     tail -n "${TAIL:-15}" "$LOGS/$name.log"
 }
 
-declare -A LIMIT=([smoke]=60 [kernels]=110 [tests_torch]=140 [tests_triton]=90)
+pack() { tar -czf "$OUT/logs.tgz.part" -C "$OUT" logs && mv "$OUT/logs.tgz.part" "$OUT/logs.tgz"; }
+
+declare -A LIMIT=(
+    [smoke]=60 [tests_torch]=150 [tests_triton]=150 [parity]=90 [kernels]=45 [kernel_tuning]=80
+    [cuda_graphs]=75 [throughput]=60 [mbu]=45 [multi_lora]=70 [speculative]=50
+)
 setup >"$LOGS/setup.log" 2>&1
 echo "setup rc=$?" | tee "$OUT/summary.txt"
 cat "$LOGS/setup.log"
 export PYTHONPATH=/tmp/ns:/tmp/site:$REPO
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(smoke tests_torch tests_triton kernels)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(
+    tests_torch+tests_triton+parity cuda_graphs throughput mbu multi_lora kernels kernel_tuning
+    speculative
+)
+# A stage named A+B runs A and B at once (the test stages: light on the GPU, heavy on the CPU).
 for s in "${STAGES[@]}"; do
-    run_stage "$s" "${LIMIT[$s]:-180}"
+    IFS=+ read -ra group <<<"$s"
+    for g in "${group[@]}"; do
+        run_stage "$g" "${LIMIT[$g]:-180}" &
+    done
+    wait
+    pack  # after every stage: a run cut short still brings back what it did
 done
-tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+rm -rf "$LOGS"
 cat "$OUT/summary.txt"
