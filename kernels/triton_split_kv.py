@@ -21,7 +21,7 @@ import triton.language as tl
 
 MAX_SPLITS = 64
 MIN_TILES_PER_SPLIT = 4
-PROGRAMS_PER_SM = 16  # decode streams K/V: enough programs in flight to cover memory latency
+PROGRAMS_PER_SM = 8  # decode streams K/V: enough programs in flight to cover memory latency
 
 
 @triton.jit
@@ -125,10 +125,12 @@ def num_kv_splits(
 
     Splits only decode-only steps on a GPU, and only when the unsplit launch has fewer than
     ``PROGRAMS_PER_SM`` programs per SM: a decode program streams its sequence's K/V and the
-    memory system needs many such streams in flight (measured on an H200, docs/gpu.md: 256
-    sequences x 8 KV heads, 2,048 programs, reach 92-96% of the copy bandwidth unsplit; 512
-    programs 72-83%). Enough splits to get there, each still covering at least
-    ``MIN_TILES_PER_SPLIT`` tiles of keys, at most ``MAX_SPLITS``.
+    memory system needs many such streams in flight. Enough splits to get there, each still
+    covering at least ``MIN_TILES_PER_SPLIT`` tiles of keys, at most ``MAX_SPLITS``. The
+    constants come from ``bench.kernel_tuning`` on an H200 (docs/gpu.md): at Llama-3-8B's
+    attention this picks the fastest measured split count at 6 of 7 decode shapes (batch 1 at
+    32k: 64 splits, 0.53 of the copy bandwidth against 0.04 unsplit; batch 64 at 2k-4k: 2;
+    batch 256: none), and 8 at batch 16 x 2k where 2 measured faster.
 
     Args:
         num_programs: Programs of the unsplit launch that have work (sequences times KV heads
