@@ -67,7 +67,8 @@ def test_device():
     """The ``torch.device`` kernel tests allocate on (``LORAPLEX_TEST_DEVICE``, default cpu)."""
     import torch
 
-    return torch.device(TEST_DEVICE)
+    # Canonical (cuda:0, not cuda): what a tensor's .device compares equal to.
+    return torch.empty(0, device=TEST_DEVICE).device
 
 
 @pytest.fixture(scope="module")

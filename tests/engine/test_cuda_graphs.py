@@ -77,7 +77,7 @@ def test_config_refuses_bad_sizes_with_a_clear_message():
             EngineConfig(model="m", cuda_graph_sizes=bad)
     config = EngineConfig(model="m", cuda_graph_sizes=[4, 1])  # a list becomes a tuple
     assert config.cuda_graph_sizes == (4, 1) and hash(config)
-    assert EngineConfig(model="m").enforce_eager is False
+    assert EngineConfig(model="m", device="cpu").enforce_eager is False  # the default
 
 
 def test_the_flags_reach_the_config():

@@ -47,6 +47,17 @@ ENGINE = dict(
     long_prefill_token_threshold=0,
     max_lora_rank=8,
 )
+# Attention the Triton backend refuses at load (soft-capping, sinks): these run on the torch
+# backend whatever LORAPLEX_TEST_ATTENTION_BACKEND says (test_triton_refusals checks the refusal).
+TORCH_ATTENTION = {"gemma2", "gpt_oss"}
+
+
+def engine_fields(name: str, **over) -> dict:
+    """``ENGINE`` for architecture ``name``, its attention backend pinned where it must be."""
+    pinned = {"attention_backend": "torch"} if name in TORCH_ATTENTION else {}
+    return {**ENGINE, **pinned, **over}
+
+
 SHARED = long_text(40, seed=4)  # about 100 tokens: the prefix both batches share
 LORA = "lora"
 # (adapter or None, user message, max_tokens): the first batch, then one hitting its prefixes.
@@ -163,7 +174,7 @@ def run_mixed(b, batches=(FIRST, SECOND), lora=True, hits=True, **engine):
     ``hits``: the second batch's shared-prefix rows must hit the prefix cache (not under a KV
     pool too small to keep the first batch's blocks).
     """
-    llm = LLM(EngineConfig(model=str(b.dir), **{**ENGINE, **engine}))
+    llm = LLM(EngineConfig(model=str(b.dir), **engine_fields(b.name, **engine)))
     digest = llm.engine.add_lora_dir(b.adapter[1]).digest if lora else None
     for n, batch in enumerate(batches):
         oracle = b.oracle(batch)
@@ -276,7 +287,7 @@ def test_attention_the_paged_attention_cannot_compute_is_refused_at_load(built, 
     attention.register()
     try:
         with pytest.raises(ValueError, match="does not reproduce the model's own attention"):
-            LLM(EngineConfig(model=str(built("gpt_oss").dir), **ENGINE))
+            LLM(EngineConfig(model=str(built("gpt_oss").dir), **engine_fields("gpt_oss")))
     finally:
         monkeypatch.undo()
         attention.register()
@@ -301,7 +312,9 @@ def test_phi3_longrope(built):
     assert lengths[1] + 8 <= 64 < lengths[2] and lengths[3] < 64 < lengths[3] + 30
     crossing = 64 - lengths[3]  # tokens of the last row generated within 64 positions
     for chunk, exact in ((512, 3), (CHUNK, 2)):
-        llm = LLM(EngineConfig(model=str(b.dir), **{**ENGINE, "max_num_batched_tokens": chunk}))
+        llm = LLM(
+            EngineConfig(model=str(b.dir), **engine_fields(b.name, max_num_batched_tokens=chunk))
+        )
         outs = llm.generate(requests(llm, LONGROPE, None, f"c{chunk}"))
         # Unchunked, the long prompt is exact too; chunked, its first chunks (within 64
         # positions) get the short factors, transformers' whole prompt the long ones.
@@ -382,7 +395,7 @@ def teacher_forced_logprobs(model, prompt, tokens):
 @pytest.mark.parametrize("name", ENGINE_ARCHS)
 def test_n_greater_than_one(built, name):
     b = built(name)
-    llm = LLM(EngineConfig(model=str(b.dir), **ENGINE))
+    llm = LLM(EngineConfig(model=str(b.dir), **engine_fields(b.name)))
     digest = llm.engine.add_lora_dir(b.adapter[1]).digest
     # Greedy, n=2: both children are the oracle's tokens (forked from one prefill).
     for out, (_, expected, _) in zip(
@@ -422,7 +435,7 @@ def test_structured_output(built, name):
     # JSON-schema rows (base and adapter) in a batch with free rows: the constrained outputs
     # parse and validate, the free rows stay token-exact.
     b = built(name)
-    llm = LLM(EngineConfig(model=str(b.dir), **ENGINE))
+    llm = LLM(EngineConfig(model=str(b.dir), **engine_fields(b.name)))
     digest = llm.engine.add_lora_dir(b.adapter[1]).digest
     free = requests(llm, FIRST, digest, "free")
     spec = StructuredOutputSpec.json_schema(REPLY)
