@@ -115,6 +115,12 @@ class EngineConfig:
     """Largest LoRA rank accepted (also bounds an upload's size)."""
     attention_backend: Literal["torch", "triton"] = "torch"
     """Paged attention: torch (any device) or triton (GPU kernels; the gpu extra)."""
+    cpu_decode_attention: Literal["gather", "flex"] = "gather"
+    """The torch attention backend's decode-only steps on CPU (float32): gather (copy each
+    context out of the paged cache into a padded batch, then SDPA) or flex (read the cache in
+    place through compiled FlexAttention, the block tables as its block mask; a C++ compiler
+    needed, one compilation per batch-size bucket on first use, cached on disk; falls back to
+    gather if compiling fails). docs/kernels.md, docs/benchmarks.md."""
     enforce_eager: bool = False
     """Never capture CUDA graphs: every step runs the model eagerly (vLLM's flag of that name).
     Off: on CUDA with the triton attention backend and a native model, pure-decode steps replay
@@ -233,6 +239,10 @@ class EngineConfig:
             (
                 self.attention_backend in ("torch", "triton"),
                 f"bad attention_backend {self.attention_backend!r}",
+            ),
+            (
+                self.cpu_decode_attention in ("gather", "flex"),
+                f"bad cpu_decode_attention {self.cpu_decode_attention!r}",
             ),
             (self.preemption in ("recompute", "swap"), f"bad preemption {self.preemption!r}"),
             (

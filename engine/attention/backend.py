@@ -7,6 +7,7 @@ table. There is no contiguous per-request KV anywhere.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -14,6 +15,8 @@ import torch
 
 from loraplex.engine.attention.metadata import AttentionMetadata
 from loraplex.kernels.paged_attention_ref import paged_attention_ref, reshape_and_cache_ref
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
@@ -135,10 +138,35 @@ class PagedKernelBackend:
         )
 
 
-class TorchAttentionBackend(PagedKernelBackend):
-    """Plain-torch reference backend (the CPU default): ``kernels.paged_attention_ref``."""
+CPU_DECODE_ATTENTION = ("gather", "flex")
+"""How the torch backend computes decode-only steps on CPU (``EngineConfig.cpu_decode_attention``):
+``gather`` copies each context into a padded batch (``kernels.paged_attention_ref``), ``flex``
+reads the paged cache in place through compiled FlexAttention
+(``kernels.paged_attention_flex``)."""
 
-    def __init__(self) -> None:
+
+class TorchAttentionBackend(PagedKernelBackend):
+    """Plain-torch reference backend (the CPU default): ``kernels.paged_attention_ref``.
+
+    Args:
+        cpu_decode: One of :data:`CPU_DECODE_ATTENTION`. With ``"flex"``, a step in which
+            every sequence has one query (decode-only), on CPU, float32, with no sliding
+            window, soft cap, sinks or non-causal queries, runs
+            ``kernels.paged_attention_flex``: the block tables become one ``BlockMask`` per
+            step (built at the first layer, reused by the rest) and no context is copied.
+            Every other step runs the reference. If the compiled kernel fails (no C++
+            compiler, say), the backend logs why once and runs the reference from then on.
+
+    Raises:
+        ValueError: an unknown ``cpu_decode``.
+    """
+
+    def __init__(self, cpu_decode: str = "gather") -> None:
+        if cpu_decode not in CPU_DECODE_ATTENTION:
+            raise ValueError(
+                f"unknown cpu_decode_attention {cpu_decode!r}; expected one of "
+                f"{CPU_DECODE_ATTENTION}"
+            )
         super().__init__(
             "torch",
             reshape_and_cache_ref,
@@ -147,6 +175,62 @@ class TorchAttentionBackend(PagedKernelBackend):
             supports_visible_up_to=True,
             supports_sinks=True,
         )
+        self.cpu_decode = cpu_decode
+        self._mask_meta: AttentionMetadata | None = None
+        self._mask: Any = None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`; decode-only CPU steps as the class says."""
+        if not (
+            self.cpu_decode == "flex"
+            and sliding_window is None
+            and logits_soft_cap is None
+            and sinks is None
+            and meta.visible_up_to is None
+            and meta.max_query_len == 1
+            and query.shape[0] == meta.num_seqs
+            and query.device.type == "cpu"
+            and query.dtype == key_cache.dtype == torch.float32
+            and query.shape[1] % key_cache.shape[2] == 0
+        ):
+            return super().forward(
+                query, key, value, key_cache, value_cache, meta, scale,
+                sliding_window, logits_soft_cap, sinks,
+            )  # fmt: skip
+        from loraplex.kernels import paged_attention_flex as flex
+
+        reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
+        try:
+            if self._mask_meta is not meta:
+                self._mask = flex.PagedDecodeMask(
+                    meta.block_tables, meta.seq_lens, key_cache.shape[0], key_cache.shape[1],
+                    query.shape[1] // key_cache.shape[2],
+                )  # fmt: skip
+                self._mask_meta = meta
+            return flex.paged_decode_flex(query, key_cache, value_cache, self._mask, scale)
+        except Exception as exc:  # inductor's compile failures come in many kinds
+            logger.warning(
+                "in-place CPU decode attention (FlexAttention) failed; the gathered "
+                "reference runs from now on: %s: %s", type(exc).__name__, exc,
+            )  # fmt: skip
+            self.cpu_decode = "gather"
+            self._mask = self._mask_meta = None
+        return paged_attention_ref(
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, scale, max_query_len=1, max_seq_len=meta.max_seq_len,
+        )  # fmt: skip
 
 
 def check_backend_runs(backend: AttentionBackend, model: Any, role: str = "model") -> None:
@@ -178,8 +262,10 @@ def check_backend_runs(backend: AttentionBackend, model: Any, role: str = "model
         )
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, cpu_decode: str = "gather") -> AttentionBackend:
     """The backend called ``name``.
+
+    ``cpu_decode`` is the torch backend's decode path on CPU (:data:`CPU_DECODE_ATTENTION`).
 
     ``"triton"`` imports the kernels on first use (on CPU, ``TRITON_INTERPRET=1`` must be set
     before that import: the interpreter).
@@ -189,7 +275,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
             extra).
     """
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(cpu_decode)
     if name == "triton":
         try:
             from loraplex.engine.attention.triton_backend import TritonAttentionBackend

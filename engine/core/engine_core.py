@@ -166,7 +166,7 @@ class EngineCore:
         # The LoRA backend is chosen once, here: Triton kernels with the Triton attention backend.
         lora_backend = select_lora_backend(config.attention_backend)
         install_lora(self.model, self.lora_manager.buffers, lora_backend)
-        backend = get_attention_backend(config.attention_backend)
+        backend = get_attention_backend(config.attention_backend, config.cpu_decode_attention)
         check_backend_runs(backend, self.model)
         # After the weights and LoRA slots, before the pool: what the machine has left.
         draft_model = load_draft_model(loaded)  # its KV is part of every block's bytes
