@@ -213,10 +213,14 @@ class TorchAttentionBackend(PagedKernelBackend):
 
         reshape_and_cache_ref(key, value, key_cache, value_cache, meta.slot_mapping)
         try:
-            if self._mask_meta is not meta:
+            group = query.shape[1] // key_cache.shape[2]
+            shape = (key_cache.shape[0], key_cache.shape[1], group)
+            built = self._mask and (self._mask.num_blocks, self._mask.block_size, self._mask.group)
+            # A new step, or a draft model (other heads, other pool) on the same backend.
+            if self._mask_meta is not meta or built != shape:
                 self._mask = flex.PagedDecodeMask(
                     meta.block_tables, meta.seq_lens, key_cache.shape[0], key_cache.shape[1],
-                    query.shape[1] // key_cache.shape[2],
+                    group,
                 )  # fmt: skip
                 self._mask_meta = meta
             return flex.paged_decode_flex(query, key_cache, value_cache, self._mask, scale)
