@@ -136,7 +136,10 @@ def paged_decode_flex(
             ``b`` of ``mask``.
         key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32, already
             holding this step's keys.
-        value_cache: same shape as ``key_cache``.
+        value_cache: same shape as ``key_cache``. The unused tail of each sequence's last
+            block must be finite: masked positions get probability 0, and ``0 * NaN`` is NaN
+            (the engine's pool starts zeroed and only holds written K/V; the gathered
+            reference zeroes the tail instead). Other sequences' blocks are never read.
         mask: The step's :class:`PagedDecodeMask`.
         scale: Softmax scale.
 
