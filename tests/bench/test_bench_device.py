@@ -16,6 +16,7 @@ from bench.presets import kv_bytes_per_token, weight_bytes_read
 from loraplex.engine.models.tiny_model import TEXT_PRESETS, init_tiny
 
 
+@pytest.mark.slow  # a subprocess each (about a second): the fast tier stays under two minutes
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("bench", ["throughput", "multi_lora", "speculative", "mbu"])
 def test_device_cuda_without_a_gpu_is_refused(bench):
