@@ -244,6 +244,17 @@ class EngineConfig:
                 self.cpu_decode_attention in ("gather", "flex"),
                 f"bad cpu_decode_attention {self.cpu_decode_attention!r}",
             ),
+            (
+                self.cpu_decode_attention == "gather"
+                or (
+                    self.device == "cpu"
+                    and self.attention_backend == "torch"
+                    and self.dtype in ("float32", "auto")
+                ),
+                "cpu_decode_attention flex is the torch backend's, on CPU, in float32: not "
+                f"with device {self.device!r}, attention_backend {self.attention_backend!r}, "
+                f"dtype {self.dtype!r}",
+            ),
             (self.preemption in ("recompute", "swap"), f"bad preemption {self.preemption!r}"),
             (
                 self.cuda_graph_sizes is None

@@ -186,10 +186,9 @@ def test_text_parity(tiny_text_dir, text_oracle, variant, spec):
 def test_text_parity_with_in_place_cpu_decode(tiny_text_dir, text_oracle, variant):
     """``cpu_decode_attention="flex"``: decode steps read the paged cache in place (CPU)."""
     kw = {"max_num_batched_tokens": 40, "num_kv_blocks": 42} if variant != "plain" else {}
-    llm = LLM(config(tiny_text_dir, cpu_decode_attention="flex", **kw))
+    cpu = {"device": "cpu", "attention_backend": "torch"}  # the path's only home
+    llm = LLM(config(tiny_text_dir, cpu_decode_attention="flex", **cpu, **kw))
     backend = llm.engine.core.runner.backend
-    if llm.engine.core.device.type != "cpu" or backend.name != "torch":
-        pytest.skip("the in-place decode path is the torch backend's, on CPU")
     check(run_batch(llm, text_batch()), text_oracle)
     assert backend.cpu_decode == "flex"  # no fallback to the gather
     assert backend._mask_meta is not None  # decode steps took the path

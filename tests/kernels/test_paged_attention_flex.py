@@ -137,3 +137,15 @@ def test_backend_falls_back_when_the_kernel_fails(monkeypatch, caplog):
 def test_unknown_choice_is_refused():
     with pytest.raises(ValueError, match="cpu_decode_attention"):
         TorchAttentionBackend("paged")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"device": "cuda"}, {"attention_backend": "triton"}, {"dtype": "bfloat16"}],
+    ids=["cuda", "triton", "bfloat16"],
+)
+def test_flex_where_it_would_not_run_is_refused(fields):
+    from loraplex.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cpu_decode_attention flex is the torch backend's"):
+        EngineConfig(model="m", cpu_decode_attention="flex", **{"device": "cpu", **fields})
