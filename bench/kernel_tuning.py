@@ -12,13 +12,21 @@
     ``scaled_dot_product_attention``; decode warps and stages, over the copy bandwidth.
 
 Shapes as ``bench.kernels`` (Llama-3-8B attention, block 16). Timing: ``triton.testing.do_bench``
-medians. Run: ``python -m bench.kernel_tuning``; prints a table, then one JSON line. Needs CUDA.
+medians. Run: ``python -m bench.kernel_tuning [--quick]``; prints a table, then one JSON line.
+The figures need CUDA. ``--quick``: on a GPU three decode shapes, two LoRA cases and four launch
+options; on CPU the same code path on tiny shapes under the Triton interpreter, timed by the wall
+clock, graphs replaced by eager calls (a smoke of the sweeps: its numbers mean nothing). Without
+``--quick`` on CPU it exits with an error.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
+import os
 import sys
+import time
 from functools import partial
 
 import torch
@@ -32,6 +40,8 @@ LORA_CASES = [(256, 1), (256, 16), (256, 64), (64, 1), (64, 16), (64, 64)]
 SPLIT_KS = [1, 2, 4, 8, 16, 32]
 PREFILL_SHAPE = (4, 2048)  # sequences x tokens, for the launch options
 LAUNCH_DECODE_SHAPES = [(16, 4096), (64, 2048)]
+# Prefill (query rows, key tile, warps, stages), the defaults first.
+LAUNCH_OPTIONS = list(itertools.product([64, 128], [64, 128], [4, 8], [3, 2]))
 
 
 def timer():
@@ -91,8 +101,6 @@ def tune_decode(device, time_fn, copy_bps) -> list[dict]:
 
 def tune_launch(device, time_fn, copy_bps) -> list[dict]:
     """Prefill tiles and warps, decode warps and stages, against the defaults (module knobs)."""
-    import itertools
-
     import torch.nn.functional as F
 
     from loraplex.kernels import triton_attention as ta
@@ -114,7 +122,7 @@ def tune_launch(device, time_fn, copy_bps) -> list[dict]:
     sdpa = partial(F.scaled_dot_product_attention, qc, kc, vc, is_causal=True, enable_gqa=True)
     sdpa_tflops = flops / time_fn(sdpa) / 1e12
     want = sdpa().transpose(1, 2).reshape(args[0].shape).float()
-    for block_m, tile_n, warps, stages in itertools.product([64, 128], [64, 128], [4, 8], [2, 3]):
+    for block_m, tile_n, warps, stages in LAUNCH_OPTIONS:
         ta.TILE_N, ta.PREFILL_BLOCK_M = tile_n, block_m
         ta.PREFILL_LAUNCH.clear()
         ta.PREFILL_LAUNCH.update(num_warps=warps, num_stages=stages)
@@ -206,16 +214,48 @@ def tune_lora(device, time_fn) -> list[dict]:
     return rows
 
 
+def wall_time(fn) -> float:
+    """Seconds of one call by the wall clock (the CPU smoke's timer)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def quick_plan(cuda: bool) -> None:
+    """``--quick``: fewer shapes on a GPU; tiny ones and eager 'graphs' on CPU (module knobs)."""
+    global DECODE_SHAPES, SPLITS, LORA_CASES, SPLIT_KS, PREFILL_SHAPE, LAUNCH_DECODE_SHAPES
+    global LAUNCH_OPTIONS, graph_time
+    if cuda:
+        DECODE_SHAPES, LORA_CASES = DECODE_SHAPES[:3], LORA_CASES[:2]
+        LAUNCH_OPTIONS = LAUNCH_OPTIONS[:4]
+        return
+    ATTN.update(heads=4, kv_heads=2, head_dim=32, block_size=16)
+    LORA.update(tokens=16, hidden=64, out=64, rank=16)
+    DECODE_SHAPES, SPLITS, LORA_CASES, SPLIT_KS = [(2, 192)], [1, 2, 4], [(16, 2)], [1, 2]
+    PREFILL_SHAPE, LAUNCH_DECODE_SHAPES = (1, 32), [(2, 64)]
+    LAUNCH_OPTIONS = LAUNCH_OPTIONS[:2]
+    graph_time = lambda fn, time_fn: time_fn(fn)  # noqa: E731 (no CUDA graphs on CPU)
+
+
 def main() -> None:
-    if not torch.cuda.is_available():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes; CPU: a smoke")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.quick:
         raise SystemExit("bench.kernel_tuning needs a CUDA GPU (the heuristics are GPU-only)")
-    device = torch.device("cuda")
-    time_fn = timer()
+    if not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported
+    if args.quick:
+        quick_plan(cuda)
+    device = torch.device("cuda" if cuda else "cpu")
+    time_fn = timer() if cuda else wall_time
     copy_bps = copy_bandwidth(device, time_fn)
     decode = tune_decode(device, time_fn, copy_bps)
     lora = tune_lora(device, time_fn)
     launch = tune_launch(device, time_fn, copy_bps)
-    print(f"device {torch.cuda.get_device_name(device)}, copy {copy_bps / 1e9:.0f} GB/s")
+    name = torch.cuda.get_device_name(device) if cuda else "cpu (interpreter smoke)"
+    print(f"device {name}, copy {copy_bps / 1e9:.0f} GB/s")
     print(f"{'decode':<20}{'picked':>7}{'of copy':>9}{'best':>6}{'of copy':>9}{'graph':>7}")
     for r in decode:
         label = f"batch {r['batch']} ctx {r['context']}"
@@ -239,7 +279,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "device": torch.cuda.get_device_name(device),
+                "device": name,
                 "copy_gbs": copy_bps / 1e9,
                 "decode": rounded(decode),
                 "lora": rounded(lora),

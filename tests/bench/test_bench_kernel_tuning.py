@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bench.kernel_tuning as kt
+from tests.bench.runner import run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +38,7 @@ def tiny(monkeypatch):
     monkeypatch.setattr(kt, "SPLIT_KS", [1, 2])
     monkeypatch.setattr(kt, "PREFILL_SHAPE", (1, 32))
     monkeypatch.setattr(kt, "LAUNCH_DECODE_SHAPES", [(2, 64)])
+    monkeypatch.setattr(kt, "LAUNCH_OPTIONS", kt.LAUNCH_OPTIONS[:2])
     monkeypatch.setattr(kt, "graph_time", lambda fn, time_fn: time_fn(fn))
     return torch.device("cpu")
 
@@ -48,6 +50,18 @@ def test_refused_without_a_gpu():
         [sys.executable, "-m", "bench.kernel_tuning"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode != 0 and "needs a CUDA GPU" in done.stderr
+
+
+def test_quick_on_cpu_smokes_every_sweep(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: --quick measures there")
+    result = run_bench("kernel_tuning", "--quick", data_dir=tmp_path)
+    assert result["device"] == "cpu (interpreter smoke)"
+    assert [(r["batch"], r["context"], r["picked"]) for r in result["decode"]] == [(2, 192, 1)]
+    assert [(r["tokens"], r["adapters"]) for r in result["lora"]] == [(16, 2)]
+    kinds = [r["kind"] for r in result["launch"]]
+    assert kinds == ["prefill"] * 2 + ["decode"] * 9
+    assert all("error" not in r for r in result["launch"])
 
 
 def test_decode_sweep_runs_every_split_and_reports_the_pick(tiny):
