@@ -45,6 +45,7 @@ LAUNCH_OPTIONS = list(itertools.product([64, 128], [64, 128], [4, 8], [3, 2]))
 
 
 def timer():
+    """``fn -> seconds``: ``triton.testing.do_bench``'s median (CUDA events, warmed up)."""
     from triton.testing import do_bench
 
     return lambda fn: do_bench(fn, warmup=10, rep=100, return_mode="median") / 1e3
@@ -64,6 +65,12 @@ def graph_time(fn, time_fn) -> float:
 
 
 def tune_decode(device, time_fn, copy_bps) -> list[dict]:
+    """Decode attention at every split count, one row per ``DECODE_SHAPES`` entry.
+
+    Each row: the fraction of ``copy_bps`` (bytes/s) at each split count (each checked against
+    the unsplit output), the heuristic's pick, the best, and the pick replayed from a CUDA
+    graph. bfloat16, ``ATTN``'s heads.
+    """
     from loraplex.kernels.triton_attention import TILE_N, paged_attention
     from loraplex.kernels.triton_split_kv import num_kv_splits
 
@@ -165,6 +172,12 @@ def tune_launch(device, time_fn, copy_bps) -> list[dict]:
 
 
 def tune_lora(device, time_fn) -> list[dict]:
+    """LoRA shrink + expand at every split-K, one row per ``LORA_CASES`` (tokens, adapters).
+
+    Each row: microseconds at each ``SPLIT_KS`` value (each checked against split-K 1), the
+    pick, the base projection's time, and the pick against the base both eager and replayed
+    from CUDA graphs. bfloat16.
+    """
     from loraplex.kernels.lora_ops import (
         SHRINK_BLOCK_K,
         lora_expand,
