@@ -116,6 +116,7 @@ def test_each_backend_is_a_lora_backend():
 LORA_MODULES = ["backend", "layers", "slots", "torch_backend", "triton_backend"]
 
 
+@pytest.mark.slow  # a fresh interpreter each (about a second)
 @pytest.mark.parametrize("module", LORA_MODULES)
 def test_each_lora_module_imports_alone(module):
     # engine/lora/ has no import cycle: any of its modules is importable first.

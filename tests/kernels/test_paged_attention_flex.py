@@ -17,6 +17,10 @@ from loraplex.kernels import paged_attention_flex
 from loraplex.kernels.paged_attention_flex import PagedDecodeMask, batch_bucket, paged_decode_flex
 from loraplex.kernels.paged_attention_ref import paged_attention_ref
 
+# Compiles FlexAttention per shape: the slow tier (the fast tier keeps the engine parity runs of
+# the path in tests/engine/test_engine_parity.py).
+pytestmark = pytest.mark.slow
+
 
 def decode_case(lens, heads, kv_heads, head_dim, block_size, num_blocks=64, seed=0):
     """Shuffled tables over a NaN cache; only the sequences' own blocks hold numbers."""
