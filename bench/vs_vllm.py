@@ -20,10 +20,11 @@ client:
   ``bench.throughput``), for vLLM its ``vllm.LLM.generate``, each in a child process of its own
   Python, timed there after a one-request warm-up.
 
-``--rounds N`` repeats everything N times, loraplex first in each round, servers restarted each
-round (fresh caches; the best round by output throughput is reported per engine). Reported per
-workload and engine: output tokens/s, TTFT p50/p99, ITL p50, TPOT p50, and loraplex/vLLM for
-each (above 1 is better for loraplex for throughput, below 1 for latencies).
+``--rounds N`` repeats everything N times, loraplex first in odd rounds and vLLM first in even
+ones, servers restarted each round (fresh caches; the best round by output throughput is
+reported per engine). Reported per workload and engine: output tokens/s, TTFT p50/p99, ITL
+p50, TPOT p50, and loraplex/vLLM for each (above 1 is better for loraplex for throughput, below
+1 for latencies).
 
 The physical ceilings, measured in the same run before anything else, with ``--threads``
 threads: the machine's copy bandwidth (``bench.kernels.copy_bandwidth``: a 256 MiB float32
@@ -828,11 +829,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="vs-vllm-") as tmp_name:
             tmp = Path(tmp_name)
-            for _ in range(args.rounds):
-                for engine in ("loraplex", "vllm"):
+            for k in range(args.rounds):
+                order = ("loraplex", "vllm") if k % 2 == 0 else ("vllm", "loraplex")
+                for engine in order:
                     if "offline" in names:
                         runs["offline"][engine].append(run_offline(engine, vllm, model, tmp, args))
-                for engine in ("loraplex", "vllm"):
+                for engine in order:
                     if online:
                         for name, fig in run_online(engine, vllm, model, tmp, args, online).items():
                             runs[name][engine].append(fig)
