@@ -224,7 +224,8 @@ class CompiledStep:
         return num_tokens >= 2 and positions.dim() == 1 and not extra
 
     def warm_up(self, backend: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Compile now, on a dummy step of two tokens writing block 0's first two slots.
+        """Compile now, on a dummy step of two tokens writing block 0's first two slots (after
+        the same step eagerly).
 
         Call before any request is admitted (block 0 holds nothing yet; a later prefill
         overwrites what this wrote).
@@ -236,18 +237,24 @@ class CompiledStep:
             Exception: whatever the compiler raises (the engine then refuses to start).
         """
         device = kv_caches[0][0].device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([0, 1], dtype=torch.long, device=device),
-            query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([2], dtype=torch.int32, device=device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-            max_query_len=2,
-            max_seq_len=2,
-        )
-        ids = torch.zeros(2, dtype=torch.long, device=device)
-        positions = torch.arange(2, dtype=torch.long, device=device)
         start = time.perf_counter()
+        # Inputs made in inference mode, as the runner's are (a tensor's dispatch keys are
+        # guarded: an ordinary tensor here would compile a graph no step ever uses).
         with torch.inference_mode():
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor([0, 1], dtype=torch.long, device=device),
+                query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([2], dtype=torch.int32, device=device),
+                block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
+                max_query_len=2,
+                max_seq_len=2,
+            )
+            ids = torch.zeros(2, dtype=torch.long, device=device)
+            positions = torch.arange(2, dtype=torch.long, device=device)
+            # One eager forward first: it fills the model's lazy caches (the rotary
+            # frequencies per device), which the compiled graph would otherwise guard on as
+            # absent and recompile for at the first request.
+            self.model(ids, positions, kv_caches, meta, backend)
             self(ids, positions, kv_caches, meta, backend)
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
