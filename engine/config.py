@@ -121,6 +121,16 @@ class EngineConfig:
     place through compiled FlexAttention, the block tables as its block mask; a C++ compiler
     needed, one compilation per batch-size bucket on first use, cached on disk; falls back to
     gather if compiling fails). docs/kernels.md, docs/benchmarks.md."""
+    cpu_prepack_weights: bool = True
+    """On the CPU (float32 or bfloat16, a native model), pack the projections' weights once at
+    load into oneDNN's blocked layout and multiply against it (``engine.models.packed_linear``;
+    2-2.7x ``F.linear`` at 8-256 rows in float32). Off: ``F.linear`` on the dense weights."""
+    cpu_compile: bool = False
+    """On the CPU, run a native model's forward compiled by inductor (``torch.compile``;
+    ``engine.runner.compiled_step``): the elementwise ops between GEMMs fused, the attention and
+    LoRA deltas opaque ops. Compiled at start (tens of seconds for a 30-layer model; inductor's
+    cache under the data directory makes restarts faster); off under ``--enforce-eager``.
+    docs/compiled_step.md."""
     enforce_eager: bool = False
     """Never capture CUDA graphs: every step runs the model eagerly (vLLM's flag of that name).
     Off: on CUDA with the triton attention backend and a native model, pure-decode steps replay

@@ -41,11 +41,13 @@ from loraplex.engine.lora.slots import LoRAManager
 from loraplex.engine.lora.targets import served_targets
 from loraplex.engine.models.source import resolve_model_source
 from loraplex.engine.request import EngineRequest
+from loraplex.engine.runner.compiled_step import build_compiled_step
 from loraplex.engine.runner.cuda_graphs import build_decode_graphs
 from loraplex.engine.runner.loading import (
     attention_cost,
     load_draft_model,
     load_engine_model,
+    prepack_cpu_weights,
     size_kv_pool,
 )
 from loraplex.engine.runner.model_runner import ModelRunner
@@ -153,6 +155,7 @@ class EngineCore:
         self.adapter_limits = AdapterLimits(
             targets=served_targets(self.model, self.hf_config), max_rank=config.max_lora_rank
         )
+        prepack_cpu_weights(self.model, config)  # before the LoRA layers wrap the projections
         self.adapters = AdapterRegistry(self.adapter_limits, adapter_loader)
         self.lora_manager = LoRAManager(
             self.adapter_limits.targets.shapes(),
@@ -172,6 +175,7 @@ class EngineCore:
         draft_model = load_draft_model(loaded)  # its KV is part of every block's bytes
         if draft_model is not None:
             check_backend_runs(backend, draft_model, "speculative model")
+            prepack_cpu_weights(draft_model, config, "speculative model")
         config, self.kv_sizing, num_cpu_blocks = size_kv_pool(loaded, backend)
         if draft_model is not None:
             check_draft(draft_model, self.model, config.max_model_len)
@@ -264,6 +268,10 @@ class EngineCore:
         )
         # After the KV cache exists: CUDA graphs of pure-decode steps, or None (logged why).
         self.runner.decode_graphs = build_decode_graphs(config, self.runner)
+        # The CPU's analogue: the forward compiled by inductor (--cpu-compile), or None.
+        self.runner.compiled_step = build_compiled_step(
+            config, self.runner, self.lora_manager.buffers
+        )
         self.request_limits = RequestLimits(
             max_model_len=self.max_model_len,
             vocab_size=self.model.vocab_size,

@@ -35,13 +35,25 @@ class LoRALinear(nn.Module):
         base: The projection (its weights stay as loaded).
         buffers: This projection's stacked slot weights.
         backend: The engine's LoRA backend, shared by every LoRA layer of the model.
+        layer_idx: The decoder layer (with ``name``, the key of ``buffers`` in the engine's
+            slot buffers; a compiled forward's LoRA op finds them by it).
+        name: The projection's name (``q_proj`` ...).
     """
 
-    def __init__(self, base: nn.Linear, buffers: SlotBuffers, backend: LoRABackend):
+    def __init__(
+        self,
+        base: nn.Linear,
+        buffers: SlotBuffers,
+        backend: LoRABackend,
+        layer_idx: int = -1,
+        name: str = "",
+    ):
         super().__init__()
         self.base = base
         self.buffers = buffers
         self.backend = backend
+        self.layer_idx = layer_idx
+        self.name = name
 
     @property
     def weight(self) -> torch.Tensor:
@@ -65,6 +77,11 @@ class LoRALinear(nn.Module):
         of the step is token ``t`` of the step's metadata.
         """
         y = self.base(x)
+        if torch.compiler.is_compiling():  # the step's deltas: one opaque op, a no-op without
+            torch.ops.loraplex.lora_delta_(  # adapter tokens (engine.runner.compiled_step)
+                y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.layer_idx, self.name
+            )
+            return y
         if self.backend.active:
             if x.dim() == 2:
                 self.backend.apply(y, x, self.buffers)
@@ -98,7 +115,7 @@ def install_lora(
     count = 0
     for layer_idx, name, linear in list(model.lora_targets()):
         parent, attr = parents[id(linear)]
-        setattr(parent, attr, LoRALinear(linear, buffers[(layer_idx, name)], backend))
+        setattr(parent, attr, LoRALinear(linear, buffers[(layer_idx, name)], backend, layer_idx, name))
         count += 1
     return count
 

@@ -141,6 +141,14 @@ class LlamaForCausalLM(nn.Module):
     """Its forward over a pure-decode step makes no host read of device values and no
     value-dependent branch, so it can be captured (``engine.runner.cuda_graphs``)."""
 
+    supports_prepacked_weights = True
+    """It only calls its linears (no read of a projection's weight after load), so they can be
+    oneDNN-prepacked on the CPU (``engine.models.packed_linear``)."""
+
+    supports_compile = True
+    """Its forward calls its attention backend once per layer and branches on no tensor value,
+    so ``engine.runner.compiled_step`` can compile it whole."""
+
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config

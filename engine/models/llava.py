@@ -56,6 +56,10 @@ class LlavaForConditionalGeneration(nn.Module):
     """Its forward over a pure-decode step makes no host read of device values and no
     value-dependent branch, so it can be captured (``engine.runner.cuda_graphs``)."""
 
+    supports_prepacked_weights = True
+    """Its language model and projector only call their linears, so they can be
+    oneDNN-prepacked on the CPU (``engine.models.packed_linear``)."""
+
     def __init__(
         self,
         text_config: DecoderConfig,

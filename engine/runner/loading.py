@@ -87,6 +87,39 @@ def load_engine_model(config: EngineConfig) -> LoadedEngine:
     )
 
 
+def prepack_cpu_weights(model: torch.nn.Module, config: EngineConfig, what: str = "model") -> int:
+    """Pack ``model``'s projections for oneDNN (``--cpu-prepack-weights``) where it applies.
+
+    Applies on the CPU, in float32 or bfloat16, to a model that declares
+    ``supports_prepacked_weights`` (it only calls its linears, never reads their weights after
+    load). Call before LoRA layers are installed.
+
+    Args:
+        model: The loaded model (weights tied already).
+        config: The engine config.
+        what: The model's role, for the log line.
+
+    Returns:
+        The number of linears packed (0 when packing does not apply; logged why).
+    """
+    from loraplex.engine.models.packed_linear import can_pack, pack_linears
+
+    if not config.cpu_prepack_weights:
+        return 0
+    param = next(model.parameters())
+    reason = can_pack(param.device, param.dtype)
+    if reason is None and not getattr(model, "supports_prepacked_weights", False):
+        reason = f"{type(model).__name__} does not declare supports_prepacked_weights"
+    if reason is not None:
+        (logger.info if param.device.type == "cpu" else logger.debug)(
+            "%s weights not prepacked: %s", what, reason
+        )
+        return 0
+    count = pack_linears(model)
+    logger.info("%s: %d linears prepacked for oneDNN", what, count)
+    return count
+
+
 def load_draft_model(loaded: LoadedEngine) -> torch.nn.Module | None:
     """Load ``--speculative-model`` next to the target; its KV joins the pool's block size.
 

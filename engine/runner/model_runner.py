@@ -42,6 +42,7 @@ from loraplex.engine.kv_cache.block_table import BlockTable
 from loraplex.engine.kv_cache.profile import pool_zeros
 from loraplex.engine.lora.backend import LoRABackend
 from loraplex.engine.request import ImageInput
+from loraplex.engine.runner.compiled_step import CompiledStep
 from loraplex.engine.runner.cuda_graphs import DecodeGraphRunner
 from loraplex.engine.runner.image_splice import mrope_positions, splice_rows, with_image_bounds
 from loraplex.engine.runner.step_isolation import execute_isolating, sample_rows_isolating
@@ -142,6 +143,9 @@ class ModelRunner:
         # Pure-decode steps through CUDA graphs (or padded eagerly); set after the KV caches
         # exist (engine.runner.cuda_graphs.build_decode_graphs); None: every step eager.
         self.decode_graphs: DecodeGraphRunner | None = None
+        # The model's forward compiled by inductor (engine.runner.compiled_step; CPU), used for
+        # every step it accepts; None: the eager forward.
+        self.compiled_step: CompiledStep | None = None
         self.seqs: dict[str, _RunnerSeq] = {}
         self.generators: dict[str, torch.Generator] = {}
         shape = (num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
@@ -410,7 +414,11 @@ class ModelRunner:
             ])  # fmt: skip
         self._set_lora(items)
         t0 = time.perf_counter()
-        hidden = self.model(
+        forward = self.model
+        compiled = self.compiled_step
+        if compiled is not None and compiled.accepts(len(inputs.input_ids), positions, extra):
+            forward = compiled
+        hidden = forward(
             None if embeds is not None else inputs.input_ids,
             positions,
             self.kv_caches,
