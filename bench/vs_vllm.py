@@ -205,6 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=positive_int, default=1, help="interleaved rounds (default: 1)"
     )
     parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="both engines' dtype (default: float32; bfloat16 where the CPU has AVX512-BF16)",
+    )
+    parser.add_argument(
+        "--loraplex-compile",
+        action="store_true",
+        help="run loraplex with --cpu-compile (the compiled step); default: its eager step",
+    )
+    parser.add_argument(
         "--kv-cache-gib",
         type=positive_int,
         default=4,
@@ -436,8 +447,9 @@ def ceilings(threads: int, quick: bool, hidden: int, intermediate: int) -> dict:
     }
 
 
-def model_costs(path: Path) -> dict:
-    """Parameters, weight bytes a decode step reads, and KV bytes per token (float32)."""
+def model_costs(path: Path, dtype_bytes: int = 4) -> dict:
+    """Parameters, weight bytes a decode step reads, and KV bytes per token (``dtype_bytes``
+    per value: 4 float32, 2 bfloat16)."""
     from bench.presets import kv_bytes_per_token, weight_bytes_read
     from loraplex.engine.models.tiny_model import parameter_count
 
@@ -449,8 +461,8 @@ def model_costs(path: Path) -> dict:
         "head_parameters": embedding,
         "non_embedding_parameters": params
         - embedding * (1 if cfg.get("tie_word_embeddings") else 2),
-        "weight_bytes": weight_bytes_read(cfg, 4, params),
-        "kv_bytes_per_token": kv_bytes_per_token(cfg, 4),
+        "weight_bytes": weight_bytes_read(cfg, dtype_bytes, params),
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype_bytes),
         "layers": cfg["num_hidden_layers"],
         "hidden": cfg["hidden_size"],
         "intermediate": cfg["intermediate_size"],
@@ -524,7 +536,7 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(30)
 
 
-def start_loraplex(model: Path, port: int, tmp: Path, threads: int, kv_gib: int):
+def start_loraplex(model: Path, port: int, tmp: Path, args):
     """``loraplex serve`` as a user runs it; returns the process and a tenant's API key."""
     import httpx
 
@@ -533,8 +545,9 @@ def start_loraplex(model: Path, port: int, tmp: Path, threads: int, kv_gib: int)
         sys.executable, "-m", "loraplex.gateway.cli", "serve",
         "--model", str(model), "--served-model-name", SERVED_NAME,
         "--port", str(port), "--data-dir", str(tmp / "loraplex-data"),
-        "--admin-key", ADMIN_KEY, "--dtype", "float32",
-        "--num-cpu-threads", str(threads), "--kv-cache-memory", f"{kv_gib}GiB",
+        "--admin-key", ADMIN_KEY, "--dtype", args.dtype,
+        "--num-cpu-threads", str(args.threads), "--kv-cache-memory", f"{args.kv_cache_gib}GiB",
+        *(["--cpu-compile"] if args.loraplex_compile else []),
         "--log-level", "warning", "--no-access-log",
         "--requests-per-minute", "1000000", "--tokens-per-minute", "1000000000",
         "--max-concurrent-requests", "1000",
@@ -557,11 +570,11 @@ def start_loraplex(model: Path, port: int, tmp: Path, threads: int, kv_gib: int)
     return proc, r.json()["api_key"], log
 
 
-def start_vllm(vllm: VllmEnv, model: Path, port: int, tmp: Path):
+def start_vllm(vllm: VllmEnv, model: Path, port: int, tmp: Path, dtype: str):
     """``vllm serve`` with the CPU build's environment (the first start compiles: minutes)."""
     log = tmp / "vllm-serve.log"
     cmd = vllm.command(
-        "serve", str(model), "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
+        "serve", str(model), "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
         "--served-model-name", SERVED_NAME, "--seed", "0", "--uvicorn-log-level", "warning",
     )  # fmt: skip
     with log.open("w") as fh:
@@ -616,9 +629,9 @@ def run_online(engine: str, vllm: VllmEnv, model: Path, tmp: Path, args, names) 
     port = free_port()
     workloads = online_workloads(args.quick)
     if engine == "loraplex":
-        proc, api_key, log = start_loraplex(model, port, tmp, args.threads, args.kv_cache_gib)
+        proc, api_key, log = start_loraplex(model, port, tmp, args)
     else:
-        (proc, log), api_key = start_vllm(vllm, model, port, tmp), None
+        (proc, log), api_key = start_vllm(vllm, model, port, tmp, args.dtype), None
     results = {}
     try:
         bench_serve(vllm, model, port, warmup_workload(args.quick), tmp / "warm.json", api_key)
@@ -652,7 +665,7 @@ def main():
     from vllm import LLM, SamplingParams
 
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model"], dtype="float32", seed=0)
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": spec["prompts"][0][:32]}], warm, use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
@@ -678,7 +691,8 @@ def main():
     from loraplex.engine.sampling.params import SamplingParams
 
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(EngineConfig(model=spec["model"], dtype="float32",
+    llm = LLM(EngineConfig(model=spec["model"], dtype=spec["dtype"],
+                           cpu_compile=spec["compile"],
                            num_cpu_threads=spec["threads"],
                            kv_cache_memory_bytes=spec["kv_gib"] << 30))
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -723,6 +737,8 @@ def run_offline(engine: str, vllm: VllmEnv, model: Path, tmp: Path, args) -> dic
         "output_len": workload.output_len,
         "threads": args.threads,
         "kv_gib": args.kv_cache_gib,
+        "dtype": args.dtype,
+        "compile": args.loraplex_compile,
         "result": str(tmp / f"offline-{engine}-result.json"),
     }
     spec_path = tmp / "offline-spec.json"
@@ -815,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     online = [n for n in names if n in ONLINE_NAMES]
     model = model_dir()
-    costs = model_costs(model)
+    costs = model_costs(model, 2 if args.dtype == "bfloat16" else 4)
     ceil = ceilings(args.threads, args.quick, costs["hidden"], costs["intermediate"])
     print(
         f"ceilings ({args.threads} thread(s)): copy {ceil['copy_gbs']:.1f} GB/s, float32 GEMM "
@@ -849,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
         phys = {e: physical(costs, ceil, w, best["c1"][e]) for e in ("loraplex", "vllm")}
     load = os.getloadavg()[0]
     print(
-        f"model {model.name} (float32, {costs['parameters'] / 1e6:.1f}M parameters); vLLM "
+        f"model {model.name} ({args.dtype}, {costs['parameters'] / 1e6:.1f}M parameters); vLLM "
         f"{vllm.version}; {args.threads} thread(s) each; {args.rounds} round(s), best kept; "
         f"load {load:.1f}; {time.monotonic() - t0:.0f} s"
     )
@@ -869,6 +885,8 @@ def main(argv: list[str] | None = None) -> int:
                     "quick": args.quick,
                     "vllm_version": vllm.version,
                     "threads": args.threads,
+                    "dtype": args.dtype,
+                    "loraplex_compile": args.loraplex_compile,
                     "kv_cache_gib": args.kv_cache_gib,
                     "rounds": args.rounds,
                     "load": load,

@@ -129,10 +129,11 @@ class EngineConfig:
     """On the CPU, run a native model's forward compiled by inductor (``torch.compile``;
     ``engine.runner.compiled_step``): the elementwise ops between GEMMs fused, the attention and
     LoRA deltas opaque ops. Compiled at start (tens of seconds for a 30-layer model; inductor's
-    cache under the data directory makes restarts faster); off under ``--enforce-eager``.
-    docs/compiled_step.md."""
+    cache, ``TORCHINDUCTOR_CACHE_DIR``, makes restarts faster); off under ``--enforce-eager``.
+    docs/cpu_step.md."""
     enforce_eager: bool = False
-    """Never capture CUDA graphs: every step runs the model eagerly (vLLM's flag of that name).
+    """Never capture CUDA graphs nor compile the CPU step (``cpu_compile``): every step runs the
+    model eagerly (vLLM's flag of that name).
     Off: on CUDA with the triton attention backend and a native model, pure-decode steps replay
     a graph captured per batch-size bucket at start (docs/cuda_graphs.md); the CPU never uses
     graphs."""

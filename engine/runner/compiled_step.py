@@ -12,7 +12,7 @@ finds the step's KV caches, attention metadata and LoRA layout in the :class:`St
 runner enters around the call. Inside, the engine's own attention backend and LoRA backend run
 exactly as in eager mode, so the compiled step computes what the eager one computes, with the
 same kernels for attention and the same LoRA layouts; only the fusion of elementwise ops
-changes float rounding (parity: docs/compiled_step.md).
+changes float rounding (parity and figures: docs/cpu_step.md).
 
 Shapes: the step's token count ``T`` is dynamic: one graph serves every step of 2 tokens or
 more (prefill chunks, decode batches), so there is nothing to pad and no bucket to pick. A
