@@ -54,6 +54,11 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
         out_addr: ZMQ address this process pushes messages to (the client pulls).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway handles Ctrl-C and tells us
+    from loraplex.engine.core.cpu_bind import AUTO, bind_core_process, engine_config_for
+
+    if config.cpu_threads_bind == AUTO:  # one engine (a replica set hands each its own list)
+        config = engine_config_for(config, 1, 0)
+    unpinned = bind_core_process(config)  # before torch loads: its OpenMP threads pinned
     if config.attention_backend != "triton":
         from loraplex.engine.triton_guard import keep_triton_out
 
@@ -67,6 +72,8 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
     from loraplex.engine.core.engine_core import EngineCore
 
     logging.basicConfig(level=os.environ.get("LORAPLEX_CORE_LOG_LEVEL", "WARNING"))
+    if unpinned is not None:
+        logger.warning("--cpu-threads-bind %s: %s", config.cpu_threads_bind, unpinned)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
