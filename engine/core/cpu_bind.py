@@ -19,11 +19,10 @@ mean the same here, the rank being the engine replica (``serve --replicas``):
 - ``nobind``: nothing is bound; torch's thread count is ``--cpu-threads``, else torch's
   default (one engine) or the CPUs split between the replicas.
 
-In an engine core process bound to a list, torch's OpenMP threads are also pinned one per
-CPU (:func:`bind_core_process`: thread ``i`` on the list's CPU ``i``, as vLLM pins them): on the
-2-core development machine, with another process busy on it, two unpinned threads lost up to
-20x to a core shared with that process while pinned ones lost about a third (docs/cli.md, "CPU
-threads").
+In an engine core process bound to a list, with one torch thread per listed CPU (the
+default), the OpenMP threads are also pinned one per CPU (:func:`bind_core_process`: thread
+``i`` on the list's CPU ``i``, as vLLM pins them). Measured on the 2-core development machine
+with ``bench.cpu_threads``: docs/cli.md, "CPU threads".
 """
 
 from __future__ import annotations
@@ -390,16 +389,20 @@ def bind_core_process(config: Any) -> str | None:
 
     Called first thing in the core's process (``engine.core.process.run_core``), with
     ``cpu_threads_bind`` already one list or ``nobind``. The process's threads are restricted
-    to the list (:func:`bind_process`); then, if torch is not loaded yet, torch is imported with
-    ``OMP_PLACES`` set to one place per listed CPU and ``OMP_PROC_BIND=close``, so OpenMP
-    thread ``i`` runs on the ``i``-th CPU and never moves (vLLM pins its threads the same way,
-    through ``GOMP_CPU_AFFINITY``/``KMP_AFFINITY``); the two variables are removed again once
-    the OpenMP runtime has read them, so the core's own child processes do not inherit them.
-    Where torch was loaded before (a program whose main module imports it, re-imported by
-    ``spawn``), the threads are bound to the list but not pinned one per CPU.
+    to the list (:func:`bind_process`). Then, with as many torch threads as listed CPUs (the
+    default) and torch not loaded yet, torch is imported with ``OMP_PLACES`` set to one place
+    per listed CPU and ``OMP_PROC_BIND=close``, so OpenMP thread ``i`` runs on the ``i``-th
+    CPU and never moves (vLLM pins its threads the same way, through
+    ``GOMP_CPU_AFFINITY``/``KMP_AFFINITY``); the two variables are removed again once the
+    OpenMP runtime has read them, so the core's own child processes do not inherit them. With
+    fewer threads than CPUs (``--cpu-threads``) they are not pinned: the kernel moves each to
+    whichever listed CPU is free (a thread held to one CPU loses when another process is busy
+    there: docs/cli.md); with more, they share the CPUs. Where torch was loaded before (a
+    program whose main module imports it, re-imported by ``spawn``), the threads are bound to
+    the list but not pinned one per CPU.
 
     Returns:
-        None, or why the threads are not pinned one per CPU.
+        None, or why the threads are not pinned one per CPU though they should be.
 
     Raises:
         ValueError: several lists, or a CPU this process may not run on.
@@ -413,6 +416,8 @@ def bind_core_process(config: Any) -> str | None:
     cpus = engine_cpus(bind, 1, 0)
     assert cpus is not None
     bind_process(cpus)
+    if (config.num_cpu_threads or len(cpus)) != len(cpus):
+        return None
     if "torch" in sys.modules:
         return "torch was loaded before the binding: its threads share the CPUs, not one each"
     saved = {k: os.environ.get(k) for k in (OMP_PLACES_ENV, OMP_PROC_BIND_ENV)}

@@ -238,3 +238,25 @@ def test_an_engine_core_applies_its_list_and_thread_count():
     finally:
         bind_process(before)
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity calls")
+def test_threads_are_pinned_only_one_per_cpu_and_before_torch_loads():
+    import torch  # noqa: F401  (loaded: too late to pin, which is said)
+
+    from loraplex.engine.core.cpu_bind import bind_core_process
+
+    before = os.sched_getaffinity(0)
+    first = str(min(before))
+    try:
+        assert bind_core_process(EngineConfig(model="m", cpu_threads_bind="nobind")) is None
+        assert os.sched_getaffinity(0) == before
+        # more threads than CPUs: bound, not pinned, by design (nothing to say)
+        spread = EngineConfig(model="m", cpu_threads_bind=first, num_cpu_threads=2)
+        assert bind_core_process(spread) is None
+        assert os.sched_getaffinity(0) == {int(first)}
+        bind_process(before)
+        one_each = EngineConfig(model="m", cpu_threads_bind=first)
+        assert "torch was loaded before the binding" in bind_core_process(one_each)
+    finally:
+        bind_process(before)

@@ -67,6 +67,24 @@ def test_one_engine_on_a_list_has_every_thread_there_and_one_omp_thread_per_cpu(
         client.shutdown()
 
 
+def test_fewer_threads_than_cpus_are_bound_but_not_pinned(tiny_text_dir, tmp_path):
+    cpus = sorted(allowed_cpus())[:2]
+    if len(cpus) < 2:
+        pytest.skip("one CPU")
+    bind = format_cpu_list(cpus)
+    config = EngineConfig(
+        model=tiny_text_dir, num_kv_blocks=64, cpu_threads_bind=bind, num_cpu_threads=1
+    )
+    client = start_engine(config, tmp_path / "store", in_process=False)
+    try:
+        generate(client, "c")
+        # the one thread goes to whichever listed CPU is free: no thread held to one CPU
+        assert set(task_masks(client.describe()["pid"])) == {frozenset(cpus)}
+        assert client.describe()["cpu_threads"] == f"1 torch thread on CPUs {bind}"
+    finally:
+        client.shutdown()
+
+
 def test_replicas_on_auto_split_the_cores(tiny_text_dir, tmp_path):
     lists = auto_cpu_lists(2, allowed_cpus(), CpuTopology.read())
     if lists is None:
