@@ -286,27 +286,28 @@ def check_count(lists: Sequence[Sequence[int]], replicas: int) -> None:
         )
 
 
-def check_bind(bind: str, replicas: int, *, processes: bool) -> None:
+def check_bind(bind: str, replicas: int, *, in_process: bool, remote: bool) -> None:
     """Refuse a ``--cpu-threads-bind`` that cannot be done for this set of engines.
 
     Args:
         bind: The value.
         replicas: Engines.
-        processes: Each engine is a process of its own on this machine (not a thread of the
-            server's process, not a Ray actor placed elsewhere).
+        in_process: The engines run on threads of this process (one engine there: a list
+            binds this whole process).
+        remote: Ray places the engines, on any node.
 
     Raises:
-        ValueError: malformed; a CPU outside this process's; lists for engines that are not
-            processes of this machine (with several engines); not one list per replica.
+        ValueError: malformed; a CPU outside this process's; lists for Ray actors, or for
+            several engines sharing this process; not one list per replica.
     """
     parsed = parse_bind(bind)
     if isinstance(parsed, str):
         return
     check_allowed(parsed)
-    if not processes and replicas > 1:
+    if remote or (in_process and replicas > 1):
         raise ValueError(
-            "--cpu-threads-bind CPU lists bind engine core processes on this machine: with "
-            "--no-engine-process or --ray-address use auto or nobind"
+            "--cpu-threads-bind CPU lists bind engine core processes of this machine, one "
+            "each: with --ray-address, or --replicas and --no-engine-process, use auto or nobind"
         )
     check_count(parsed, replicas)
 

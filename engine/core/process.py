@@ -46,6 +46,10 @@ tests, docs/hardening.md). Unset in production."""
 def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -> None:
     """Child process body: serve one engine core until shut down or broken.
 
+    First this process is bound to its CPUs (``config.cpu_threads_bind``; ``auto`` resolved
+    here for one engine, a replica set hands each replica its own list) and torch loaded with
+    its OpenMP threads pinned to them (``engine.core.cpu_bind.bind_core_process``).
+
     Args:
         config: The ``EngineConfig``.
         store_root: The gateway's adapter store, a directory or an object-store URL
@@ -54,15 +58,15 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
         out_addr: ZMQ address this process pushes messages to (the client pulls).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway handles Ctrl-C and tells us
-    from loraplex.engine.core.cpu_bind import AUTO, bind_core_process, engine_config_for
-
-    if config.cpu_threads_bind == AUTO:  # one engine (a replica set hands each its own list)
-        config = engine_config_for(config, 1, 0)
-    unpinned = bind_core_process(config)  # before torch loads: its OpenMP threads pinned
     if config.attention_backend != "triton":
         from loraplex.engine.triton_guard import keep_triton_out
 
         keep_triton_out()  # before the engine's imports: no triton, no leak report at exit
+    from loraplex.engine.core.cpu_bind import AUTO, bind_core_process, engine_config_for
+
+    if config.cpu_threads_bind == AUTO:  # one engine (a replica set hands each its own list)
+        config = engine_config_for(config, 1, 0)
+    unpinned = bind_core_process(config)  # loads torch, its OpenMP threads pinned to the list
     import msgspec
     import zmq
 

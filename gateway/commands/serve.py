@@ -304,8 +304,9 @@ def serve_engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfi
 
     replicas = getattr(args, "replicas", 1)
     if replicas >= 1:  # below 1: refused by start_engine, with its own line
-        processes = args.engine_process and getattr(args, "ray_address", None) is None
-        check_bind(config.cpu_threads_bind, replicas, processes=processes)
+        remote = getattr(args, "ray_address", None) is not None
+        in_process = not args.engine_process and not remote
+        check_bind(config.cpu_threads_bind, replicas, in_process=in_process, remote=remote)
     return config
 
 

@@ -110,7 +110,8 @@ def start_cores(
     check_bind(
         engine_config.cpu_threads_bind,
         replicas,
-        processes=not in_process and ray_address is None,
+        in_process=in_process and ray_address is None,
+        remote=ray_address is not None,
     )
     if replicas > 1 or ray_address is not None:
         return _start_replicas(

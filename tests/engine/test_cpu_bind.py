@@ -155,12 +155,16 @@ def test_each_replica_gets_its_own_list_and_the_count_must_match():
 
 def test_check_bind_refuses_lists_for_engines_that_are_not_processes_here():
     mine = format_cpu_list(allowed_cpus())
-    check_bind("auto", 4, processes=False)
-    check_bind(mine, 1, processes=False)  # one engine in the server's process: bound there
-    with pytest.raises(ValueError, match="--no-engine-process or --ray-address"):
-        check_bind(f"{mine}|{mine}", 2, processes=False)
+    check_bind("auto", 4, in_process=True, remote=False)
+    check_bind("nobind", 4, in_process=False, remote=True)
+    check_bind(mine, 1, in_process=True, remote=False)  # one engine here: this process bound
+    check_bind(f"{mine}|{mine}", 2, in_process=False, remote=False)
+    with pytest.raises(ValueError, match="with --ray-address, or --replicas and --no-engine"):
+        check_bind(f"{mine}|{mine}", 2, in_process=True, remote=False)
+    with pytest.raises(ValueError, match="with --ray-address"):
+        check_bind(mine, 1, in_process=False, remote=True)  # not quietly dropped
     with pytest.raises(ValueError, match="are not among"):
-        check_bind("65535", 1, processes=True)
+        check_bind("65535", 1, in_process=False, remote=False)
 
 
 def test_replica_configs():

@@ -263,8 +263,10 @@ def test_cpu_lists_must_match_the_replicas_and_bind_processes():
     with pytest.raises(ValueError, match="1 CPU list for 2 engine replicas"):
         serve_engine_config(parse(["serve", "--cpu-threads-bind", cpu, "--replicas", "2"]), "m")
     argv = ["serve", "--cpu-threads-bind", f"{cpu}|{cpu}", "--replicas", "2"]
-    with pytest.raises(ValueError, match="--no-engine-process or --ray-address"):
+    with pytest.raises(ValueError, match="--replicas and --no-engine-process"):
         serve_engine_config(parse([*argv, "--no-engine-process"]), "m")
+    with pytest.raises(ValueError, match="with --ray-address"):
+        serve_engine_config(parse([*argv, "--ray-address", "auto"]), "m")
     # auto and nobind fit any set of engines
     for value in ("auto", "nobind"):
         args = parse(["serve", "--cpu-threads-bind", value, "--replicas", "3"])
