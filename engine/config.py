@@ -176,8 +176,14 @@ class EngineConfig:
     and unloaded) for a router; set by the replica set, off for one engine (nobody would drain
     them)."""
     num_cpu_threads: int | None = None
-    """Threads torch uses for CPU work in the engine. Default: every core for one engine;
-    replicas sharing one machine split its cores."""
+    """Threads torch uses for CPU work in the engine (its OpenMP pool). Default: one per CPU
+    of ``cpu_threads_bind`` where it binds; else torch's default for one engine, and the CPUs
+    split between replicas sharing one machine."""
+    cpu_threads_bind: str = "auto"
+    """The CPUs an engine core process runs on, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: auto
+    (one CPU per physical core of the CPUs this process may use, replicas on separate cores
+    or NUMA nodes; binds engine core processes only), nobind, or CPU lists such as 0-3 or
+    0,2,4-7, one per replica separated by | (engine.core.cpu_bind)."""
     unresponsive_timeout_s: float = 1.0
     """An engine core process that sends nothing (not even its heartbeat, every 0.1 s from a
     thread of its own) for this many seconds leaves the routing table and /health until it
@@ -201,6 +207,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, list):  # hashable, as every field
             object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
+        bind_error = _bind_error(self)  # and cpu_threads_bind spelled canonically ("0-3|4-7")
         checks = [
             (self.device in ("cpu", "cuda"), f"device must be cpu or cuda, got {self.device!r}"),
             (
@@ -309,6 +316,7 @@ class EngineConfig:
                 self.num_cpu_threads is None or self.num_cpu_threads > 0,
                 "num_cpu_threads must be positive",
             ),
+            (bind_error is None, f"cpu_threads_bind: {bind_error}"),
             (
                 0 < self.unresponsive_timeout_s <= self.dead_timeout_s and self.step_timeout_s > 0,
                 "need 0 < unresponsive_timeout_s <= dead_timeout_s and step_timeout_s > 0",
@@ -340,3 +348,16 @@ class EngineConfig:
     def replace(self, **changes) -> EngineConfig:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _bind_error(config: EngineConfig) -> str | None:
+    """Why ``config.cpu_threads_bind`` is malformed, or None after writing its canonical form."""
+    from loraplex.engine.core.cpu_bind import normalize_bind
+
+    if not isinstance(config.cpu_threads_bind, str):
+        return f"expected a string, got {config.cpu_threads_bind!r}"
+    try:
+        object.__setattr__(config, "cpu_threads_bind", normalize_bind(config.cpu_threads_bind))
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -112,7 +112,11 @@ class EngineCoreClient(ABC):
         """The core's KV events since the last call, oldest first (``engine.kv_cache.events``)."""
 
     def describe(self) -> dict[str, Any]:
-        """What was loaded: ``num_parameters``, ``dtype``, ``device``, ``kv_pool``, ``pid``."""
+        """What was loaded and where it runs.
+
+        ``num_parameters``, ``dtype``, ``device``, ``kv_pool``, ``pid``, ``cpu_threads``
+        (torch's threads and their CPUs, one line).
+        """
         info = self.info
         return {
             "num_parameters": info.num_parameters,
@@ -120,6 +124,7 @@ class EngineCoreClient(ABC):
             "device": info.device,
             "kv_pool": info.kv_pool,
             "pid": info.pid,
+            "cpu_threads": info.cpu_threads,
         }
 
     @property
@@ -153,4 +158,5 @@ def core_info(core: Any) -> CoreInfo:
         kv_pool=core.kv_sizing.describe(),
         pid=os.getpid(),
         vocab_size=model.vocab_size,
+        cpu_threads=getattr(core, "cpu_threads", ""),
     )

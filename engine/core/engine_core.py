@@ -115,6 +115,52 @@ class EngineFaultError(RuntimeError):
     """The engine cannot run steps any more (not one request's fault); it must be restarted."""
 
 
+def apply_cpu_threads(config: EngineConfig) -> str:
+    """Bind this process to ``config.cpu_threads_bind``'s CPUs and size torch's thread pool.
+
+    A CPU list (one engine's: the replica set hands each replica its own) restricts every
+    thread of this process (``engine.core.cpu_bind.bind_process``; in an engine core process
+    ``bind_core_process`` did it, and pinned the OpenMP threads, before torch loaded), before
+    the model's first parallel region makes torch's OpenMP pool; ``auto`` was resolved
+    to a list, or to ``nobind``, by the engine core process's entry point
+    (``engine.core.process.run_core``) and binds nothing in any other process. Threads:
+    ``num_cpu_threads``, else one per bound CPU, else torch's default.
+
+    Returns:
+        What was done, for people: ``"2 torch threads on CPUs 0-1"``, ``"2 torch threads,
+        not bound"``.
+
+    Raises:
+        ValueError: several CPU lists (one engine takes one), or a CPU this process may not
+            run on.
+    """
+    from loraplex.engine.core.cpu_bind import (
+        AUTO,
+        NOBIND,
+        bind_process,
+        bound_within,
+        check_allowed,
+        check_count,
+        format_cpu_list,
+        parse_bind,
+    )
+
+    cpus = None
+    if config.cpu_threads_bind not in (AUTO, NOBIND):
+        lists = parse_bind(config.cpu_threads_bind)
+        check_count(lists, 1)
+        cpus = lists[0]
+        if not bound_within(cpus):  # not done yet (run_core binds, and pins, first)
+            check_allowed(lists)
+            bind_process(cpus)
+    threads = config.num_cpu_threads or (len(cpus) if cpus else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    where = f" on CPUs {format_cpu_list(cpus)}" if cpus else ", not bound"
+    n = torch.get_num_threads()
+    return f"{n} torch thread{'' if n == 1 else 's'}{where}"
+
+
 class EngineCore:
     """Model, KV cache, scheduler and runner, driven one step at a time.
 
@@ -144,8 +190,7 @@ class EngineCore:
         breadcrumb: Breadcrumb | None = None,
     ) -> None:
         config = resolve_model_source(config)  # a no-op on a config resolved by the client
-        if config.num_cpu_threads is not None:
-            torch.set_num_threads(config.num_cpu_threads)
+        self.cpu_threads = apply_cpu_threads(config)
         self.breadcrumb = breadcrumb if breadcrumb is not None else Breadcrumb()
         loaded = load_engine_model(config)
         self.model = loaded.model

@@ -46,6 +46,10 @@ tests, docs/hardening.md). Unset in production."""
 def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -> None:
     """Child process body: serve one engine core until shut down or broken.
 
+    First this process is bound to its CPUs (``config.cpu_threads_bind``; ``auto`` resolved
+    here for one engine, a replica set hands each replica its own list) and torch loaded with
+    its OpenMP threads pinned to them (``engine.core.cpu_bind.bind_core_process``).
+
     Args:
         config: The ``EngineConfig``.
         store_root: The gateway's adapter store, a directory or an object-store URL
@@ -58,6 +62,11 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
         from loraplex.engine.triton_guard import keep_triton_out
 
         keep_triton_out()  # before the engine's imports: no triton, no leak report at exit
+    from loraplex.engine.core.cpu_bind import AUTO, bind_core_process, engine_config_for
+
+    if config.cpu_threads_bind == AUTO:  # one engine (a replica set hands each its own list)
+        config = engine_config_for(config, 1, 0)
+    unpinned = bind_core_process(config)  # loads torch, its OpenMP threads pinned to the list
     import msgspec
     import zmq
 
@@ -67,6 +76,8 @@ def run_core(config: Any, store_root: str | None, in_addr: str, out_addr: str) -
     from loraplex.engine.core.engine_core import EngineCore
 
     logging.basicConfig(level=os.environ.get("LORAPLEX_CORE_LOG_LEVEL", "WARNING"))
+    if unpinned is not None:
+        logger.warning("--cpu-threads-bind %s: %s", config.cpu_threads_bind, unpinned)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)

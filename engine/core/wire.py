@@ -83,6 +83,8 @@ class CoreInfo(msgspec.Struct):
         kv_pool: One line describing the KV pool (``engine.kv_cache.sizing``).
         pid: The core process's id.
         vocab_size: Token ids the model takes are in ``[0, vocab_size)``.
+        cpu_threads: torch's threads and the CPUs they are bound to, for people
+            (``engine.core.engine_core.apply_cpu_threads``).
     """
 
     max_model_len: int
@@ -95,6 +97,7 @@ class CoreInfo(msgspec.Struct):
     kv_pool: str
     pid: int
     vocab_size: int = 0
+    cpu_threads: str = ""
 
 
 class Ready(msgspec.Struct, tag=True):

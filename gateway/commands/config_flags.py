@@ -33,12 +33,14 @@ class FlagSpec:
         parse: The argparse ``type`` (default: from the field's annotation).
         show_default: How the default reads in the help (default: ``str``), or None to leave
             the default out of the help.
+        aliases: Other names the flag keeps answering to (an older name users rely on).
     """
 
     flag: str | None = None
     metavar: str | None = None
     parse: Callable[[str], Any] | None = None
     show_default: Callable[[Any], str] | None = str
+    aliases: tuple[str, ...] = ()
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
@@ -151,7 +153,8 @@ def add_config_flags(
         kwargs = _argparse_kwargs(hints[name], default, spec)
         if spec is not None and spec.metavar:
             kwargs["metavar"] = spec.metavar
-        group.add_argument(flags[name], dest=name, default=default, help=text, **kwargs)
+        aliases = spec.aliases if spec is not None else ()
+        group.add_argument(flags[name], *aliases, dest=name, default=default, help=text, **kwargs)
 
 
 def config_kwargs(args: argparse.Namespace, fields: Iterable[str]) -> dict[str, Any]:

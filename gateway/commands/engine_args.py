@@ -55,6 +55,24 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _cpu_threads_bind(text: str) -> str:
+    """The argparse type of ``--cpu-threads-bind``: auto, nobind or CPU lists of this machine.
+
+    Checked here, before anything loads: the syntax and that every CPU is one this process
+    may run on (``engine.core.cpu_bind``); a list per replica is checked against
+    ``--replicas`` by ``serve``.
+    """
+    from loraplex.engine.core.cpu_bind import check_allowed, normalize_bind, parse_bind
+
+    try:
+        parsed = parse_bind(text)
+        if not isinstance(parsed, str):
+            check_allowed(parsed)
+        return normalize_bind(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 #: Flags whose name, metavar or parser is not the field's own.
 FLAG_SPECS: dict[str, FlagSpec] = {
     "kv_cache_memory_bytes": FlagSpec(flag="--kv-cache-memory", metavar="SIZE", parse=_size),
@@ -63,6 +81,8 @@ FLAG_SPECS: dict[str, FlagSpec] = {
     ),
     "cuda_graph_sizes": FlagSpec(metavar="N,N,...", parse=_batch_sizes),
     "num_speculative_tokens": FlagSpec(metavar="K"),
+    "num_cpu_threads": FlagSpec(flag="--cpu-threads", metavar="N", aliases=("--num-cpu-threads",)),
+    "cpu_threads_bind": FlagSpec(metavar="auto|nobind|CPUS", parse=_cpu_threads_bind),
     "speculative_model": FlagSpec(metavar="MODEL"),
     "grammar_workers": FlagSpec(metavar="N"),
     "grammar_cpu_seconds": FlagSpec(

@@ -280,7 +280,9 @@ def serve_engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfi
 
     ``--engine-dead-timeout`` and ``--engine-step-timeout``: how long a silent or stuck engine
     core process is waited for (``engine.client.process``); they watch a process, so they are
-    refused with ``--no-engine-process``.
+    refused with ``--no-engine-process``. ``--cpu-threads-bind`` lists: one per replica, and
+    only for engine core processes of this machine when there are several
+    (``engine.core.cpu_bind.check_bind``).
 
     Raises:
         ValueError: an invalid flag or combination.
@@ -297,7 +299,15 @@ def serve_engine_config(args: argparse.Namespace, model_dir: str) -> EngineConfi
             "--engine-unresponsive-timeout, --engine-dead-timeout and --engine-step-timeout "
             "watch an engine core process; with --no-engine-process there is none"
         )
-    return config_from_args(args, model_dir)
+    config = config_from_args(args, model_dir)
+    from loraplex.engine.core.cpu_bind import check_bind
+
+    replicas = getattr(args, "replicas", 1)
+    if replicas >= 1:  # below 1: refused by start_engine, with its own line
+        remote = getattr(args, "ray_address", None) is not None
+        in_process = not args.engine_process and not remote
+        check_bind(config.cpu_threads_bind, replicas, in_process=in_process, remote=remote)
+    return config
 
 
 def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -> GatewayConfig:
@@ -557,6 +567,8 @@ def _report_engine(client, name: str, seconds: float) -> None:
     if info.get("replicas"):
         first = f"the first is process {info['pid']}" if info.get("pid") else "in process"
         where = f" ({info['replicas']} engine replicas behind a router; {first})"
+    if info.get("cpu_threads") and info.get("device") == "cpu":  # "2 torch threads on CPUs 0-1"
+        where = f"{where[:-1]}; {info['cpu_threads']})"
     progress(
         f"model {name} loaded: {_count(info['num_parameters'])} parameters, "
         f"{info['dtype']} on {info['device']}, in {seconds:.1f} s{where}"

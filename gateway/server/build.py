@@ -105,6 +105,14 @@ def start_cores(
     """
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
+    from loraplex.engine.core.cpu_bind import check_bind
+
+    check_bind(
+        engine_config.cpu_threads_bind,
+        replicas,
+        in_process=in_process and ray_address is None,
+        remote=ray_address is not None,
+    )
     if replicas > 1 or ray_address is not None:
         return _start_replicas(
             engine_config, store_root, in_process, replicas, ray_address, quarantine
@@ -144,12 +152,13 @@ def _start_replicas(
 
     quarantine = quarantine if quarantine is not None else Quarantine()  # one for all
 
+    from loraplex.engine.core.cpu_bind import NOBIND, engine_config_for
+
     config = engine_config.replace(enable_kv_events=True)
-    if config.device == "cpu" and ray_address is None:  # one machine's memory and cores
-        config = config.replace(
-            cpu_kv_cache_share=config.cpu_kv_cache_share / replicas,
-            num_cpu_threads=config.num_cpu_threads or max(1, (os.cpu_count() or 1) // replicas),
-        )
+    if config.device == "cpu" and ray_address is None:  # one machine's memory
+        config = config.replace(cpu_kv_cache_share=config.cpu_kv_cache_share / replicas)
+    if ray_address is not None or in_process:  # nothing to bind (check_bind refused lists)
+        config = config.replace(cpu_threads_bind=NOBIND)
     from loraplex.engine.core.launch import ProcessLauncher, RayLauncher
 
     if config.device == "cuda" and ray_address is None and not in_process:
@@ -161,14 +170,17 @@ def _start_replicas(
     cores: dict[str, Any] = {}
     try:
         for i in range(replicas):
+            # This machine's cores split between the replicas (their own CPUs with auto or
+            # lists, else a share of threads each); Ray places each actor where it has room.
+            replica = config if ray is not None else engine_config_for(config, replicas, i)
             if ray is None and in_process:
-                cores[f"replica-{i}"] = start_cores(config, store_root)
+                cores[f"replica-{i}"] = start_cores(replica, store_root)
                 continue
             from loraplex.engine.client.process import ProcessCoreClient
 
-            launcher = ray or ProcessLauncher(_replica_env(config, i))
+            launcher = ray or ProcessLauncher(_replica_env(replica, i))
             core = ProcessCoreClient(
-                config, str(store_root), launcher=launcher, quarantine=quarantine
+                replica, str(store_root), launcher=launcher, quarantine=quarantine
             )
             core.start()
             cores[f"replica-{i}"] = core

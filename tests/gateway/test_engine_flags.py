@@ -77,6 +77,8 @@ def _other_value(name: str, default):
         return value, [value]
     if name == "cuda_graph_sizes":
         return (1, 2, 8), ["1,2,8"]
+    if name == "cpu_threads_bind":
+        return "nobind", ["nobind"]
     if name.endswith("_bytes"):
         return 3 * 1024**3, ["3GiB"]
     if base is bool:
@@ -205,3 +207,67 @@ def test_swap_preemption_with_a_swap_space_smaller_than_a_block_is_refused(tiny_
     )
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(config)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("flag", ["--cpu-threads", "--num-cpu-threads"])
+def test_cpu_threads_and_its_older_name_set_one_field(command, flag):
+    base = [command] if command == "serve" else [command, "--input", "a", "--output", "b"]
+    args = build_parser().parse_args([*base, flag, "3"])
+    assert config_from_args(args, "m").num_cpu_threads == 3
+    assert config_from_args(build_parser().parse_args(base), "m").num_cpu_threads is None
+
+
+def _one_cpu() -> str:
+    from loraplex.engine.core.cpu_bind import allowed_cpus
+
+    return str(min(allowed_cpus()))
+
+
+def test_cpu_threads_bind_takes_auto_nobind_and_cpu_lists_of_this_machine():
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["serve"]), "m").cpu_threads_bind == "auto"
+    for value in ("auto", "nobind", _one_cpu()):
+        args = parse(["serve", "--cpu-threads-bind", value])
+        assert config_from_args(args, "m").cpu_threads_bind == value
+    cpu = _one_cpu()
+    args = parse(["serve", "--cpu-threads-bind", f" {cpu} | {cpu}", "--replicas", "2"])
+    assert serve_engine_config(args, "m").cpu_threads_bind == f"{cpu}|{cpu}"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("", "an empty CPU list"),
+        ("0-", "is not a CPU number or a range"),
+        ("3-1", "ends below its start"),
+        ("0|", "an empty CPU list"),
+        ("65535", "are not among the CPUs this process may run on"),
+        ("bind", "is not a CPU number or a range"),
+    ],
+)
+def test_a_bad_cpu_threads_bind_is_a_usage_error(value, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--cpu-threads-bind", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("loraplex serve: error: argument --cpu-threads-bind: "), err
+    assert message in err
+
+
+def test_cpu_lists_must_match_the_replicas_and_bind_processes():
+    cpu = _one_cpu()
+    parse = build_parser().parse_args
+    with pytest.raises(ValueError, match="2 CPU lists for 1 engine: give one list per replica"):
+        serve_engine_config(parse(["serve", "--cpu-threads-bind", f"{cpu}|{cpu}"]), "m")
+    with pytest.raises(ValueError, match="1 CPU list for 2 engine replicas"):
+        serve_engine_config(parse(["serve", "--cpu-threads-bind", cpu, "--replicas", "2"]), "m")
+    argv = ["serve", "--cpu-threads-bind", f"{cpu}|{cpu}", "--replicas", "2"]
+    with pytest.raises(ValueError, match="--replicas and --no-engine-process"):
+        serve_engine_config(parse([*argv, "--no-engine-process"]), "m")
+    with pytest.raises(ValueError, match="with --ray-address"):
+        serve_engine_config(parse([*argv, "--ray-address", "auto"]), "m")
+    # auto and nobind fit any set of engines
+    for value in ("auto", "nobind"):
+        args = parse(["serve", "--cpu-threads-bind", value, "--replicas", "3"])
+        assert serve_engine_config(args, "m").cpu_threads_bind == value
