@@ -115,7 +115,9 @@ def install_lora(
     count = 0
     for layer_idx, name, linear in list(model.lora_targets()):
         parent, attr = parents[id(linear)]
-        setattr(parent, attr, LoRALinear(linear, buffers[(layer_idx, name)], backend, layer_idx, name))
+        setattr(
+            parent, attr, LoRALinear(linear, buffers[(layer_idx, name)], backend, layer_idx, name)
+        )
         count += 1
     return count
 

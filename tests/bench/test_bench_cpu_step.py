@@ -15,7 +15,9 @@ def test_cpu_step_quick(tmp_path):
     assert set(result["engine_start_s"]) == {"dense", "packed", "compiled", "bf16"}
     assert set(result["compile_s"]) == {"compiled"} and result["compile_s"]["compiled"] > 0
     rows = result["results"]
-    assert set(rows) == {f"{m}/{b}" for m in ("dense", "packed", "compiled", "bf16") for b in (1, 4)}
+    assert set(rows) == {
+        f"{m}/{b}" for m in ("dense", "packed", "compiled", "bf16") for b in (1, 4)
+    }
     for batch in (1, 4):
         dense = rows[f"dense/{batch}"]
         for mode in ("packed", "compiled"):  # float32: the same greedy tokens

@@ -48,7 +48,9 @@ def adapter_dirs(tiny_text_dir, tmp_path_factory):
     dirs = {}
     for i, targets in enumerate([["q_proj", "v_proj"], ["gate_proj", "down_proj", "o_proj"]]):
         base = AutoModelForCausalLM.from_pretrained(tiny_text_dir, dtype=torch.float32)
-        model = get_peft_model(base, LoraConfig(r=4 * (i + 1), lora_alpha=8, target_modules=targets))
+        model = get_peft_model(
+            base, LoraConfig(r=4 * (i + 1), lora_alpha=8, target_modules=targets)
+        )
         gen = torch.Generator().manual_seed(7 + i)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -96,7 +98,10 @@ def test_compiled_step_matches_eager(tiny_text_dir, adapter_dirs):
     digest = compiled.engine.add_lora_dir(adapter_dirs["a1"]).digest
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     prompt = [30, 31, 32, 33, 34, 35]
-    base, tuned = compiled.generate([
-        EngineRequest("base", prompt, params), EngineRequest("tuned", prompt, params, lora_digest=digest)
-    ])  # fmt: skip
+    base, tuned = compiled.generate(
+        [
+            EngineRequest("base", prompt, params),
+            EngineRequest("tuned", prompt, params, lora_digest=digest),
+        ]
+    )
     assert base.outputs[0].token_ids != tuned.outputs[0].token_ids
