@@ -7,6 +7,7 @@ import torch
 
 from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.models import packed_linear
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.runner.compiled_step import (
     CompiledStep,
@@ -79,9 +80,13 @@ def _run(llm, adapter_dirs, tag):
 
 
 @pytest.mark.slow  # one inductor compilation of the tiny model (10-30 s)
-def test_compiled_step_matches_eager(tiny_text_dir, adapter_dirs):
+def test_compiled_step_matches_eager(tiny_text_dir, adapter_dirs, monkeypatch):
+    # The tiny model's linears are below the packing threshold: pack them anyway, so the
+    # compiled graph calls the packed-GEMM op as a real model's does.
+    monkeypatch.setattr(packed_linear, "MIN_PACK_ELEMENTS", 0)
     common = dict(model=tiny_text_dir, max_num_batched_tokens=24, max_lora_rank=8)
     compiled = LLM(EngineConfig(cpu_compile=True, **common))
+    assert any(isinstance(m, packed_linear.PackedLinear) for m in compiled.engine.model.modules())
     step = compiled.engine.runner.compiled_step
     assert isinstance(step, CompiledStep) and step.compile_seconds > 0
     eager = LLM(EngineConfig(**common))
