@@ -14,7 +14,8 @@ seconds the process used per wall second (above the thread count: threads spin w
 wait for each other). On a machine others use, compare medians and look at the spread.
 
 Run: ``python -m bench.cpu_threads [--quick] [--rounds N] [--preset smollm-135m|tiny]``.
-``--quick``: the built-in tiny model, 2 requests of 8 tokens, one round. Prints a table, then
+``--quick``: the built-in tiny model, 2 requests of 8 tokens, one round, the 1-thread
+configurations only. Prints a table, then
 one JSON line.
 """
 
@@ -138,6 +139,8 @@ def main() -> None:
     requests, output = (2, 8) if args.quick else (REQUESTS, OUTPUT)
     allowed = sorted(os.sched_getaffinity(0))
     configs = configurations(allowed)
+    if args.quick:  # the plumbing: one thread, bound and not (two fresh processes, not four)
+        configs = [c for c in configs if c["threads"] == 1]
     results: dict[str, list[dict]] = {c["name"]: [] for c in configs}
     for r in range(rounds):
         for c in configs:
