@@ -315,9 +315,10 @@ def build_compiled_step(config: Any, runner: Any, lora_buffers: Any) -> Compiled
     """
     reason = compile_refusal(config, runner.model)
     if reason is not None:
-        (logger.warning if config.cpu_compile else logger.debug)(
-            "--cpu-compile asked for, but no compiled step: %s", reason
-        )
+        if config.cpu_compile:
+            logger.warning("--cpu-compile asked for, but no compiled step: %s", reason)
+        else:
+            logger.debug("no compiled step: %s", reason)
         return None
     step = CompiledStep(
         runner.model,
