@@ -17,7 +17,9 @@ Default: the ``smollm-135m`` preset (SmolLM-135M's shape: 30 layers, hidden 576,
 ``--quick``: the ``tiny`` preset, 3 rounds of 2 steps.
 
 Reported per workload: the median step time of each variant over the rounds (each round's
-mean), and ``separate / fused`` (above 1: fused is faster).
+mean), ``separate / fused`` of those medians, and the median over the rounds of each round's
+own ratio (above 1: fused is faster; the per-round ratio is the steadier figure on a shared
+machine, where a burst of another job's work lands on one variant's turn).
 
 Run: ``python -m bench.fused_proj [--quick] [--preset P] [--batches 1,8,32] [--context N]
 [--prefill N] [--rounds N] [--steps N]``. Prints a table, then one JSON line.
@@ -148,15 +150,15 @@ def measure(args: argparse.Namespace) -> dict:
                 times[variant].append((time.perf_counter() - t0) / args.steps)
         fused = statistics.median(times["fused"])
         separate = statistics.median(times["separate"])
+        ratios = [s / f for s, f in zip(times["separate"], times["fused"], strict=True)]
         rows.append(
             {
                 "workload": label,
                 "fused_ms": round(fused * 1e3, 2),
                 "separate_ms": round(separate * 1e3, 2),
                 "separate_over_fused": round(separate / fused, 3),
-                "per_round_ratios": [
-                    round(s / f, 3) for s, f in zip(times["separate"], times["fused"], strict=True)
-                ],
+                "median_round_ratio": round(statistics.median(ratios), 3),
+                "per_round_ratios": [round(x, 3) for x in ratios],
             }
         )
     variants.use("fused")
@@ -190,12 +192,12 @@ def main() -> None:
     args.steps = args.steps or (2 if quick else 5)
     result = measure(args)
     print(f"{args.preset}, float32, {result['threads']} threads, context {args.context}")
-    print("| workload | fused ms | separate ms | separate / fused |")
-    print("| --- | --- | --- | --- |")
+    print("| workload | fused ms | separate ms | separate / fused | median round ratio |")
+    print("| --- | --- | --- | --- | --- |")
     for row in result["rows"]:
         print(
             f"| {row['workload']} | {row['fused_ms']} | {row['separate_ms']} | "
-            f"{row['separate_over_fused']} |"
+            f"{row['separate_over_fused']} | {row['median_round_ratio']} |"
         )
     print(json.dumps(result))
 
