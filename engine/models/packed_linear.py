@@ -126,7 +126,8 @@ def _(x, key):
 
 
 def pack_linears(model: nn.Module, *, batch_hint: int = PACK_BATCH_HINT) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place.
+    """Replace every ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place (a layer
+    with a ``to_packed(batch_hint)`` method, a fused projection, by what that returns).
 
     Call before LoRA layers are installed (they wrap whatever projection is there).
 
@@ -144,8 +145,9 @@ def pack_linears(model: nn.Module, *, batch_hint: int = PACK_BATCH_HINT) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
+        if type(child) is nn.Linear or hasattr(child, "to_packed")
     ]
     for parent, name, child in parents:
-        setattr(parent, name, PackedLinear(child, batch_hint))
+        packed = child.to_packed(batch_hint) if hasattr(child, "to_packed") else None
+        setattr(parent, name, packed if packed is not None else PackedLinear(child, batch_hint))
     return len(parents)
