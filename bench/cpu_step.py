@@ -1,6 +1,7 @@
-"""Benchmark: the CPU step's options side by side (issue 30 item 3): dense ``F.linear`` weights,
-oneDNN-prepacked weights (``--cpu-prepack-weights``, the default), prepacked plus the compiled
-step (``--cpu-compile``), and prepacked in bfloat16.
+"""Benchmark: the CPU step's options side by side (issue 30 item 3).
+
+Dense ``F.linear`` weights, oneDNN-prepacked weights (``--cpu-prepack-weights``, the default),
+prepacked plus the compiled step (``--cpu-compile``), and prepacked in bfloat16.
 
 Workload per batch size ``B`` of ``--batches``: ``B`` requests of ``--prompt`` random tokens are
 prefilled (timed: prefill tokens/s), then every sequence decodes ``--steps`` tokens in pure-decode

@@ -23,7 +23,8 @@ machine, where a burst of another job's work lands on one variant's turn).
 
 Run: ``python -m bench.fused_proj [--quick] [--preset P] [--batches 1,8,32] [--context N]
 [--prefill N] [--rounds N] [--steps N] [--packed]``. ``--packed``: both variants with every
-linear prepacked for oneDNN (``engine.models.packed_linear``), as the engine runs on the CPU. Prints a table, then one JSON line.
+linear prepacked for oneDNN (``engine.models.packed_linear``), as the engine runs on the CPU.
+Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ from torch import nn
 
 from bench.presets import PRESETS, preset_dir
 from loraplex.engine.attention import get_attention_backend
-from loraplex.engine.models.packed_linear import pack_linears
 from loraplex.engine.attention.metadata import step_inputs
 from loraplex.engine.kv_cache.block_table import BlockTable
 from loraplex.engine.models import load_model
 from loraplex.engine.models.fused import FusedLinear
+from loraplex.engine.models.packed_linear import pack_linears
 
 BLOCK_SIZE = 16
 

@@ -448,8 +448,10 @@ def ceilings(threads: int, quick: bool, hidden: int, intermediate: int) -> dict:
 
 
 def model_costs(path: Path, dtype_bytes: int = 4) -> dict:
-    """Parameters, weight bytes a decode step reads, and KV bytes per token (``dtype_bytes``
-    per value: 4 float32, 2 bfloat16)."""
+    """Parameters, weight bytes a decode step reads, and KV bytes per token.
+
+    ``dtype_bytes`` per value: 4 float32, 2 bfloat16.
+    """
     from bench.presets import kv_bytes_per_token, weight_bytes_read
     from loraplex.engine.models.tiny_model import parameter_count
 

@@ -216,7 +216,9 @@ def install_lora(
             by_name[target.name] = buffers[(layer_idx, name)]
             continue
         parent, attr = parents[id(target)]
-        setattr(parent, attr, LoRALinear(target, buffers[(layer_idx, name)], backend, layer_idx, name))
+        setattr(
+            parent, attr, LoRALinear(target, buffers[(layer_idx, name)], backend, layer_idx, name)
+        )
         count += 1
     for base, by_name, layer_idx in fused.values():
         missing = [n for n in base.slice_names if n not in by_name]

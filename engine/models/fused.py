@@ -61,9 +61,12 @@ class LinearSlice:
 
 
 class SlicedOutput:
-    """What a fused projection's users need of it, whatever computes it: the slices' names,
-    widths and offsets (set by the subclass), :meth:`slices` and :meth:`split`. Shared by
-    :class:`FusedLinear` and its oneDNN-prepacked form (:class:`PackedFusedLinear`)."""
+    """What a fused projection's users need of it, whatever computes it.
+
+    The slices' names, widths and offsets (set by the subclass), :meth:`slices` and
+    :meth:`split`. Shared by :class:`FusedLinear` and its oneDNN-prepacked form
+    (:class:`PackedFusedLinear`).
+    """
 
     slice_names: tuple[str, ...]
     slice_sizes: tuple[int, ...]
@@ -132,8 +135,9 @@ class FusedLinear(SlicedOutput, nn.Linear):
 
 
 class PackedFusedLinear(SlicedOutput, PackedLinear):
-    """A :class:`FusedLinear` on a oneDNN-prepacked weight (``engine.models.packed_linear``):
-    one packed GEMM for q/k/v (or gate/up), the same slices.
+    """A :class:`FusedLinear` on a oneDNN-prepacked weight (``engine.models.packed_linear``).
+
+    One packed GEMM for q/k/v (or gate/up), the same slices.
 
     Args:
         fused: The fused projection to pack (not modified).
@@ -151,8 +155,9 @@ class PackedFusedLinear(SlicedOutput, PackedLinear):
 
 
 def fused_slices(module: nn.Module) -> list[LinearSlice]:
-    """The slices of a fused projection (:class:`FusedLinear`, packed or not), or of one a LoRA
-    layer wraps (its ``base``).
+    """The slices of a fused projection, or of one a LoRA layer wraps (its ``base``).
+
+    The projection is a :class:`FusedLinear`, packed or not.
 
     Raises:
         TypeError: ``module`` is neither.

@@ -78,7 +78,9 @@ def step_context(ctx: StepContext) -> Iterator[None]:
 
 def _current() -> StepContext:
     if _CURRENT is None:
-        raise RuntimeError("a compiled-step op ran outside engine.runner.compiled_step.step_context")
+        raise RuntimeError(
+            "a compiled-step op ran outside engine.runner.compiled_step.step_context"
+        )
     return _CURRENT
 
 
@@ -248,13 +250,16 @@ class CompiledStep:
         self._fn = torch.compile(model.forward, dynamic=True, fullgraph=True)
 
     def accepts(self, num_tokens: int, positions: torch.Tensor, extra: dict) -> bool:
-        """Whether a step of ``num_tokens`` with these inputs runs compiled (see the module
-        docstring: two tokens or more, ``[T]`` positions, no model-specific extras)."""
+        """Whether a step of ``num_tokens`` with these inputs runs compiled.
+
+        See the module docstring: two tokens or more, ``[T]`` positions, no model extras.
+        """
         return num_tokens >= 2 and positions.dim() == 1 and not extra
 
     def warm_up(self, backend: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Compile now, on a dummy step of two tokens writing block 0's first two slots (after
-        the same step eagerly).
+        """Compile now, on a dummy step of two tokens writing block 0's first two slots.
+
+        The same step runs eagerly first.
 
         Call before any request is admitted (block 0 holds nothing yet; a later prefill
         overwrites what this wrote).
@@ -325,8 +330,9 @@ def compile_refusal(config: Any, model: Any) -> str | None:
 
 
 def build_compiled_step(config: Any, runner: Any, lora_buffers: Any) -> CompiledStep | None:
-    """An engine's compiled step, compiled and warmed now, or None (logged why) when it does
-    not apply. Called after the KV cache exists, before any request.
+    """An engine's compiled step, compiled and warmed now, or None (logged why).
+
+    None when it does not apply. Called after the KV cache exists, before any request.
 
     Args:
         config: The ``EngineConfig``.

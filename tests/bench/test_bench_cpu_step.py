@@ -1,12 +1,14 @@
 """``bench.cpu_step --quick`` runs as users run it: every mode's engine is what it says (dense,
-prepacked, compiled, bfloat16), float32 modes give the dense engine's tokens, and every ratio is
-computed from the figures it reports. No timing is asserted (the machine is shared)."""
+prepacked, bfloat16; the compiled mode's engine is tests/engine/test_compiled_step.py's, left out
+here to spare the suite a second compilation), float32 modes give the dense engine's tokens, and
+every ratio is computed from the figures it reports. No timing is asserted (the machine is
+shared)."""
 
 import pytest
 
 from tests.bench.runner import run_bench
 
-pytestmark = pytest.mark.slow  # the compiled mode compiles the tiny model (10-30 s)
+pytestmark = pytest.mark.slow  # three engines in a subprocess
 
 
 def test_cpu_step_quick(tmp_path):
@@ -15,7 +17,9 @@ def test_cpu_step_quick(tmp_path):
     assert set(result["engine_start_s"]) == {"dense", "packed", "compiled", "bf16"}
     assert set(result["compile_s"]) == {"compiled"} and result["compile_s"]["compiled"] > 0
     rows = result["results"]
-    assert set(rows) == {f"{m}/{b}" for m in ("dense", "packed", "compiled", "bf16") for b in (1, 4)}
+    assert set(rows) == {
+        f"{m}/{b}" for m in ("dense", "packed", "compiled", "bf16") for b in (1, 4)
+    }
     for batch in (1, 4):
         dense = rows[f"dense/{batch}"]
         for mode in ("packed", "compiled"):  # float32: the same greedy tokens

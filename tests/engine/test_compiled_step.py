@@ -7,6 +7,7 @@ import torch
 
 from loraplex.engine.client.llm import LLM
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.models import packed_linear
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.runner.compiled_step import (
     CompiledStep,
@@ -48,7 +49,9 @@ def adapter_dirs(tiny_text_dir, tmp_path_factory):
     dirs = {}
     for i, targets in enumerate([["q_proj", "v_proj"], ["gate_proj", "down_proj", "o_proj"]]):
         base = AutoModelForCausalLM.from_pretrained(tiny_text_dir, dtype=torch.float32)
-        model = get_peft_model(base, LoraConfig(r=4 * (i + 1), lora_alpha=8, target_modules=targets))
+        model = get_peft_model(
+            base, LoraConfig(r=4 * (i + 1), lora_alpha=8, target_modules=targets)
+        )
         gen = torch.Generator().manual_seed(7 + i)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -77,9 +80,13 @@ def _run(llm, adapter_dirs, tag):
 
 
 @pytest.mark.slow  # one inductor compilation of the tiny model (10-30 s)
-def test_compiled_step_matches_eager(tiny_text_dir, adapter_dirs):
+def test_compiled_step_matches_eager(tiny_text_dir, adapter_dirs, monkeypatch):
+    # The tiny model's linears are below the packing threshold: pack them anyway, so the
+    # compiled graph calls the packed-GEMM op as a real model's does.
+    monkeypatch.setattr(packed_linear, "MIN_PACK_ELEMENTS", 0)
     common = dict(model=tiny_text_dir, max_num_batched_tokens=24, max_lora_rank=8)
     compiled = LLM(EngineConfig(cpu_compile=True, **common))
+    assert any(isinstance(m, packed_linear.PackedLinear) for m in compiled.engine.model.modules())
     step = compiled.engine.runner.compiled_step
     assert isinstance(step, CompiledStep) and step.compile_seconds > 0
     eager = LLM(EngineConfig(**common))
@@ -96,7 +103,10 @@ def test_compiled_step_matches_eager(tiny_text_dir, adapter_dirs):
     digest = compiled.engine.add_lora_dir(adapter_dirs["a1"]).digest
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     prompt = [30, 31, 32, 33, 34, 35]
-    base, tuned = compiled.generate([
-        EngineRequest("base", prompt, params), EngineRequest("tuned", prompt, params, lora_digest=digest)
-    ])  # fmt: skip
+    base, tuned = compiled.generate(
+        [
+            EngineRequest("base", prompt, params),
+            EngineRequest("tuned", prompt, params, lora_digest=digest),
+        ]
+    )
     assert base.outputs[0].token_ids != tuned.outputs[0].token_ids

@@ -54,7 +54,8 @@ def test_refusals():
         PackedLinear(nn.Linear(4, 4))(torch.zeros(2, 4, dtype=torch.bfloat16))
 
 
-def test_pack_linears_replaces_every_linear_and_registry_is_weak():
+def test_pack_linears_replaces_every_linear_and_registry_is_weak(monkeypatch):
+    monkeypatch.setattr(packed_linear, "MIN_PACK_ELEMENTS", 0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4)))
     x = torch.randn(5, 8)
     want = model(x)
@@ -76,7 +77,15 @@ def _tokens(model_dir, **kw):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
-def test_engine_prepacks_by_default_and_generates_the_same_tokens(tiny_text_dir):
+def test_small_linears_stay_dense():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(256, 256))
+    assert pack_linears(model) == 1  # 4,096 elements: oneDNN's call costs more than the GEMM
+    assert type(model[0]) is nn.Linear and isinstance(model[1], PackedLinear)
+
+
+@pytest.mark.slow  # two engines
+def test_engine_prepacks_by_default_and_generates_the_same_tokens(tiny_text_dir, monkeypatch):
+    monkeypatch.setattr(packed_linear, "MIN_PACK_ELEMENTS", 0)  # the tiny model's are small
     packed_llm, packed = _tokens(tiny_text_dir)
     dense_llm, dense = _tokens(tiny_text_dir, cpu_prepack_weights=False)
     assert packed == dense

@@ -35,6 +35,8 @@ from loraplex.engine.sampling.params import SamplingParams
 
 from .text_archs import build_checkpoint
 
+pytestmark = pytest.mark.slow  # two engines and three transformers models per case
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # A divergence from the same-dtype oracle is accepted where the float32 logits of the two
 # tokens differ by less than NEAR_TIE (a near tie the dtype's rounding can flip). Measured on
