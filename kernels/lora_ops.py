@@ -10,7 +10,9 @@ share an input: q/k/v (three ``A`` of the same shape) or gate/up. The shrink rea
 token block for every slice; the expand writes slice ``k`` into columns
 ``[off_k, off_k + out_k)`` of one ``y`` (the fused projection's output), so a fused q/k/v costs
 one shrink and one expand launch. Several stacks reach the kernel through a small table of
-device pointers (vLLM's approach); a single stack is passed as is.
+device pointers (vLLM's approach; :func:`shrink_table`, :func:`expand_table`); a single stack is
+passed as is. A caller that launches the same slices every step (a fused LoRA layer, a CUDA
+graph's capture, which may not copy from the host) builds the tables once and passes them in.
 
 **Schedule.** :func:`make_lora_batch` sorts the step's adapter tokens by slot once (on the host,
 where the slots are known) and cuts each slot's segment into blocks of ``block_m`` tokens; each
@@ -169,6 +171,27 @@ def shrink_split_k(programs: int, in_features: int, block_k: int, x: torch.Tenso
     return 1 << (want.bit_length() - 1)
 
 
+def shrink_table(stacks: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The shrink's pointer table for several ``A`` stacks: ``[S]`` int64 data pointers.
+
+    The stacks must stay allocated (and in place) while the table is used.
+    """
+    return torch.tensor([a.data_ptr() for a in stacks], dtype=torch.int64, device=device)
+
+
+def expand_table(
+    stacks: Sequence[torch.Tensor], offsets: Sequence[int] | None, device: torch.device
+) -> torch.Tensor:
+    """The expand's table for several ``B`` stacks: ``[S, 4]`` int64.
+
+    One row per stack: ``(data pointer, column offset, width, slot stride)``. The stacks must
+    stay allocated (and in place) while the table is used.
+    """
+    cols = slice_offsets([b.shape[1] for b in stacks], offsets)
+    rows = [[b.data_ptr(), c, b.shape[1], b.stride(0)] for b, c in zip(stacks, cols, strict=True)]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
 def lora_shrink(
     x: torch.Tensor,
     lora_a: TensorOrList,
@@ -177,6 +200,7 @@ def lora_shrink(
     *,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shrink every adapter token of the step: ``h[k, i] = x[i] @ A_k[slot(i), :r].T`` (Triton).
 
@@ -191,6 +215,8 @@ def lora_shrink(
             :func:`shrink_split_k` (1 for float32 inputs and off the GPU: float32 stays
             deterministic and bit-exact run to run).
         out: Optional ``[S, T, max_rank]`` float32 destination.
+        table: :func:`shrink_table` of ``lora_a`` on ``x``'s device (several stacks only);
+            None builds it (a host-to-device copy: not inside a CUDA graph capture).
 
     Returns:
         ``[S, T, max_rank]`` float32; rows of base-model tokens (slot -1) are not written.
@@ -223,9 +249,10 @@ def lora_shrink(
     if batch.num_blocks == 0:
         return out
     rank_vec, stride_rs = _per_slice(as_slices(ranks), batch.blocks)
-    table = first
-    if len(stacks) > 1:
-        table = torch.tensor([a.data_ptr() for a in stacks], dtype=torch.int64, device=x.device)
+    if len(stacks) == 1:
+        table = first
+    elif table is None:
+        table = shrink_table(stacks, x.device)
     grid = (batch.num_blocks, triton.cdiv(max_rank, block_r), len(stacks) * split_k)
     lora_shrink_kernel[grid](
         x,
@@ -262,6 +289,8 @@ def lora_expand(
     batch: LoRABatch,
     ranks: TensorOrList | None = None,
     offsets: Sequence[int] | None = None,
+    *,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expand and accumulate: ``y[i, off_k:off_k+out_k] += scale_k[s] * h[k, i] @ B_k[s].T``.
 
@@ -277,6 +306,9 @@ def lora_expand(
         batch: The step's :class:`LoRABatch`.
         ranks: ``[max_loras]`` int32 rank of each slot, per slice (None: ``max_rank``).
         offsets: Column offset of each slice in ``y``; None packs the slices in order.
+        table: :func:`expand_table` of ``lora_b`` and ``offsets`` on ``y``'s device (several
+            stacks only); None builds it (a host-to-device copy: not inside a CUDA graph
+            capture).
 
     Returns:
         ``y``.
@@ -304,12 +336,10 @@ def lora_expand(
         return y
     scale_vec, stride_ss = _per_slice(as_slices(scales), batch.blocks)
     rank_vec, stride_rs = _per_slice(as_slices(ranks), batch.blocks)
-    table = first
-    if len(stacks) > 1:
-        rows = [
-            [b.data_ptr(), c, b.shape[1], b.stride(0)] for b, c in zip(stacks, cols, strict=True)
-        ]
-        table = torch.tensor(rows, dtype=torch.int64, device=y.device)
+    if len(stacks) == 1:
+        table = first
+    elif table is None:
+        table = expand_table(stacks, cols, y.device)
     block_n = min(EXPAND_BLOCK_N, max(16, triton.next_power_of_2(max(widths))))
     grid = (batch.num_blocks, triton.cdiv(max(widths), block_n), len(stacks))
     lora_expand_kernel[grid](

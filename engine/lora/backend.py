@@ -17,6 +17,7 @@ Source: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024); Sheng et 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -60,6 +61,29 @@ class LoRABackend(Protocol):
             y: The base projection's output.
             x: Its input.
             buffers: The projection's stacked slot weights (``engine.lora.slots``).
+
+        Returns:
+            ``y``.
+        """
+        ...
+
+    def apply_slices(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        buffers: Sequence[SlotBuffers],
+        offsets: Sequence[int],
+    ) -> torch.Tensor:
+        """A fused projection's deltas: slice ``k``'s into ``y[:, offsets[k] : + out_k]``.
+
+        Each slice is exactly :meth:`apply` on its own columns (its own ranks and scales; a
+        slot that does not target the slice adds nothing there).
+
+        Args:
+            y: ``[T, sum out_k]`` the fused projection's output, modified in place.
+            x: ``[T, in]`` its input (shared by every slice).
+            buffers: Each slice's slot weights, ``lora_b`` ``[max_loras, out_k, max_rank]``.
+            offsets: Each slice's first column in ``y``.
 
         Returns:
             ``y``.

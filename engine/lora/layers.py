@@ -12,6 +12,12 @@ rank is sliced off so padding costs nothing). :func:`install_lora` swaps each ta
 engine's one :class:`engine.lora.backend.LoRABackend`, whose per-step metadata the model runner
 updates before each forward pass.
 
+A fused projection (q/k/v or gate/up as one GEMM, ``engine.models.fused``) is wrapped once, in a
+:class:`FusedLoRALinear` holding one set of slot buffers per slice: slice ``k`` adds its own
+adapter's delta to its own columns ``[off_k, off_k + out_k)`` of the fused output, so every
+slice's delta is exactly the separate projection's (an adapter that targets ``q_proj`` and
+``v_proj`` only has rank 0 on ``k_proj`` and adds nothing to k's columns).
+
 Source: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), SGMV semantics
 ``y[s[i]:s[i+1]] += x @ A.T @ B.T``; Sheng et al., "S-LoRA" (MLSys 2024).
 """
@@ -22,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from loraplex.engine.models.fused import FusedLinear, LinearSlice
 
 if TYPE_CHECKING:
     from loraplex.engine.lora.backend import LoRABackend
@@ -91,10 +99,97 @@ class LoRALinear(nn.Module):
         return y
 
 
+class FusedLoRALinear(nn.Module):
+    """A fused projection plus each slice's per-token LoRA delta (exact per slice).
+
+    ``y = base(x)``, then for each slice ``k`` (``q_proj``, ``k_proj``, ``v_proj``, or
+    ``gate_proj``, ``up_proj``) and token ``i`` of slot ``s``::
+
+        y[i, off_k : off_k + out_k] += scale_k[s] * (x[i] @ A_k[s].T) @ B_k[s].T
+
+    with the slice's own buffers (its own rank per slot: 0 where the adapter does not target
+    it). The backend computes every slice of one fused layer together
+    (:meth:`engine.lora.backend.LoRABackend.apply_slices`: one shrink and one expand launch
+    with Triton).
+
+    Args:
+        base: The fused projection (its weights stay as loaded).
+        buffers: One :class:`SlotBuffers` per slice, in the base's slice order.
+        backend: The engine's LoRA backend.
+        layer_idx: The decoder layer (with the slices' names, the keys of ``buffers`` in the
+            engine's slot buffers; a compiled forward's LoRA op finds them by it).
+
+    Raises:
+        ValueError: not one buffer per slice, or a buffer whose shape is not its slice's.
+    """
+
+    def __init__(
+        self,
+        base: FusedLinear,
+        buffers: list[SlotBuffers],
+        backend: LoRABackend,
+        layer_idx: int = -1,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        if len(buffers) != len(base.slice_sizes):
+            raise ValueError(f"{len(buffers)} slot buffers for {len(base.slice_sizes)} slices")
+        for buf, size in zip(buffers, base.slice_sizes, strict=True):
+            if buf.lora_b.shape[1] != size or buf.lora_a.shape[2] != base.in_features:
+                raise ValueError(
+                    f"slot buffers A {tuple(buf.lora_a.shape)} / B {tuple(buf.lora_b.shape)} do "
+                    f"not fit a slice of {size} x {base.in_features}"
+                )
+        self.base = base
+        self.buffers = list(buffers)
+        self.offsets = base.slice_offsets
+        self.backend = backend
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The fused base weight (``[sum out_k, in]``)."""
+        return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        """The shared input size."""
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        """The fused output size."""
+        return self.base.out_features
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The base's :meth:`~engine.models.fused.FusedLinear.split` (the model calls it)."""
+        return self.base.split(y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., T, in] -> [..., T, sum out_k]``: one base GEMM plus each slice's deltas."""
+        y = self.base(x)
+        if torch.compiler.is_compiling():  # every slice's deltas: one opaque op
+            torch.ops.loraplex.lora_slices_delta_(  # (engine.runner.compiled_step)
+                y.view(-1, y.shape[-1]),
+                x.reshape(-1, x.shape[-1]),
+                self.layer_idx,
+                ",".join(self.base.slice_names),
+                list(self.offsets),
+            )
+            return y
+        if self.backend.active:
+            flat = y.view(-1, y.shape[-1])
+            self.backend.apply_slices(flat, x.reshape(-1, x.shape[-1]), self.buffers, self.offsets)
+        return y
+
+
 def install_lora(
     model: nn.Module, buffers: dict[tuple[int, str], SlotBuffers], backend: LoRABackend
 ) -> int:
-    """Replace the model's LoRA targets (``model.lora_targets()``) with :class:`LoRALinear`.
+    """Replace the model's LoRA targets (``model.lora_targets()``) with LoRA layers.
+
+    An ``nn.Linear`` target becomes a :class:`LoRALinear`; the slices of a fused projection
+    (:class:`~engine.models.fused.LinearSlice`) are grouped, and the fused module becomes one
+    :class:`FusedLoRALinear` with each slice's buffers.
 
     Args:
         model: A model from ``engine.models``.
@@ -102,10 +197,11 @@ def install_lora(
         backend: The backend the runner updates before each forward pass.
 
     Returns:
-        The number of projections wrapped.
+        The number of projections wrapped (a fused module counts once per slice).
 
     Raises:
         KeyError: a target has no buffers.
+        ValueError: a fused module's slices are not all targets.
     """
     parents = {
         id(child): (parent, name)
@@ -113,12 +209,25 @@ def install_lora(
         for name, child in parent.named_children()
     }
     count = 0
-    for layer_idx, name, linear in list(model.lora_targets()):
-        parent, attr = parents[id(linear)]
+    fused: dict[int, tuple[FusedLinear, dict[str, SlotBuffers], int]] = {}
+    for layer_idx, name, target in list(model.lora_targets()):
+        if isinstance(target, LinearSlice):
+            _, by_name, _ = fused.setdefault(id(target.fused), (target.fused, {}, layer_idx))
+            by_name[target.name] = buffers[(layer_idx, name)]
+            continue
+        parent, attr = parents[id(target)]
         setattr(
-            parent, attr, LoRALinear(linear, buffers[(layer_idx, name)], backend, layer_idx, name)
+            parent, attr, LoRALinear(target, buffers[(layer_idx, name)], backend, layer_idx, name)
         )
         count += 1
+    for base, by_name, layer_idx in fused.values():
+        missing = [n for n in base.slice_names if n not in by_name]
+        if missing:
+            raise ValueError(f"fused projection slices {missing} are not LoRA targets")
+        parent, attr = parents[id(base)]
+        slot_buffers = [by_name[n] for n in base.slice_names]
+        setattr(parent, attr, FusedLoRALinear(base, slot_buffers, backend, layer_idx))
+        count += len(slot_buffers)
     return count
 
 

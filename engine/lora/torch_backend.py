@@ -9,11 +9,14 @@
   shrink and an expand per slot, one scatter back.
 
 The layout and its index tensors are the step's metadata, built once per step by
-:meth:`TorchLoRABackend.update_metadata` and read by every projection's :meth:`apply`.
+:meth:`TorchLoRABackend.update_metadata` and read by every projection's :meth:`apply`. A fused
+projection (:meth:`TorchLoRABackend.apply_slices`) applies each slice on its own column view of
+the fused output, so each slice's delta is computed exactly as for a separate projection.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -136,4 +139,17 @@ class TorchLoRABackend:
             torch.matmul(h, buffers.lora_b[slot, :, :rank].T, out=seg)  # expand: [n, out]
             seg.mul_(buffers.scales[slot])
         y.index_add_(0, self.perm, delta.to(y.dtype))
+        return y
+
+    def apply_slices(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        buffers: Sequence[SlotBuffers],
+        offsets: Sequence[int],
+    ) -> torch.Tensor:
+        """See :class:`engine.lora.backend.LoRABackend`: :meth:`apply` per slice, on views."""
+        for buf, offset in zip(buffers, offsets, strict=True):
+            if any(buf.ranks[slot] for slot, _, _ in self.segments):
+                self.apply(y[:, offset : offset + buf.lora_b.shape[1]], x, buf)
         return y

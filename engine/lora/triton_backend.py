@@ -2,12 +2,15 @@
 
 Punica's SGMV / vLLM's punica kernels: the step's tokens grouped by slot once (a
 ``kernels.lora_ops.LoRABatch``, built by :meth:`TritonLoRABackend.update_metadata`), then one
-shrink and one expand launch per projection, whatever the number of adapters. On CPU this needs
+shrink and one expand launch per projection, whatever the number of adapters (a fused q/k/v
+or gate/up projection included: its slices go to the kernels as one list of stacks). On CPU
+this needs
 Triton's interpreter (``TRITON_INTERPRET=1``, tests only).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +31,10 @@ class TritonLoRABackend:
         self.kernel_batch: LoRABatch | None = None
         self.static = False  # kernel_batch is a CUDA graph's fixed batch (set_static_batch)
         self._rank_tensors: dict[tuple[int, ...], torch.Tensor] = {}
+        # Fused layers' pointer tables, by content (pointers, offsets, widths, strides): built
+        # once per layer, in eager steps, so a CUDA graph capture copies nothing from the host.
+        # Bounded by the model's fused layers (the slot buffers live as long as the engine).
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def active(self) -> bool:
@@ -90,3 +97,73 @@ class TritonLoRABackend:
 
         h = lora_shrink(x, buffers.lora_a, batch, ranks)
         return lora_expand(y, h, buffers.lora_b, buffers.scales, batch, ranks)
+
+    def apply_slices(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        buffers: Sequence[SlotBuffers],
+        offsets: Sequence[int],
+    ) -> torch.Tensor:
+        """See :class:`engine.lora.backend.LoRABackend`: one shrink and one expand launch.
+
+        The slices' ``A`` stacks (same shape) and ``B`` stacks (their own widths) go to the
+        kernels together with per-slice ranks and scales and the slices' column offsets; a
+        slot's rank 0 on a slice (the adapter does not target it) makes the kernels skip it.
+        """
+        batch = self.kernel_batch
+        if batch is None:
+            return y
+        if self.static:  # no host decision: the same launches at every replay
+            ranks = [buf.rank_tensor for buf in buffers]
+        elif not any(buf.ranks[s] for buf in buffers for s in batch.slots):
+            return y  # no adapter of the step targets any slice
+        else:
+            ranks = [self.device_ranks(buf.ranks, x.device) for buf in buffers]
+        from loraplex.kernels.lora_ops import lora_expand, lora_shrink
+
+        a_stacks = [buf.lora_a for buf in buffers]
+        b_stacks = [buf.lora_b for buf in buffers]
+        shrink_tab, expand_tab = self.pointer_tables(a_stacks, b_stacks, offsets, x.device)
+        h = lora_shrink(x, a_stacks, batch, ranks, table=shrink_tab)
+        return lora_expand(
+            y,
+            h,
+            b_stacks,
+            [buf.scales for buf in buffers],
+            batch,
+            ranks,
+            offsets=list(offsets),
+            table=expand_tab,
+        )
+
+    def pointer_tables(
+        self,
+        a_stacks: list[torch.Tensor],
+        b_stacks: list[torch.Tensor],
+        offsets: Sequence[int],
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' shrink and expand tables for a fused layer, built once and kept.
+
+        Keyed by what the tables hold (pointers, offsets, widths, strides), so a cached table
+        is always the right one. A CUDA graph's warm-up runs build them before its capture.
+        """
+        from loraplex.kernels.lora_ops import expand_table, shrink_table
+
+        key = (
+            str(device),
+            tuple(a.data_ptr() for a in a_stacks),
+            tuple((b.data_ptr(), b.shape[1], b.stride(0)) for b in b_stacks),
+            tuple(offsets),
+        )
+        found = self._tables.get(key)
+        if found is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "a fused LoRA layer's pointer tables were not built before the CUDA graph "
+                    "capture (its warm-up runs should have built them)"
+                )
+            found = (shrink_table(a_stacks, device), expand_table(b_stacks, offsets, device))
+            self._tables[key] = found
+        return found

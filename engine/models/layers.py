@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.engine.models.fused import FusedLinear
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -139,8 +141,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class GatedMLP(nn.Module):
     """SwiGLU-style MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``.
 
-    The three projections stay separate ``nn.Linear`` modules under their Hugging Face names,
-    which is where per-token LoRA deltas attach.
+    ``gate_proj`` and ``up_proj`` read the same input, so they are one fused GEMM,
+    ``gate_up_proj`` (:class:`engine.models.fused.FusedLinear`, rows ``[gate; up]``); the
+    checkpoint's separate tensors are copied into its rows at load, and LoRA targets the two
+    slices under their Hugging Face names (``engine.lora.layers``).
 
     Args:
         hidden_size: Model width.
@@ -153,11 +157,13 @@ class GatedMLP(nn.Module):
         self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool
     ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.gate_up_proj = FusedLinear(
+            hidden_size, (("gate_proj", intermediate_size), ("up_proj", intermediate_size)), bias
+        )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = get_activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden] -> [T, hidden]``."""
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(self.act(gate) * up)

@@ -5,9 +5,11 @@ One forward runs one engine step: the step's tokens of every sequence, flattened
 the attention backend, which writes K/V into the layer's paged cache through
 ``meta.slot_mapping`` and attends through ``meta.block_tables``; nothing else holds K/V.
 
-Parameter names follow Hugging Face's ``LlamaForCausalLM`` (``model.layers.N.self_attn.q_proj``
-and so on); the seven projections stay separate ``nn.Linear`` modules, which is where per-token
-LoRA deltas attach (see :meth:`LlamaForCausalLM.lora_targets`).
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` (``model.layers.N.self_attn.o_proj``
+and so on), except that q/k/v are one fused GEMM, ``self_attn.qkv_proj``, and gate/up another,
+``mlp.gate_up_proj`` (:class:`engine.models.fused.FusedLinear`); the loader copies the
+checkpoint's separate tensors into their rows. LoRA still targets the seven projections by their
+Hugging Face names: :meth:`LlamaForCausalLM.lora_targets` yields the fused modules' slices.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from torch import nn
 
 from loraplex.engine.attention import AttentionBackend, AttentionMetadata
 from loraplex.engine.models.config import DecoderConfig
+from loraplex.engine.models.fused import FusedLinear, LinearSlice, fused_slices
 from loraplex.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""The LoRA target names of a layer, in order (the fused modules' slices among them)."""
 
 
 class LlamaAttention(nn.Module):
@@ -43,9 +47,9 @@ class LlamaAttention(nn.Module):
         self.sliding_window = config.sliding_windows[layer_idx]
         hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.qkv_proj = FusedLinear(
+            hidden, (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)), config.qkv_bias
+        )
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
 
     def forward(
@@ -72,9 +76,10 @@ class LlamaAttention(nn.Module):
             ``[T, hidden]``.
         """
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # one GEMM, three column views
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         key_cache, value_cache = kv_cache
@@ -252,14 +257,21 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden] -> [N, vocab]`` float32 logits."""
         return self.lm_head(hidden_states).float()
 
-    def lora_targets(self) -> Iterator[tuple[int, str, nn.Linear]]:
+    def lora_targets(self) -> Iterator[tuple[int, str, nn.Linear | LinearSlice]]:
         """The projections LoRA deltas attach to, as ``(layer_idx, name, module)``.
 
         ``name`` is Hugging Face's (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
         ``gate_proj``, ``up_proj``, ``down_proj``), as PEFT's ``target_modules`` names them.
+        ``o_proj`` and ``down_proj`` are ``nn.Linear`` modules; the others are
+        :class:`~engine.models.fused.LinearSlice` views of the fused ``qkv_proj`` and
+        ``gate_up_proj`` (same ``in_features``/``out_features``; ``engine.lora.layers`` wraps
+        the fused module once, with exact per-slice deltas).
         """
         for i, layer in enumerate(self.model.layers):
-            for name in ATTENTION_PROJECTIONS:
-                yield i, name, getattr(layer.self_attn, name)
-            for name in MLP_PROJECTIONS:
-                yield i, name, getattr(layer.mlp, name)
+            attn, mlp = layer.self_attn, layer.mlp
+            for piece in fused_slices(attn.qkv_proj):
+                yield i, piece.name, piece
+            yield i, "o_proj", attn.o_proj
+            for piece in fused_slices(mlp.gate_up_proj):
+                yield i, piece.name, piece
+            yield i, "down_proj", mlp.down_proj

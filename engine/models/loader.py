@@ -11,6 +11,11 @@ text layout (``model.layers.N...``, ``lm_head``) and, for LLaVA, the legacy layo
     vision_tower.[vision_model.]X                      vision_tower.X
     model.multi_modal_projector.X / multi_modal_projector.X
 
+The fused projections (``self_attn.qkv_proj``, ``mlp.gate_up_proj``: ``engine.models.fused``)
+are not in checkpoints: each of their parameters is assembled from the separate tensors whose
+rows it stacks (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``), each copied into
+its row range, so the plan below works in the checkpoint's (separate) names throughout.
+
 Every engine parameter must come from the checkpoint and every checkpoint tensor must be used,
 except those the engine deliberately skips (rotary ``inv_freq`` buffers, CLIP's
 ``post_layernorm`` and ``position_ids``, vision layers past the deepest feature layer, a tied
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loraplex.engine.models.fused import stacked_params
 from loraplex.engine.models.registry import build_model, is_multimodal, resolve_model_impl
 from loraplex.engine.models.weights import read_tensors, weight_files
 
@@ -86,11 +92,35 @@ def _listing(names: set[str] | list[str]) -> str:
     return ", ".join(names[:_LIST_LIMIT]) + more
 
 
+def separate_shapes(model: nn.Module) -> dict[str, tuple[torch.Size, str | None, int]]:
+    """Every tensor a checkpoint must provide, by the name the engine reads it under.
+
+    Args:
+        model: The engine model (on the meta device is enough).
+
+    Returns:
+        ``name -> (shape, fused, start)``: a parameter of the model's ``state_dict`` maps to
+        itself (``fused`` None); a slice of a fused parameter (``...self_attn.k_proj.weight``)
+        to its own shape, the fused parameter it fills and its first row there.
+    """
+    state = model.state_dict()
+    stacked = stacked_params(model)
+    out: dict[str, tuple[torch.Size, str | None, int]] = {}
+    for name, tensor in state.items():
+        slices = stacked.get(name)
+        if slices is None:
+            out[name] = (tensor.shape, None, 0)
+            continue
+        for part, start, end in slices:
+            out[part] = (torch.Size((end - start, *tensor.shape[1:])), name, start)
+    return out
+
+
 def _plan(
     model: nn.Module, checkpoint_names: list[str], multimodal: bool, model_dir: Path
 ) -> dict[str, str]:
     """Map checkpoint names to engine names; raise on missing or unexpected tensors."""
-    expected = set(model.state_dict())
+    expected = set(separate_shapes(model))
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     lm_head = "language_model.lm_head.weight" if multimodal else "lm_head.weight"
     if tied:
@@ -157,17 +187,25 @@ def load_model(
     with torch.device("meta"):
         model = build_model(hf_config)
     plan = _plan(model, sorted(files), multimodal, path)
-    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    shapes = separate_shapes(model)
+    fused_shapes = {name: t.shape for name, t in model.state_dict().items()}
     state = {}
     for name, tensor in read_tensors(files, plan):
-        if tensor.shape != shapes[name]:
+        shape, fused, start = shapes[name]
+        if tensor.shape != shape:
+            into = f" (rows {start}:{start + shape[0]} of {fused!r})" if fused else ""
             raise ValueError(
                 f"{path}: tensor for {name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(shapes[name])}"
+                f"expected {tuple(shape)}{into}"
             )
         if tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        state[name] = tensor.to(device)
+        if fused is None:
+            state[name] = tensor.to(device)
+            continue
+        if fused not in state:  # every row is written: _plan checked each slice is present
+            state[fused] = torch.empty(fused_shapes[fused], dtype=tensor.dtype, device=device)
+        state[fused][start : start + shape[0]].copy_(tensor)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.eval()

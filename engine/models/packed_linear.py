@@ -134,7 +134,8 @@ def _(x, key):
 def pack_linears(model: nn.Module, *, batch_hint: int = PACK_BATCH_HINT) -> int:
     """Replace ``model``'s linears by :class:`PackedLinear` ones, in place.
 
-    Those of :data:`MIN_PACK_ELEMENTS` weights or more; smaller ones stay ``nn.Linear``.
+    Those of :data:`MIN_PACK_ELEMENTS` weights or more; smaller ones stay ``nn.Linear``. A
+    layer with a ``to_packed(batch_hint)`` method (a fused projection) becomes what that returns.
 
     Call before LoRA layers are installed (they wrap whatever projection is there).
 
@@ -152,8 +153,10 @@ def pack_linears(model: nn.Module, *, batch_hint: int = PACK_BATCH_HINT) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.numel() >= MIN_PACK_ELEMENTS
+        if (type(child) is nn.Linear or hasattr(child, "to_packed"))
+        and child.weight.numel() >= MIN_PACK_ELEMENTS
     ]
     for parent, name, child in parents:
-        setattr(parent, name, PackedLinear(child, batch_hint))
+        packed = child.to_packed(batch_hint) if hasattr(child, "to_packed") else None
+        setattr(parent, name, packed if packed is not None else PackedLinear(child, batch_hint))
     return len(parents)

@@ -154,6 +154,35 @@ def _(out, x, layer, name):
     return None
 
 
+@torch.library.custom_op("loraplex::lora_slices_delta_", mutates_args=("out",))
+def lora_slices_delta_op(
+    out: torch.Tensor, x: torch.Tensor, layer: int, names: str, offsets: list[int]
+) -> None:
+    """Add the step's LoRA deltas of a fused projection's slices into ``out`` in place.
+
+    Args:
+        out: ``[T, sum out_k]``, the fused projection's output.
+        x: ``[T, in_features]``, its input.
+        layer: Decoder layer index.
+        names: The slices' projection names, comma-separated in order (``q_proj,k_proj,v_proj``;
+            a custom op takes no list of strings).
+        offsets: Each slice's first output column.
+
+    Raises:
+        RuntimeError: called outside :func:`step_context`.
+    """
+    ctx = _current()
+    backend = ctx.lora_backend
+    if backend is not None and backend.active:
+        buffers = [ctx.lora_buffers[(layer, name)] for name in names.split(",")]
+        backend.apply_slices(out, x, buffers, tuple(offsets))
+
+
+@lora_slices_delta_op.register_fake
+def _(out, x, layer, names, offsets):
+    return None
+
+
 class OpaqueAttention:
     """The attention backend a compiled forward sees: one ``loraplex::paged_attention`` call.
 

@@ -67,7 +67,7 @@ def test_qwen2_qkv_bias_and_mixed_sliding_layers(tmp_path, test_device):
     assert config.layer_types == ["full_attention", "sliding_attention"]
     _, ours, _ = _check(tmp_path, test_device, Qwen2ForCausalLM, config)
     attn = ours.model.layers[0].self_attn
-    assert attn.q_proj.bias is not None and attn.o_proj.bias is None
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None  # q/k/v fused
     assert [layer.self_attn.sliding_window for layer in ours.model.layers] == [None, 8]
 
 
