@@ -58,7 +58,8 @@ that Python cannot import vllm, the bench prints one line saying it skipped and 
 JSON line ``{"bench": "vs_vllm", "skipped": "..."}``, and exits 0.
 
 Run: ``python -m bench.vs_vllm --vllm-python /work/vllm-venv/bin/python [--quick] [--threads N]
-[--workloads c1,c8,c32,prefix,offline] [--rounds N] [--kv-cache-gib N]``. ``--quick``: plumbing
+[--workloads c1,c8,c32,prefix,offline] [--rounds N] [--kv-cache-gib N] [--loraplex-compile]
+[--loraplex-decode-attention gather|flex]``. ``--quick``: plumbing
 only: 4 requests of 64 tokens in, 8 out, concurrency 1 (no prefix workload), and an offline
 batch of 4 requests of 32-64 tokens, 8 out. Prints a table, then one JSON line (last).
 """
@@ -214,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--loraplex-compile",
         action="store_true",
         help="run loraplex with --cpu-compile (the compiled step); default: its eager step",
+    )
+    parser.add_argument(
+        "--loraplex-decode-attention",
+        choices=["gather", "flex"],
+        default=None,
+        help="loraplex's --cpu-decode-attention (default: its own default)",
     )
     parser.add_argument(
         "--kv-cache-gib",
@@ -550,6 +557,11 @@ def start_loraplex(model: Path, port: int, tmp: Path, args):
         "--admin-key", ADMIN_KEY, "--dtype", args.dtype,
         "--num-cpu-threads", str(args.threads), "--kv-cache-memory", f"{args.kv_cache_gib}GiB",
         *(["--cpu-compile"] if args.loraplex_compile else []),
+        *(
+            ["--cpu-decode-attention", args.loraplex_decode_attention]
+            if args.loraplex_decode_attention
+            else []
+        ),
         "--log-level", "warning", "--no-access-log",
         "--requests-per-minute", "1000000", "--tokens-per-minute", "1000000000",
         "--max-concurrent-requests", "1000",
@@ -693,8 +705,9 @@ def main():
     from loraplex.engine.sampling.params import SamplingParams
 
     spec = json.load(open(sys.argv[1]))
+    extra = {"cpu_decode_attention": spec["decode_attention"]} if spec["decode_attention"] else {}
     llm = LLM(EngineConfig(model=spec["model"], dtype=spec["dtype"],
-                           cpu_compile=spec["compile"],
+                           cpu_compile=spec["compile"], **extra,
                            num_cpu_threads=spec["threads"],
                            kv_cache_memory_bytes=spec["kv_gib"] << 30))
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -741,6 +754,7 @@ def run_offline(engine: str, vllm: VllmEnv, model: Path, tmp: Path, args) -> dic
         "kv_gib": args.kv_cache_gib,
         "dtype": args.dtype,
         "compile": args.loraplex_compile,
+        "decode_attention": args.loraplex_decode_attention,
         "result": str(tmp / f"offline-{engine}-result.json"),
     }
     spec_path = tmp / "offline-spec.json"
@@ -889,6 +903,7 @@ def main(argv: list[str] | None = None) -> int:
                     "threads": args.threads,
                     "dtype": args.dtype,
                     "loraplex_compile": args.loraplex_compile,
+                    "loraplex_decode_attention": args.loraplex_decode_attention,
                     "kv_cache_gib": args.kv_cache_gib,
                     "rounds": args.rounds,
                     "load": load,
