@@ -3,6 +3,7 @@ message as parsed whole; named and required outputs become calls."""
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -93,9 +94,30 @@ def test_named_streams_arguments_and_required_parses_the_array():
         ("g", "{}"),
         ("f", '{"a": 2}'),
     ]
+
+
+@pytest.mark.parametrize("finish", ["length", "stop"])  # max_tokens, or a stop string
+def test_a_forced_call_the_grammar_did_not_complete_is_neither_a_call_nor_content(finish):
     cut = ToolCallStreamer(mode="required", functions=frozenset({"f"}))
-    message, reason, _ = run(cut, ['[{"name": "f", "par'], finish="length")
-    assert reason == "length" and message["content"] == '[{"name": "f", "par'
+    message, reason, deltas = run(cut, ['[{"name": "f", "par'], finish=finish)
+    assert reason == finish and deltas == []  # nothing of the grammar's text is sent
+    assert not message["content"] and "tool_calls" not in message
+    whole = ToolCallStreamer(mode="required", functions=frozenset({"f"}))
+    assert whole.message('[{"name": "f", "par', finish) == (
+        {"role": "assistant", "content": None},
+        finish,
+    )
+    named = ToolCallStreamer(mode="named", functions=frozenset({"f"}), name="f")
+    assert named.message('{"a": 1, "b"', finish) == ({"role": "assistant", "content": None}, finish)
+    streamed = ToolCallStreamer(mode="named", functions=frozenset({"f"}), name="f")
+    _, reason, deltas = run(streamed, ['{"a": 1, "b"'], finish=finish)
+    assert reason == finish  # never "tool_calls": the deltas sent are not a whole call
+    assert all("content" not in d for d in deltas)
+    done = ToolCallStreamer(mode="named", functions=frozenset({"f"}), name="f")
+    message, reason = done.message('{"a": 1}', "stop")
+    assert (
+        reason == "tool_calls" and message["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    )
 
 
 def test_the_format_is_found_from_the_template():

@@ -157,6 +157,18 @@ def test_tools_are_rendered_and_a_tool_turn_works(client):
             "tools[0].function.strict",
         ),
         (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters",
+        ),
+        (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
         ),
@@ -189,3 +201,69 @@ def test_malformed_tool_use_is_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**body)
     assert err.value.body["param"] == param, err.value.body
+
+
+# As LangChain's bind_tools sends a function's schema: no additionalProperties anywhere (issue 31:
+# the model added keys the schema did not forbid until max_tokens cut the call).
+OPEN_ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "where": {
+            "type": "object",
+            "properties": {"row": {"type": "integer", "minimum": 0, "maximum": 9}},
+        },
+    },
+    "required": ["a"],
+}
+CLOSED_ADD = {
+    **OPEN_ADD,
+    "properties": {
+        **OPEN_ADD["properties"],
+        "where": {**OPEN_ADD["properties"]["where"], "additionalProperties": False},
+    },
+    "additionalProperties": False,
+}
+OPEN_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": OPEN_ADD}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_calls_take_no_key_the_schema_does_not_list(client, choice):
+    """The schema says nothing of additionalProperties: the arguments validate against it
+    with ``additionalProperties: false`` on every object (OpenAI's strict mode)."""
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=OPEN_TOOLS,
+        tool_choice=choice,
+        max_tokens=200,
+        temperature=1.0,
+        seed=11,
+        n=3,
+    )
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        for call in c.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), CLOSED_ADD)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_call_cut_by_max_tokens_is_length_with_no_half_call(client, choice):
+    body = dict(model=MODEL, messages=MESSAGES, tools=OPEN_TOOLS, tool_choice=choice, max_tokens=3)
+    r = client.chat.completions.create(**body, n=2)
+    for c in r.choices:
+        assert c.finish_reason == "length"
+        assert c.message.content is None and not c.message.tool_calls
+    assert r.usage.completion_tokens == 6
+    finish, content, arguments = None, "", ""
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or ():
+                arguments += d.function.arguments or ""
+    assert finish == "length" and content == ""
+    if choice == "required":
+        assert arguments == ""  # buffered: nothing of a cut call is sent
+    else:  # streamed as it came, as OpenAI streams it; the finish reason says it is cut
+        assert arguments and not arguments.endswith("}")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loraplex.engine.request import CompletionOutput, RequestOutput
-from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer, fold
+from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer
 
 # log(0) has no JSON form: vLLM reports -9999.0 for it, and so do we.
 _MIN_LOGPROB = -9999.0
@@ -148,7 +148,8 @@ def choice_body(
     """One ``choices[]`` entry of a finished, non-streamed completion.
 
     With ``tool_calls`` (a fresh parser for the request's tool choice), the text becomes
-    ``content`` and ``tool_calls`` as a stream of it would (``tool_calls.fold``).
+    ``content`` and ``tool_calls`` as a stream of it would (``ToolCallStreamer.message``: a
+    forced call the grammar did not complete is left out).
     """
     logprobs = None
     if want_logprobs:
@@ -156,9 +157,7 @@ def choice_body(
     message: dict[str, Any] = {"role": "assistant", "content": choice.text}
     finish_reason = choice.finish_reason
     if tool_calls is not None:
-        deltas = tool_calls.feed(choice.text)
-        last, finish_reason = tool_calls.finish(finish_reason)
-        message = fold(deltas + last)
+        message, finish_reason = tool_calls.message(choice.text, finish_reason)
     return {
         "index": choice.index,
         "message": message,

@@ -18,11 +18,16 @@ Three modes, from the request's ``tool_choice`` (:class:`gateway.domains.chat.to
   left in ``content``: nothing the client did not ask for becomes a call.
 
 A choice that made at least one call and stopped normally finishes with ``"tool_calls"``
-(OpenAI's). A named or required call cut by ``max_tokens`` finishes with ``"length"``: the
-required form's text then goes out as ``content``.
+(OpenAI's). A named or required call the grammar did not complete (cut by ``max_tokens``, or by
+a ``stop`` string) is never a call and never ``content``: the choice keeps the engine's finish
+reason (``"length"``), and its message has ``content`` null and no ``tool_calls``. A stream
+cannot take back what it sent: a named call's ``arguments`` deltas already out stay out (as
+OpenAI's and vLLM's streams do), and the finish reason says they are incomplete; the required
+form is buffered, so nothing of a cut one is sent.
 
 Deltas are OpenAI's ``chat.completion.chunk`` deltas; :func:`fold` adds them up into the
-non-streamed ``message`` (``content`` None when empty, ``tool_calls`` when any).
+non-streamed ``message`` (``content`` None when empty, ``tool_calls`` when any), and
+:meth:`ToolCallStreamer.message` gives the non-streamed message, cut calls left out.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class ToolCallStreamer:
     fmt: ToolCallFormat | None = None
     parallel: bool = True
     calls: int = 0
+    cut: bool = False  # a forced call the grammar did not complete (set by finish)
     _buffer: str = ""
     _in_call: bool = False
     _named_id: str = field(default_factory=new_call_id)
@@ -82,6 +88,7 @@ class ToolCallStreamer:
                 self.calls = 1
                 deltas.append({"tool_calls": [_call_delta(0, self.name, "", self._named_id)]})
             deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+            self._buffer += text  # kept to check, at the end, that the call is complete
             return deltas
         self._buffer += text
         if self.mode == "required":
@@ -95,25 +102,43 @@ class ToolCallStreamer:
             deltas = self._required(finish_reason)
         elif self.mode == "auto":
             deltas = self._scan(final=True)
-        if self.calls and finish_reason == "stop":
+        elif self.mode == "named":
+            self.cut = not isinstance(_json_or_none(self._buffer), dict)
+            self._buffer = ""
+        if self.calls and not self.cut and finish_reason == "stop":
             finish_reason = "tool_calls"
         return deltas, finish_reason
 
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The non-streamed ``message`` of a whole choice's ``text``, and its finish reason.
+
+        As a stream of the text folds (:func:`fold`), except that a forced call the grammar
+        did not complete is left out (``content`` null, no ``tool_calls``): nothing that is
+        not a whole call is offered as one.
+        """
+        deltas = self.feed(text)
+        last, finish_reason = self.finish(finish_reason)
+        message = fold(deltas + last)
+        if self.cut:
+            message = {"role": "assistant", "content": None}
+        return message, finish_reason
+
     def _required(self, finish_reason: str | None) -> list[dict[str, Any]]:
         text, self._buffer = self._buffer, ""
-        calls = None
-        if finish_reason == "stop":
-            try:
-                calls = json.loads(text)
-            except ValueError:
-                calls = None
+        calls = _json_or_none(text)
         ok = (
             isinstance(calls, list)
             and calls
-            and all(isinstance(c, dict) and c.get("name") in self.functions for c in calls)
+            and all(
+                isinstance(c, dict)
+                and c.get("name") in self.functions
+                and isinstance(c.get("parameters", {}), dict)
+                for c in calls
+            )
         )
-        if not ok:
-            return [{"content": text}] if text else []
+        if not ok:  # cut before the grammar completed: no call, and not content either
+            self.cut = True
+            return []
         out = []
         for c in calls:
             arguments = json.dumps(c.get("parameters", {}), ensure_ascii=False)
@@ -166,6 +191,14 @@ class ToolCallStreamer:
                 deltas.append({"content": ready})
             break
         return _merge(deltas)
+
+
+def _json_or_none(text: str) -> Any:
+    """``text`` parsed as JSON; None when it is not (an incomplete call, say)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _partial_marker(text: str, marker: str) -> int:

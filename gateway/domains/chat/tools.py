@@ -5,13 +5,17 @@
   may not call.
 - ``"required"`` and a named function are decoded under a grammar (vLLM's approach, through
   ``engine.structured_output.grammar``): the arguments always validate against the function's
-  ``parameters`` schema, whatever the model and its template.
+  ``parameters`` schema, whatever the model and its template. The schema is closed first as
+  OpenAI's strict mode has it (``engine.structured_output.closed_schema``: an object that does
+  not say ``additionalProperties`` takes no other keys), with or without ``strict: true``, so a
+  call ends after its last property.
 - ``"auto"`` (the default with tools) leaves the choice to the model, whose output is parsed in
   its family's format (``gateway.domains.chat.tool_calls``); a model whose template teaches no
   format this server can parse gets a 400 for it.
 
 Refused with a 400 naming the field: duplicate or malformed names (OpenAI's rule: 1 to 64
-letters, digits, ``_`` or ``-``), more than 128 tools, a named function not among the tools,
+letters, digits, ``_`` or ``-``), more than 128 tools, ``parameters`` whose ``type`` is not
+``"object"`` (OpenAI's: arguments are a JSON object), a named function not among the tools,
 ``tool_choice`` without ``tools``, and a tool choice together with a ``response_format`` or
 ``guided_*`` constraint (one output cannot follow two grammars), and ``strict: true`` with
 ``"auto"`` (only a forced call is decoded under its schema; this server does not pretend
@@ -26,6 +30,8 @@ from typing import Any
 
 import msgspec
 
+from loraplex.engine.structured_output.bounds import check_schema_bounds
+from loraplex.engine.structured_output.closed_schema import close_objects, rebase_refs
 from loraplex.engine.structured_output.grammar import StructuredOutputSpec
 from loraplex.engine.structured_output.tool_call_format import FORMATS
 from loraplex.gateway.domains.chat.body import ChatCompletionBody, NamedToolChoice
@@ -58,25 +64,41 @@ class ToolRequest:
     def structured_output(self) -> StructuredOutputSpec | None:
         """The grammar that forces the call (``required`` / ``named``); None otherwise.
 
+        Each function's ``parameters`` is closed first (``engine.structured_output.
+        closed_schema``: objects that do not say ``additionalProperties`` take no other keys,
+        as OpenAI's strict mode has it) and its root made an object, so a call ends after its
+        last property. ``required`` is a JSON array of ``{"name", "parameters"}`` objects
+        (vLLM's form; at most one with ``parallel_tool_calls: false``), each function's schema
+        under ``$defs`` with its local ``$ref`` pointers rebased there.
+
         Raises:
-            ValueError: a schema too large for the engine (``MAX_SPEC_CHARS``).
+            ValueError: a schema past ``engine.structured_output.bounds`` (checked before it
+                is walked) or too large for the engine (``MAX_SPEC_CHARS``).
         """
         if self.mode == "named":
-            return StructuredOutputSpec.json_schema(self.parameters[self.name])
+            return StructuredOutputSpec.json_schema(arguments_schema(self.parameters[self.name]))
         if self.mode != "required":
             return None
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": name}, "parameters": schema},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for name, schema in self.parameters.items()
-        ]
+        defs: dict[str, Any] = {}
+        calls = []
+        for i, (name, schema) in enumerate(self.parameters.items()):
+            key = f"call{i}"
+            defs[key] = rebase_refs(arguments_schema(schema), f"/$defs/{key}")
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": name},
+                        "parameters": {"$ref": f"#/$defs/{key}"},
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             array["maxItems"] = 1
+        array["$defs"] = defs
         return StructuredOutputSpec.json_schema(array)
 
     def streamer(self, tool_call_format: str | None) -> ToolCallStreamer | None:
@@ -90,6 +112,24 @@ class ToolRequest:
             fmt=FORMATS.get(tool_call_format or ""),
             parallel=self.parallel,
         )
+
+
+def arguments_schema(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The schema a forced call's arguments are decoded under: ``parameters``, closed, an object.
+
+    Args:
+        parameters: A function's ``parameters`` (already checked by :func:`parse_tools`).
+
+    Returns:
+        :func:`~loraplex.engine.structured_output.closed_schema.close_objects` of it, with
+        ``"type": "object"`` at its root (OpenAI's arguments are always a JSON object).
+
+    Raises:
+        BoundError: the schema's shape is past ``engine.structured_output.bounds``.
+    """
+    check_schema_bounds(parameters)  # before walking it: bounds its depth
+    closed = close_objects({**parameters, "type": "object"})
+    return closed
 
 
 def parse_tools(req: ChatCompletionBody, structured: bool) -> ToolRequest | None:
@@ -122,6 +162,17 @@ def parse_tools(req: ChatCompletionBody, structured: bool) -> ToolRequest | None
         if name in parameters:
             raise bad_request(f"'{where}.name' repeats {name!r}", param=f"{where}.name")
         schema = tool.function.parameters
+        kind = None if schema is None else schema.get("type", "object")
+        if (
+            kind is not None
+            and kind != "object"
+            and not (isinstance(kind, list) and "object" in kind)
+        ):
+            raise bad_request(
+                f"'{where}.parameters' must describe a JSON object (the call's arguments), "
+                f"not type {kind!r}",
+                param=f"{where}.parameters",
+            )
         parameters[name] = _NO_ARGUMENTS if schema is None else schema
     choice = req.tool_choice or "auto"
     name = None
