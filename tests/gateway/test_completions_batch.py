@@ -61,6 +61,10 @@ def test_a_batch_of_prompts_is_each_prompt_alone_in_one_usage_row(live, client, 
     echo = client.completions.create(prompt=PROMPTS[:2], echo=True, n=2, **args)
     for c in echo.choices:  # each choice echoes its own prompt
         assert c.text == PROMPTS[c.index // 2] + alone[c.index // 2].choices[0].text
+    scored = client.completions.create(prompt=PROMPTS, logprobs=1, **args)
+    for c in scored.choices:
+        assert "".join(c.logprobs.tokens) == c.text == alone[c.index].choices[0].text
+        assert len(c.logprobs.token_logprobs) == 5
 
 
 def test_a_streamed_batch_sends_every_choice_and_its_finish_and_summed_usage(client):
