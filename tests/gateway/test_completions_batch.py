@@ -180,3 +180,18 @@ def test_one_prompt_failing_mid_way_fails_the_batch_and_aborts_the_others(
     assert all(9 <= r.completion_tokens < 100 for r in rows), [r.completion_tokens for r in rows]
     assert wait_for(lambda: engine_client.stats()["kv_blocks_in_use"] == 0)
     assert not scheduler.requests
+
+
+def test_a_batch_spends_its_summed_tokens_from_the_token_rate_limit(live, client, tenant):
+    with live.client(tenant["api_key"]) as c:  # /tokenize spends no tokens
+        prompt = c.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()["count"]
+    one = prompt + 4  # one request's prompt and completion tokens
+    with live.admin() as a:  # room for two such requests a minute, not for a batch of three
+        r = a.put(f"/admin/tenants/{tenant['id']}/limits", json={"tokens_per_minute": 2 * one + 1})
+        assert r.status_code == 200, r.text
+    args = {"model": MODEL, "max_tokens": 4, "extra_body": {"ignore_eos": True}}
+    batch = client.completions.create(prompt=[PROMPTS[0]] * 3, **args)
+    assert batch.usage.total_tokens == 3 * one
+    with pytest.raises(openai.RateLimitError) as err:
+        client.completions.create(prompt=PROMPTS[0], **args)
+    assert "tokens_per_minute" in err.value.body["message"]
