@@ -28,7 +28,7 @@ class GatewayConfig:
             of this and the largest valid adapter plus 1 MiB of other members is in force).
         max_tokens_limit: Largest ``max_tokens`` a request may ask for (also bounded by the
             model length); 400 beyond.
-        max_n: Largest ``n``.
+        max_n: Largest ``n``; for a Completions batch, of prompts x ``n`` (choices per request).
         default_requests_per_minute: Per-key requests per minute when the tenant sets none
             (None: unlimited).
         default_tokens_per_minute: Per-key prompt + completion tokens per minute (None: unlimited).

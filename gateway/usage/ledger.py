@@ -109,6 +109,11 @@ class UsageLedger:
         if out.ttft is not None and self.ttft is None:
             self.ttft = out.ttft
 
+    @property
+    def observed(self) -> bool:
+        """Some engine output was taken (:meth:`observe`) since the last :meth:`forget_outputs`."""
+        return self._observed
+
     def forget_outputs(self) -> None:
         """Nothing ran (the engine refused the request): nothing to count."""
         self._observed = False

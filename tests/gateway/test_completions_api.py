@@ -107,7 +107,7 @@ def test_chat_form_of_tokenize_is_the_chat_prompt(live, client, tenant):
     "body, param",
     [
         ({"prompt": "a", "suffix": "b"}, "suffix"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", [1]]}, "prompt"),
         ({"prompt": [1, "x"]}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [10_000_000]}, "prompt"),

@@ -158,14 +158,14 @@ class ChatCompletionBody(GenerationFields, kw_only=True):
 
 
 class CompletionBody(GenerationFields, kw_only=True):
-    """A (legacy) Completions request body: one prompt, as text or token ids.
+    """A (legacy) Completions request body: one prompt or a batch, as text or token ids.
 
     OpenAI's ``suffix`` (insertion) is refused; ``best_of`` is accepted only equal to ``n``
-    (or 1), where it changes nothing; a list of several prompts is refused (one request, one
-    prompt).
+    (or 1), where it changes nothing. ``prompt`` is checked by
+    ``gateway.domains.chat.completions`` (a batch: a list of strings or of token-id lists).
     """
 
-    prompt: str | list[Any]  # a string, token ids, or a list of one of either
+    prompt: str | list[Any]  # a string, token ids, or a list of strings or of token-id lists
     echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None

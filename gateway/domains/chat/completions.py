@@ -1,8 +1,13 @@
 """``POST /v1/completions`` bodies: OpenAI's (legacy) Completions, checked into a ChatRequest.
 
 The prompt is one string (tokenized as it is, with BOS unless ``add_special_tokens`` is false)
-or one list of token ids; a list holding exactly one of either is the same prompt. Several
-prompts in one request are refused (``prompt``): one request, one prompt, one usage row.
+or one list of token ids, or a batch: a list of strings or a list of token-id lists (OpenAI's
+and vLLM's forms; a list of one is the same as the one prompt). Each prompt of a batch runs as
+its own engine request in the continuous batch (``gateway.domains.chat.batch``); prompt ``i``'s
+``j``-th sample is choice ``i * n + j``, as OpenAI and vLLM index them; usage is summed over
+the prompts and the request is one usage row. Bounds: prompts x ``n`` at most ``max_n`` (the
+bound on ``n``), each prompt non-empty and shorter than the model length, strings and token
+lists not mixed (400s naming ``prompt``).
 ``max_tokens`` defaults to 16 (OpenAI's and vLLM's default for this endpoint). ``logprobs`` is
 the number of alternatives per token (0 to 20), reported in the legacy shape (``tokens``,
 ``token_logprobs``, ``top_logprobs``, ``text_offset``). ``echo`` puts the prompt's text before
@@ -24,7 +29,7 @@ from loraplex.gateway.domains.chat.schemas import (
     generation_fields,
     utf8_len,
 )
-from loraplex.gateway.errors import bad_request
+from loraplex.gateway.errors import APIError, bad_request
 from loraplex.gateway.transport.json_body import decode_object
 
 DEFAULT_MAX_TOKENS = 16
@@ -43,7 +48,7 @@ def parse_completion_request(
     Args:
         body: The raw JSON body.
         max_tokens_limit: Largest ``max_tokens`` a request may ask for.
-        max_n: Largest ``n``.
+        max_n: Largest number of choices: ``n`` times the number of prompts.
         max_parts: The model length: a token-id prompt must be shorter.
         vocab_size: Token ids (a token-id ``prompt``, ``stop_token_ids``, ``logit_bias``)
             must be below it (0: unknown, only below ``2**63``).
@@ -54,8 +59,8 @@ def parse_completion_request(
     """
     data = decode_object(body)
     req: CompletionBody = convert_body(data, CompletionBody)
-    prompt = _prompt(req.prompt, max_parts, vocab_size)
     n = 1 if req.n is None else req.n
+    prompts = _prompts(req.prompt, n if 1 <= n <= max_n else 1, max_n, max_parts, vocab_size)
     if req.best_of is not None and req.best_of not in (1, n):
         raise bad_request(
             "'best_of' other than 'n' is not supported (every sampled completion is returned)",
@@ -74,26 +79,73 @@ def parse_completion_request(
         common["max_tokens"] = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
     return ChatRequest(
         messages=[],
-        prompt=prompt,
+        prompt=prompts[0],
+        prompts=prompts,
         echo=bool(req.echo),
         add_special_tokens=req.add_special_tokens is not False,
         logprobs=req.logprobs is not None,
         top_logprobs=req.logprobs or 0,
-        text_bytes=utf8_len(prompt) if isinstance(prompt, str) else 0,
+        text_bytes=sum(utf8_len(p) for p in prompts if isinstance(p, str)),
         prompt_param="prompt",
         **common,
     )
+
+
+def _prompts(
+    value: Any, n: int, max_n: int, max_len: int, vocab_size: int
+) -> list[str | list[int]]:
+    """The prompts ``value`` holds: one, or a batch (a list of strings or of token-id lists).
+
+    The number of prompts is checked first, so a list of a million prompts costs nothing more.
+
+    Args:
+        value: The ``prompt`` field as decoded (a string or a list).
+        n: Choices per prompt.
+        max_n: Most choices per request (prompts x ``n``).
+        max_len: The model length: each token-id prompt must be shorter.
+        vocab_size: Each token id must be below it (0: unknown).
+
+    Returns:
+        Each prompt, text or token ids, in order (at least one).
+
+    Raises:
+        APIError: 400 naming ``prompt``: empty (the list or one of its prompts), strings and
+            token lists mixed, more than ``max_n // n`` prompts, a token-id prompt too long or
+            holding an id outside ``[0, vocab_size)``.
+    """
+    if isinstance(value, str) or not value or not isinstance(value[0], str | list):
+        return [_prompt(value, max_len, vocab_size)]  # one prompt: text or token ids
+    kind = type(value[0])
+    if not all(type(p) is kind for p in value):
+        raise bad_request(
+            "'prompt' must be a string, a list of token ids, a list of strings or a list of "
+            "token-id lists; this list mixes kinds",
+            param="prompt",
+        )
+    if len(value) * n > max_n:
+        raise bad_request(
+            f"'prompt' holds {len(value)} prompts and 'n' is {n}: at most {max_n} choices "
+            f"(prompts x n) per request",
+            param="prompt",
+        )
+    prompts = []
+    for i, one in enumerate(value):
+        try:
+            prompts.append(_prompt(one, max_len, vocab_size))
+        except APIError as exc:  # say which prompt of several
+            if len(value) == 1:
+                raise
+            raise bad_request(f"prompt {i}: {exc.message}", param="prompt", code=exc.code) from None
+    return prompts
 
 
 def _prompt(value: Any, max_len: int, vocab_size: int) -> str | list[int]:
     """The one prompt ``value`` holds: text, or token ids shorter than the model length.
 
     Raises:
-        APIError: 400 naming ``prompt``: empty, several prompts, too long, or a token id
-            outside ``[0, vocab_size)`` (:func:`check_token_ids`).
+        APIError: 400 naming ``prompt``: empty, not a string or token ids, too long, or a
+            token id outside ``[0, vocab_size)`` (:func:`check_token_ids`).
     """
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
     if isinstance(value, str):
         if not value:
             raise bad_request("'prompt' must not be empty", param="prompt")
@@ -110,6 +162,7 @@ def _prompt(value: Any, max_len: int, vocab_size: int) -> str | list[int]:
         check_token_ids(value, vocab_size, "prompt")
         return list(value)
     raise bad_request(
-        "'prompt' must be a string or a list of token ids: one prompt per request",
+        "'prompt' must be a string, a list of token ids, a list of strings or a list of "
+        "token-id lists",
         param="prompt",
     )

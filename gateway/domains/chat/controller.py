@@ -36,10 +36,11 @@ cut's reason (``write_timeout``, ``evicted_stalled``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from litestar import Request, Response, post
@@ -49,8 +50,10 @@ from litestar.exceptions import HTTPException
 from loraplex.engine.client.fair_pool import PoolBusyError
 from loraplex.engine.client.inputs import ProcessedPrompt
 from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
+from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.auth.principals import TenantPrincipal
 from loraplex.gateway.di import Injected
+from loraplex.gateway.domains.chat.batch import per_prompt
 from loraplex.gateway.domains.chat.body import ChatCompletionBody, CompletionBody
 from loraplex.gateway.domains.chat.completions import parse_completion_request
 from loraplex.gateway.domains.chat.responses import completion_body, text_completion_body
@@ -115,11 +118,15 @@ async def chat_completions(request: Request, chat_deps: Injected[ChatDeps]) -> R
     },
 )
 async def completions(request: Request, chat_deps: Injected[ChatDeps]) -> Response:
-    """Answer one (legacy) Completions request: a text or token-id prompt, no chat template.
+    """Answer one (legacy) Completions request: text or token-id prompts, no chat template.
+
+    A list of prompts is one request: one engine request per prompt, one answer and one usage
+    row (``gateway.domains.chat.batch``).
 
     Raises:
-        APIError: as :func:`chat_completions`; ``suffix``, several prompts, ``best_of`` other
-            than ``n`` and ``echo`` with ``logprobs`` are 400s naming the field.
+        APIError: as :func:`chat_completions`; ``suffix``, more than ``max_n`` choices (prompts
+            x ``n``), mixed prompt kinds, ``best_of`` other than ``n`` and ``echo`` with
+            ``logprobs`` are 400s naming the field.
     """
     return await _generate(request, chat_deps, "cmpl-", parse_completion_request)
 
@@ -202,12 +209,45 @@ async def _start(
     """
     engine = deps.engine
     ledger.adapter_digest = await resolve_model(deps, principal.tenant_id, chat.model)
-    prompt = await _prompt(deps, principal, chat)
-    sampling = chat.sampling_params(
-        len(prompt.prompt_token_ids), engine.max_model_len, deps.config.max_tokens_limit
+    if len(chat.prompts) > 1:  # a Completions batch: one engine request per prompt
+        engine_requests = await _batch_requests(deps, principal, chat, ledger, response_id)
+    else:
+        prompt = await _prompt(deps, principal, chat)
+        sampling = chat.sampling_params(
+            len(prompt.prompt_token_ids), engine.max_model_len, deps.config.max_tokens_limit
+        )
+        engine_requests = [_engine_request(principal, chat, ledger, response_id, prompt, sampling)]
+        ledger.images = len(prompt.images)
+    ledger.prompt_tokens = sum(len(r.prompt_token_ids) for r in engine_requests)
+    try:
+        admission = ledger.admission
+        if admission is not None:
+            admission.reserve_tokens(
+                ledger.prompt_tokens
+                + sum(r.sampling.max_tokens * r.sampling.n for r in engine_requests)
+            )
+    except OverloadedError as exc:
+        raise overloaded(str(exc), exc.retry_after) from None
+    adapter = None if ledger.adapter_digest is None else chat.model
+    ledger.measure(deps.metrics.latency.for_model(principal.tenant_id, adapter))
+    deliver = chat.stream and exchange is not None
+    batch = engine_requests if len(engine_requests) > 1 else None
+    return ChatRun(
+        deps, engine_requests[0], ledger, chat.structured_param, deliver=deliver, batch=batch
     )
-    engine_request = EngineRequest(
-        request_id=response_id,
+
+
+def _engine_request(
+    principal: TenantPrincipal,
+    chat: ChatRequest,
+    ledger: UsageLedger,
+    request_id: str,
+    prompt: ProcessedPrompt,
+    sampling: SamplingParams,
+) -> EngineRequest:
+    """The engine request of one prompt: the tenant's cache salt and fairness group."""
+    return EngineRequest(
+        request_id=request_id,
         prompt_token_ids=prompt.prompt_token_ids,
         sampling=sampling,
         images=prompt.images,
@@ -216,18 +256,49 @@ async def _start(
         tenant=principal.tenant_id,  # the scheduler's fairness group
         output_kind=RequestOutputKind.DELTA,  # non-streamed too: the ledger times each token
     )
-    ledger.prompt_tokens = len(prompt.prompt_token_ids)
-    ledger.images = len(prompt.images)
+
+
+async def _batch_requests(
+    deps: ChatDeps,
+    principal: TenantPrincipal,
+    chat: ChatRequest,
+    ledger: UsageLedger,
+    response_id: str,
+) -> list[EngineRequest]:
+    """One engine request per prompt of a Completions batch (``gateway.domains.chat.batch``).
+
+    Every prompt's size is checked before any is tokenized; each must leave room for
+    ``max_tokens`` in the model length.
+
+    Raises:
+        APIError: 400 naming ``prompt`` (or ``max_tokens``), saying which prompt.
+    """
+    engine = deps.engine
+    chats = per_prompt(chat)
+    for i, one in enumerate(chats):  # every prompt's size, before any is tokenized
+        with _which_prompt(i):
+            one.check_size(engine.max_model_len, engine.input_limits.max_token_bytes, 0)
+    requests = []
+    for i, one in enumerate(chats):
+        with _which_prompt(i):
+            prompt = await _prompt(deps, principal, one)
+            sampling = one.sampling_params(
+                len(prompt.prompt_token_ids), engine.max_model_len, deps.config.max_tokens_limit
+            )
+        request_id = f"{response_id}-{i}"
+        requests.append(_engine_request(principal, one, ledger, request_id, prompt, sampling))
+    return requests
+
+
+@contextlib.contextmanager
+def _which_prompt(i: int) -> Iterator[None]:
+    """A 400 raised inside names prompt ``i`` of the batch in its message."""
     try:
-        admission = ledger.admission
-        if admission is not None:
-            admission.reserve_tokens(ledger.prompt_tokens + sampling.max_tokens * sampling.n)
-    except OverloadedError as exc:
-        raise overloaded(str(exc), exc.retry_after) from None
-    adapter = None if ledger.adapter_digest is None else chat.model
-    ledger.measure(deps.metrics.latency.for_model(principal.tenant_id, adapter))
-    deliver = chat.stream and exchange is not None
-    return ChatRun(deps, engine_request, ledger, chat.structured_param, deliver=deliver)
+        yield
+    except APIError as exc:
+        if exc.status != 400:
+            raise
+        raise bad_request(f"prompt {i}: {exc.message}", param=exc.param, code=exc.code) from None
 
 
 async def _prompt(deps: ChatDeps, principal: TenantPrincipal, chat: ChatRequest) -> ProcessedPrompt:
@@ -287,7 +358,7 @@ async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id
             model=chat.model,
             want_logprobs=chat.logprobs,
             token_bytes=deps.engine.token_bytes,
-            echo=await _echo(deps, chat, out.prompt_token_ids),
+            echo=await _echoes(deps, chat, run),
         )
         return Response(body, media_type="application/json")
     body = completion_body(
@@ -318,14 +389,14 @@ async def _stream(
         response_id=response_id,
         created=int(time.time()),
         model=chat.model,
-        n=run.request.sampling.n,
+        n=run.choices,
         include_usage=chat.include_usage,
         continuous_usage=chat.continuous_usage,
         want_logprobs=chat.logprobs,
         token_bytes=deps.engine.token_bytes,
         tool_calls=_tool_parsers(deps, chat),
         text_completion=chat.prompt is not None,
-        echo=await _echo(deps, chat, run.request.prompt_token_ids),
+        echo=await _echoes(deps, chat, run),
     )
     return EventStream(chunk_stream(run, first, meta, writable), headers=HEADERS)
 
@@ -358,6 +429,21 @@ async def _echo(deps: ChatDeps, chat: ChatRequest, prompt_ids: list[int]) -> str
     if isinstance(chat.prompt, str):
         return chat.prompt
     return await deps.engine.detokenize(prompt_ids)
+
+
+async def _echoes(deps: ChatDeps, chat: ChatRequest, run: ChatRun) -> str | list[str]:
+    """Completions' ``echo`` of the run: the prompt's text, or for a batch one per choice.
+
+    Choice ``i * n + j`` of a batch echoes prompt ``i``.
+    """
+    if len(run.requests) == 1:
+        return await _echo(deps, chat, run.request.prompt_token_ids)
+    if not chat.echo:
+        return ""
+    echoes = []
+    for one, request in zip(per_prompt(chat), run.requests, strict=True):
+        echoes += [await _echo(deps, one, request.prompt_token_ids)] * request.sampling.n
+    return echoes
 
 
 def _tool_parsers(deps: ChatDeps, chat: ChatRequest) -> Callable[[], Any]:

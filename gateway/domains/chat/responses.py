@@ -100,20 +100,25 @@ def text_completion_body(
     model: str,
     want_logprobs: bool,
     token_bytes: TokenBytes,
-    echo: str = "",
+    echo: str | list[str] = "",
 ) -> dict[str, Any]:
-    """The ``text_completion`` object (``POST /v1/completions``) for a finished request."""
+    """The ``text_completion`` object (``POST /v1/completions``) for a finished request.
+
+    ``echo``: the prompt's text before each choice's, or one per choice index (a batch of
+    prompts: each choice echoes its own prompt).
+    """
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
+        echoed = echo if isinstance(echo, str) else echo[c.index]
         logprobs = None
         if want_logprobs:
             logprobs = legacy_logprobs_body(
-                c.token_ids, c.logprobs or [], token_bytes, text_offset=len(echo)
+                c.token_ids, c.logprobs or [], token_bytes, text_offset=len(echoed)
             )
         choices.append(
             {
                 "index": c.index,
-                "text": echo + c.text,
+                "text": echoed + c.text,
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
             }

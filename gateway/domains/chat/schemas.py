@@ -96,7 +96,10 @@ class ChatRequest:
         cache_salt: The client's ``cache_salt`` (vLLM's), None if not given.
         tools: The tools offered and ``tool_choice`` (``gateway.domains.chat.tools``), None
             without tools.
-        prompt: ``POST /v1/completions``: the prompt, as text or token ids (None for chat).
+        prompt: ``POST /v1/completions``: the prompt, as text or token ids (None for chat);
+            the first of ``prompts``.
+        prompts: Completions: every prompt of the request, in order; more than one is a batch
+            (``gateway.domains.chat.batch``). Empty for chat.
         echo: Completions' ``echo``: the prompt's text goes before the completion's.
         add_special_tokens: Completions: tokenize a text prompt with BOS and the like.
         prompt_param: The field a prompt-length error names (``messages`` or ``prompt``).
@@ -118,6 +121,7 @@ class ChatRequest:
     cache_salt: str | None = None
     tools: ToolRequest | None = None
     prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] = field(default_factory=list)
     echo: bool = False
     add_special_tokens: bool = True
     prompt_param: str = "messages"

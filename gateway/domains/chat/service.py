@@ -46,6 +46,7 @@ from loraplex.engine.errors import EngineDeadError, EngineOverloadedError, Reque
 from loraplex.engine.request import EngineRequest, RequestOutput
 from loraplex.engine.structured_output.grammar import StructuredOutputError
 from loraplex.gateway.domains.adapters.upload import NAME_RE
+from loraplex.gateway.domains.chat.batch import fan_in
 from loraplex.gateway.errors import APIError, not_found, rate_limited
 from loraplex.gateway.limits.admission import AdmissionControl
 from loraplex.gateway.limits.ratelimit import Limiter, RateLimitExceeded
@@ -161,6 +162,9 @@ class ChatRun:
         ledger: Its usage; the run closes it when it ends, whatever the way.
         structured_param: The body field that asked for structured output: a spec the engine
             refuses is a 400 naming it.
+        batch: A Completions batch: one engine request per prompt (``request`` is the first),
+            run side by side and read as one request with their choices renumbered
+            (``gateway.domains.chat.batch.fan_in``); None: ``request`` alone.
         deliver: When the engine finishes the request ``ok``, the usage row waits for
             :meth:`delivered` (the HTTP side is about to hand its last bytes over) or for
             :meth:`cancel` (the client was cut first: ``aborted``). Admission control's share
@@ -176,9 +180,11 @@ class ChatRun:
         ledger: UsageLedger,
         structured_param: str = "",
         deliver: bool = False,
+        batch: list[EngineRequest] | None = None,
     ) -> None:
         self.deps = deps
         self.request = request
+        self.requests = batch or [request]
         self.structured_param = structured_param
         self.ledger = ledger
         self.deliver = deliver
@@ -192,6 +198,11 @@ class ChatRun:
         self.task = asyncio.create_task(self._pump(), name=f"loraplex-{request.request_id}")
         deps.in_flight.add(self.task)
         self.task.add_done_callback(self._done)
+
+    @property
+    def choices(self) -> int:
+        """The request's choices: ``n`` of each prompt, summed."""
+        return sum(r.sampling.n for r in self.requests)
 
     def watch_client(
         self,
@@ -324,8 +335,13 @@ class ChatRun:
     async def _pump(self) -> None:
         ledger = self.ledger
         status, error_type = "error", "internal_error"
+        requests = self.requests
+        if len(requests) == 1:
+            outputs = self.deps.engine.generate(self.request)
+        else:
+            outputs = fan_in(self.deps.engine.generate, requests, ledger.usage_id)
         try:
-            async for out in self.deps.engine.generate(self.request):
+            async for out in outputs:
                 ledger.observe(out)
                 if out.finished:  # recorded before anyone can see it: a late cancel is moot
                     status, error_type = _final_status(out)
@@ -365,7 +381,8 @@ class ChatRun:
                 )
             )
         except ValueError as exc:  # refused at admission: nothing ran, nothing to count
-            ledger.forget_outputs()
+            if not (len(requests) > 1 and ledger.observed):  # a batch: what the others made
+                ledger.forget_outputs()
             error_type = "invalid_request_error"
             param = None
             if isinstance(exc, StructuredOutputError):  # a schema the engine cannot enforce

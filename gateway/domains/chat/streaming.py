@@ -118,7 +118,8 @@ class StreamMeta:
         tool_calls: Makes a fresh tool-call parser for a choice (None: plain text).
         text_completion: ``POST /v1/completions``: ``text_completion`` chunks whose choices
             carry ``text`` (no role chunk), legacy logprobs.
-        echo: Completions' ``echo``: the prompt's text, sent first in each choice.
+        echo: Completions' ``echo``: the prompt's text, sent first in each choice; a list:
+            each choice's own (a batch of prompts), by choice index.
         want_logprobs: Send each delta's logprobs.
         token_bytes: Token ids to their bytes (for logprobs).
     """
@@ -133,7 +134,7 @@ class StreamMeta:
     continuous_usage: bool = False
     tool_calls: Callable[[], ToolCallStreamer | None] = lambda: None
     text_completion: bool = False
-    echo: str = ""
+    echo: str | list[str] = ""
 
 
 def sse(obj: Any) -> bytes:
@@ -239,8 +240,9 @@ async def chunk_stream(
     try:
         for i in range(meta.n):
             if meta.text_completion:  # no role; the echoed prompt opens each choice
-                if meta.echo:
-                    pending.append(encode([_choice(meta, i, {"content": meta.echo}, None, None)]))
+                echo = meta.echo if isinstance(meta.echo, str) else meta.echo[i]
+                if echo:
+                    pending.append(encode([_choice(meta, i, {"content": echo}, None, None)]))
                 continue
             delta = {"role": "assistant", "content": ""}
             pending.append(encode([_choice(meta, i, delta, None, None)]))
