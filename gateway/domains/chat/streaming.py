@@ -119,6 +119,8 @@ class StreamMeta:
         text_completion: ``POST /v1/completions``: ``text_completion`` chunks whose choices
             carry ``text`` (no role chunk), legacy logprobs.
         echo: Completions' ``echo``: the prompt's text, sent first in each choice.
+        echo_logprobs: With ``echo`` and ``logprobs``: the prompt's part of the legacy
+            logprobs, in the chunk that echoes the prompt.
         want_logprobs: Send each delta's logprobs.
         token_bytes: Token ids to their bytes (for logprobs).
     """
@@ -134,6 +136,7 @@ class StreamMeta:
     tool_calls: Callable[[], ToolCallStreamer | None] = lambda: None
     text_completion: bool = False
     echo: str = ""
+    echo_logprobs: dict[str, Any] | None = None
 
 
 def sse(obj: Any) -> bytes:
@@ -240,7 +243,8 @@ async def chunk_stream(
         for i in range(meta.n):
             if meta.text_completion:  # no role; the echoed prompt opens each choice
                 if meta.echo:
-                    pending.append(encode([_choice(meta, i, {"content": meta.echo}, None, None)]))
+                    echoed = _choice(meta, i, {"content": meta.echo}, meta.echo_logprobs, None)
+                    pending.append(encode([echoed]))
                 continue
             delta = {"role": "assistant", "content": ""}
             pending.append(encode([_choice(meta, i, delta, None, None)]))
