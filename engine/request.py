@@ -142,6 +142,11 @@ class RequestOutput:
             (vLLM's queued interval), once it was admitted.
         error: Set (with ``finished``) when a fault in this request's part of a step failed
             it; says where, never the internals (those go to the log).
+        prompt_logprobs: With ``sampling.prompt_logprobs``: one entry per prompt token, None
+            for the first (nothing precedes it), then ``(logprob, rank, [(token_id, logprob),
+            ...])`` (vLLM's ``RequestOutput.prompt_logprobs``); in the first output once the
+            prompt is computed (``DELTA``) or in the final one (``FINAL_ONLY``). None when not
+            asked, and in later ``DELTA`` outputs.
     """
 
     request_id: str
@@ -152,6 +157,7 @@ class RequestOutput:
     ttft: float | None = None
     queue_time: float | None = None
     error: str | None = None
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Add a later ``DELTA`` output of the same request to this one (vLLM's ``add``).
@@ -181,3 +187,5 @@ class RequestOutput:
         self.ttft = self.ttft if self.ttft is not None else later.ttft
         self.queue_time = self.queue_time if self.queue_time is not None else later.queue_time
         self.error = later.error if later.error is not None else self.error
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs

@@ -55,6 +55,10 @@ class Sequence:
             (from the last step's ``ModelRunnerOutput``); empty when none.
         spec: Its adaptive proposal count (``engine.spec_decode.AdaptiveK``), None while it
             has not speculated.
+        prompt_logprobs: The prompt logprobs gathered so far, chunk by chunk (prompt tokens
+            ``1 .. len``), while the request's first sequence still owes them; None when not
+            asked, in a fork child, and once delivered. While it is a list the sequence takes
+            no prefix-cache hits (docs/engine.md, *Prompt logprobs*).
     """
 
     seq_id: str
@@ -73,6 +77,11 @@ class Sequence:
     grammar: Any = None
     spec_token_ids: list[int] = field(default_factory=list)
     spec: Any = None
+    prompt_logprobs: list | None = None
+
+    def __post_init__(self) -> None:
+        if self.index == 0 and self.request.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @property
     def num_tokens(self) -> int:

@@ -79,6 +79,7 @@ class _Request:
     num_cached_tokens: int = 0
     error: str | None = None
     core_finished: bool = False  # the core forgot the request
+    prompt_logprobs: list | None = None  # [None, *the core's], until an output carries them
 
 
 class OutputProcessor:
@@ -163,6 +164,8 @@ class OutputProcessor:
         state.num_cached_tokens = core.num_cached_tokens
         if state.first_scheduled_time is None:
             state.first_scheduled_time = core.first_scheduled_time
+        if core.prompt_logprobs is not None:  # the first prompt token has none (vLLM)
+            state.prompt_logprobs = [None, *core.prompt_logprobs]
         out = self._output(state, core.index)
         if out.finish_reason is not None:  # ended here by a stop string: late news
             return
@@ -245,6 +248,7 @@ class OutputProcessor:
             else state.first_token_time - state.request.arrival_time
         )
         scheduled = state.first_scheduled_time
+        prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None  # sent once
         return RequestOutput(
             request_id=state.request.request_id,
             prompt_token_ids=state.request.prompt_token_ids,
@@ -254,6 +258,7 @@ class OutputProcessor:
             ttft=ttft,
             queue_time=None if scheduled is None else scheduled - state.request.arrival_time,
             error=state.error,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -------------------------------------------------------------------------- endings

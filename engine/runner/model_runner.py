@@ -47,6 +47,7 @@ from loraplex.engine.runner.cuda_graphs import DecodeGraphRunner
 from loraplex.engine.runner.image_splice import mrope_positions, splice_rows, with_image_bounds
 from loraplex.engine.runner.step_isolation import execute_isolating, sample_rows_isolating
 from loraplex.engine.runner.vision_cache import VisionCache
+from loraplex.engine.sampling.logprobs import PromptLogprob, prompt_logprobs
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.engine.sampling.penalties import TokenHistory, needs_history
 from loraplex.engine.sampling.sampler import Sampler, make_generator
@@ -147,6 +148,8 @@ class ModelRunner:
         # every step it accepts; None: the eager forward.
         self.compiled_step: CompiledStep | None = None
         self.seqs: dict[str, _RunnerSeq] = {}
+        # The step's prompt logprobs, by sequence (filled by forward, read by execute).
+        self._prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = {}
         self.generators: dict[str, torch.Generator] = {}
         shape = (num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
         # One (K, V) pair of [num_blocks, block_size, num_kv_heads, head_dim] per layer.
@@ -258,10 +261,15 @@ class ModelRunner:
                 if item.num_draft_tokens
             }
             items = self.draft.fill(items, inputs)
+        self._prompt_logprobs = {}
         step = execute_isolating(self.forward, items)
         for item, exc in step.culprits:
             logger.error("%s failed in the forward pass", item.seq_id, exc_info=exc)
             result.failed[item.seq_id] = "the forward pass"
+        for item in step.kept:
+            if item.seq_id in self._prompt_logprobs:
+                result.prompt_logprobs[item.seq_id] = self._prompt_logprobs[item.seq_id]
+        self._prompt_logprobs = {}
         result.forward_seconds = self.last_forward_seconds
         sampling = [item for item in step.kept if item.sample]
         if not sampling:
@@ -377,12 +385,20 @@ class ModelRunner:
 
         Returns:
             ``item.num_sample_rows`` rows per item (its last position, or the ``1 + k`` of a
-            speculating one), in order; None when none samples.
+            speculating one), in order; None when none samples. The prompt logprobs of items
+            scheduled with ``prompt_logprobs`` go to ``self._prompt_logprobs``
+            (:meth:`_prompt_logprobs_of`).
         """
-        if self.decode_graphs is not None and self.decode_graphs.accepts(items):
+        wants_prompt = any(item.prompt_logprobs for item in items)
+        if (
+            self.decode_graphs is not None
+            and not wants_prompt
+            and self.decode_graphs.accepts(items)
+        ):
             return self._forward_decode_graph(items)
         chunks = []
         sample_rows: list[int] = []
+        prompt_rows: list[tuple[str, int, int, int]] = []  # (seq, first row, start, count)
         row = 0
         for item in items:
             st = self.seqs[item.seq_id]
@@ -390,6 +406,10 @@ class ModelRunner:
             # The computed tokens, then the proposals (in lookahead slots) of a speculating one.
             tokens = st.token_ids[start : end - len(item.spec_token_ids)] + item.spec_token_ids
             chunks.append((tokens, start, st.table))
+            if item.prompt_logprobs:  # positions before the prompt's last token
+                count = min(end, st.num_prompt_tokens - 1) - start
+                if count > 0:
+                    prompt_rows.append((item.seq_id, row, start, count))
             row += item.num_new_tokens
             sample_rows.extend(range(row - item.num_sample_rows, row))
         inputs = step_inputs(chunks, self.device)
@@ -431,9 +451,38 @@ class ModelRunner:
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        if prompt_rows:
+            self._prompt_logprobs_of(hidden, prompt_rows)
         self._sync()
         self.last_forward_seconds = time.perf_counter() - t0
         return logits
+
+    def _prompt_logprobs_of(
+        self, hidden: torch.Tensor, prompt_rows: list[tuple[str, int, int, int]]
+    ) -> None:
+        """The prompt logprobs of a step's prefill chunks that ask for them.
+
+        Only these rows go through the LM head (a normal prefill computes the logits of its
+        last position alone), a block of rows at a time
+        (``engine.sampling.logprobs.prompt_logprobs``): memory is bounded by the block, the
+        work by the chunked-prefill budget.
+
+        Args:
+            hidden: ``[T, hidden]`` the step's final hidden states.
+            prompt_rows: ``(seq_id, first row in hidden, first position, count)``: rows
+                ``first .. first + count`` hold positions ``start .. start + count``, whose
+                logits give prompt tokens ``start + 1 .. start + count``.
+        """
+        for seq_id, first, start, count in prompt_rows:
+            st = self.seqs[seq_id]
+            targets = st.token_ids[start + 1 : start + 1 + count]
+            entries = prompt_logprobs(
+                hidden[first : first + count],
+                targets,
+                st.sampling.prompt_logprobs or 0,
+                self.model.compute_logits,
+            )
+            self._prompt_logprobs[seq_id] = (start + 1, entries)
 
     def _forward_decode_graph(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
         """:meth:`forward` of a pure-decode step through :attr:`decode_graphs`.

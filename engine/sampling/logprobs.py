@@ -9,13 +9,19 @@ for the same token, and a token that a filter dropped can still appear among the
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 TopLogprobs = list[tuple[int, float]]
 """``(token_id, logprob)`` pairs, most likely first."""
+
+PromptLogprob = tuple[float, int, TopLogprobs]
+"""A prompt token's logprob, its rank and the top alternatives at its position."""
+
+PROMPT_LOGPROBS_ROWS = 256
+"""Prompt positions whose logits exist at once (``[rows, vocab]`` float32, then freed)."""
 
 
 def gather_logprobs(
@@ -62,6 +68,51 @@ def gather_logprobs(
         ranks[r] = rank_l[j]
         tops[r] = list(zip(top_il[j][:k], top_vl[j][:k], strict=True))
     return lps, ranks, tops
+
+
+def prompt_logprobs(
+    hidden: torch.Tensor,
+    targets: list[int],
+    num_top: int,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    rows_per_block: int = PROMPT_LOGPROBS_ROWS,
+) -> list[PromptLogprob]:
+    """Logprob, rank and top alternatives of each prompt token, from the rows before it.
+
+    Row ``i`` of ``hidden`` is the position before ``targets[i]``: its logits give the
+    distribution ``targets[i]`` was drawn from (vLLM's ``prompt_logprobs``). The logits are
+    made ``rows_per_block`` rows at a time, so memory stays ``rows_per_block x vocab`` floats
+    whatever the prompt's length.
+
+    Args:
+        hidden: ``[R, hidden]`` final hidden states (after the norm), one per position.
+        targets: ``R`` token ids, the prompt token at the position after each row.
+        num_top: Top alternatives per position (``0..20``).
+        compute_logits: The model's LM head, ``[r, hidden] -> [r, V]`` logits.
+        rows_per_block: Rows per LM-head call.
+
+    Returns:
+        ``R`` entries ``(logprob, rank, [(token_id, logprob), ...])``: the token's raw
+        logprob (``log_softmax`` of the logits, as :func:`gather_logprobs`), its rank
+        (1 + the tokens strictly more likely) and the ``num_top`` most likely tokens.
+    """
+    out: list[PromptLogprob] = []
+    if not targets:
+        return out
+    ids = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+    for first in range(0, len(targets), rows_per_block):
+        logp = torch.log_softmax(
+            compute_logits(hidden[first : first + rows_per_block]).float(), dim=-1
+        )  # [r, V]
+        token = logp.gather(1, ids[first : first + rows_per_block].unsqueeze(1))  # [r, 1]
+        rank = (logp > token).sum(dim=-1) + 1
+        top_v, top_i = logp.topk(min(num_top, logp.shape[1]), dim=-1)  # [r, k]
+        for lp, rk, tv, ti in zip(
+            token.squeeze(1).tolist(), rank.tolist(), top_v.tolist(), top_i.tolist(), strict=True
+        ):
+            out.append((lp, rk, list(zip(ti, tv, strict=True))))
+        del logp
+    return out
 
 
 class TokenBytes:

@@ -48,8 +48,11 @@ class SamplingParams:
 
     Attributes:
         n: Completions to generate for the prompt (>= 1).
-        max_tokens: Most tokens to generate per completion (>= 1); hitting it finishes the
-            completion with ``finish_reason="length"``.
+        max_tokens: Most tokens to generate per completion (>= 0); hitting it finishes the
+            completion with ``finish_reason="length"``. 0 runs the prefill only (the prompt's
+            KV and, with ``prompt_logprobs``, its logprobs): every completion finishes with
+            ``"length"`` and no token, as vLLM's server answers ``echo`` with
+            ``max_tokens: 0``.
         temperature: Softmax temperature in ``[0, 100]``; 0 (or below 1e-5) means greedy.
         top_p: Nucleus sampling (Holtzman et al. 2019): keep the smallest set of most likely
             tokens whose probability sums to at least ``top_p``; in ``(0, 1]``, 1 disables it.
@@ -69,6 +72,11 @@ class SamplingParams:
             the output text.
         logprobs: None for no logprobs; otherwise return the sampled token's logprob plus this
             many top alternatives (``0..20``; 0 means only the sampled token's).
+        prompt_logprobs: None for none; otherwise the logprob of every prompt token after
+            the first (the first has none) plus this many top alternatives at each position
+            (``0..20``), vLLM's ``prompt_logprobs``. Computed in the prefill, per chunk; a
+            request that asks for them takes no prefix-cache hits (docs/engine.md, *Prompt
+            logprobs*).
         skip_special_tokens: Drop special tokens from the output text.
         presence_penalty: OpenAI's: subtracted once from the logit of every token that already
             appears in the output; in ``[-2, 2]``.
@@ -102,6 +110,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -127,7 +136,7 @@ class SamplingParams:
             ValueError: A field is out of range; the message starts with the field's name.
         """
         _check_int("n", self.n, lo=1)
-        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("max_tokens", self.max_tokens, lo=0)
         _check_float("temperature", self.temperature)
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
@@ -144,6 +153,8 @@ class SamplingParams:
             _check_int("seed", self.seed, lo=SEED_RANGE[0], hi=SEED_RANGE[1])
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(
                 f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"

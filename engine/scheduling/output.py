@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loraplex.engine.request import ImageInput
-from loraplex.engine.sampling.logprobs import TopLogprobs
+from loraplex.engine.sampling.logprobs import PromptLogprob, TopLogprobs
 from loraplex.engine.sampling.params import SamplingParams
 
 
@@ -101,6 +101,9 @@ class ScheduledSeq:
         num_draft_tokens: Speculative decoding with a draft model: the runner drafts this
             many proposals itself at the start of the step (``engine.spec_decode.draft``);
             ``num_new_tokens`` is ``1 + num_draft_tokens`` and ``spec_token_ids`` is empty.
+        prompt_logprobs: The runner computes the logprobs of the prompt tokens that follow
+            the step's positions (``sampling.prompt_logprobs``; only the positions before the
+            prompt's last token, whose logits sample the first output token).
     """
 
     seq_id: str
@@ -116,6 +119,7 @@ class ScheduledSeq:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_bitmasks: list[bytes] = field(default_factory=list)
     num_draft_tokens: int = 0
+    prompt_logprobs: bool = False
 
     @property
     def num_spec_tokens(self) -> int:
@@ -201,6 +205,8 @@ class ModelRunnerOutput:
             decoding); the scheduler decides how many of them to verify.
         undrafted: Sequences scheduled to verify drafted proposals that the draft model did
             not draft (they ran as plain decodes; no acceptance is counted for them).
+        prompt_logprobs: Per sequence scheduled with ``prompt_logprobs``: ``(p, entries)``,
+            the logprobs of prompt tokens ``p, p + 1, ...`` (``p >= 1``).
     """
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
@@ -209,6 +215,7 @@ class ModelRunnerOutput:
     forward_seconds: float = 0.0
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     undrafted: set[str] = field(default_factory=set)
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -233,6 +240,9 @@ class EngineCoreOutput:
         ends_on_stop_token: The last new token is the EOS or stop token id that finished it
             (its text is left out unless ``include_stop_str_in_output``); False when a
             complete structured output finished it (the token is content).
+        prompt_logprobs: The request asked for ``prompt_logprobs``: every prompt token's
+            after the first (``len(prompt) - 1`` entries), once, on index 0's output of the
+            step that completed the prompt; None otherwise.
     """
 
     request_id: str
@@ -246,3 +256,4 @@ class EngineCoreOutput:
     request_finished: bool = False
     first_scheduled_time: float | None = None
     ends_on_stop_token: bool = False
+    prompt_logprobs: list[PromptLogprob] | None = None

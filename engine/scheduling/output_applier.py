@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from loraplex.engine.core.breadcrumb import STEP, Breadcrumb
 from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.sampling.logprobs import PromptLogprob
 from loraplex.engine.scheduling.output import EngineCoreOutput, Logprob, ScheduledSeq
 from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.spec_decode import SpecDecodeStats
@@ -66,6 +67,35 @@ class OutputApplier:
     def advance(self, seq: Sequence, item: ScheduledSeq) -> None:
         """The step computed the item's positions: they count as computed."""
         seq.num_computed_tokens = item.start + item.num_new_tokens
+
+    @staticmethod
+    def add_prompt_logprobs(seq: Sequence, first: int, entries: list[PromptLogprob]) -> None:
+        """Keep a chunk's prompt logprobs (of prompt tokens ``first, first + 1, ...``).
+
+        Positions already kept (a chunk computed again after a preemption) are skipped.
+        """
+        kept = seq.prompt_logprobs
+        if kept is None:
+            return
+        skip = len(kept) + 1 - first  # prompt token len(kept) + 1 is the next one owed
+        if skip < 0:
+            raise RuntimeError(
+                f"{seq.seq_id}: prompt logprobs from token {first}, but token {len(kept) + 1} "
+                "is owed"
+            )
+        kept.extend(entries[skip:])
+
+    @staticmethod
+    def take_prompt_logprobs(seq: Sequence) -> list[PromptLogprob] | None:
+        """A sequence's prompt logprobs, once its prompt is computed (None: not owed).
+
+        From now on the sequence owes none (a later recompute may take prefix-cache hits).
+        """
+        kept = seq.prompt_logprobs
+        if kept is None or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return None
+        seq.prompt_logprobs = None
+        return kept
 
     def append(self, seq: Sequence, token: int, logprob: Logprob | None) -> EngineCoreOutput:
         """Add a sampled token and decide whether it finishes the sequence.

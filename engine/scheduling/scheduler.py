@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.engine.core.breadcrumb import STEP, Breadcrumb
-from loraplex.engine.kv_cache import KVCacheManager, SlotAllocation
+from loraplex.engine.kv_cache import KVCacheManager, PrefixMatch, SlotAllocation
 from loraplex.engine.kv_cache.swap import CpuBlockPool
 from loraplex.engine.request import EngineRequest
 from loraplex.engine.scheduling.budget import PrefillBudget
@@ -415,10 +415,21 @@ class Scheduler:
         if seq.swapped:
             needed = -(-seq.num_tokens // self.kv.block_size)
         else:
-            match = self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
+            match = self._prefix(seq)
             first = min(seq.num_tokens, match.num_cached_tokens + self.max_num_batched_tokens)
             needed = -(-first // self.kv.block_size) - len(match.blocks)
         return needed <= self.kv.num_free_blocks
+
+    def _prefix(self, seq: Sequence) -> PrefixMatch:
+        """The cached prefix a waiting sequence may start from.
+
+        None for a sequence that still owes prompt logprobs: a cached block holds KV, not the
+        logits of its positions, so every prompt position is computed (vLLM v1 does the same);
+        its full blocks are still registered for other requests.
+        """
+        if seq.prompt_logprobs is not None:
+            return PrefixMatch(num_queried_tokens=seq.num_tokens)
+        return self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
 
     def _schedule(self, out: SchedulerOutput) -> None:
         made_room = len(out.preempted)  # by fairness preemption: for the head, admit it now
@@ -504,7 +515,7 @@ class Scheduler:
                         continue
                     break
             else:
-                match = self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
+                match = self._prefix(seq)
                 start = match.num_cached_tokens
                 num_new = within(
                     start, min(seq.num_tokens - start, budget), allowance.get(tenant, 0.0)
@@ -517,7 +528,7 @@ class Scheduler:
                 alloc = self.kv.allocate_slots(
                     seq.seq_id,
                     num_new,
-                    prefix=match,
+                    prefix=match if seq.prompt_logprobs is None else None,
                     block_hashes=seq.hasher.block_hashes,
                     stat_sources=seq.hasher.stat_sources(),
                 )
@@ -655,9 +666,10 @@ class Scheduler:
             seq.seq_id,
             start,
             num_new,
-            sample=end == seq.num_tokens,
+            sample=end == seq.num_tokens and seq.request.sampling.max_tokens > 0,
             lora_slot=self._lora_slot(seq),
             image_spans=_image_spans(seq, start, end),
+            prompt_logprobs=seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1,
         )
         if seq.known_to_runner:
             item.new_block_ids = list(alloc.new_block_ids)
@@ -726,16 +738,24 @@ class Scheduler:
             if item.num_spec_tokens and tokens:
                 counted = item.seq_id not in result.undrafted
                 out, kept_blocks = applier.verified(seq, item, tokens, logprobs, counted)
+                out.prompt_logprobs = applier.take_prompt_logprobs(seq)  # a prompt's last token
                 if kept_blocks is not None:
                     sched.kv_trims[item.seq_id] = kept_blocks
                 outputs.append(self._apply_finish(seq, out))
                 continue
             applier.advance(seq, item)
+            if item.seq_id in result.prompt_logprobs:
+                applier.add_prompt_logprobs(seq, *result.prompt_logprobs[item.seq_id])
             if not tokens:
+                prefilled = seq.num_computed_tokens == seq.num_tokens
+                if prefilled and seq.request.sampling.max_tokens == 0:
+                    outputs.extend(self._prefill_only(seq))
                 continue
             targets = self._fork(seq, item.fork_ids) if item.fork_ids else [seq]
             for k, target in enumerate(targets):
                 out = applier.append(target, tokens[k], logprobs[k] if logprobs else None)
+                if k == 0:
+                    out.prompt_logprobs = applier.take_prompt_logprobs(seq)
                 outputs.append(self._apply_finish(target, out))
         for seq_id, proposals in result.spec_token_ids.items():
             seq = self.seqs.get(seq_id)
@@ -744,6 +764,22 @@ class Scheduler:
         for out in outputs:
             out.request_finished = out.request_id not in self.requests
         return outputs
+
+    def _prefill_only(self, seq: Sequence) -> list[EngineCoreOutput]:
+        """A ``max_tokens=0`` request whose prompt is computed: it finishes with ``"length"``.
+
+        Every one of its ``n`` outputs ends with no token (no fork: nothing was sampled);
+        index 0's carries the prompt logprobs.
+        """
+        first = core_output(seq, [], None, "length")
+        first.prompt_logprobs = self.output_applier.take_prompt_logprobs(seq)
+        self.finish(seq, "length")
+        outs = [first]
+        for index in range(1, seq.request.sampling.n):
+            out = core_output(seq, [], None, "length")
+            out.index = index
+            outs.append(out)
+        return outs
 
     def _apply_finish(self, seq: Sequence, out: EngineCoreOutput) -> EngineCoreOutput:
         """Finish the sequence if the applier decided so on its output."""

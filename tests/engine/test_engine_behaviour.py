@@ -179,7 +179,7 @@ def test_bad_input_is_refused_and_nothing_leaks(llm, tiny_llava_dir, tmp_path):
     with pytest.raises(ValueError, match="messages"):
         llm.make_request([], SamplingParams())
     with pytest.raises(ValueError):
-        engine.add_request(EngineRequest("bad-params", [1, 2, 3], SamplingParams(max_tokens=0)))
+        engine.add_request(EngineRequest("bad-params", [1, 2, 3], SamplingParams(max_tokens=-1)))
     assert_clean(llm)
     out = llm.generate([good])[0]  # the engine still serves
     assert out.finished and out.outputs[0].token_ids

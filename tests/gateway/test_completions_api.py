@@ -112,7 +112,6 @@ def test_chat_form_of_tokenize_is_the_chat_prompt(live, client, tenant):
         ({"prompt": ""}, "prompt"),
         ({"prompt": [10_000_000]}, "prompt"),
         ({"prompt": "a", "best_of": 3}, "best_of"),
-        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "a", "logprobs": 21}, "logprobs"),
         ({"prompt": "a", "extra_body": {"messages": []}}, "messages"),
         ({"prompt": "a" * 400_000}, "prompt"),

@@ -15,9 +15,10 @@ none of them (a typo, another server's extension) is refused with a 400 naming i
 
 vLLM's extensions honoured here: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``guided_json`` / ``guided_regex`` / ``guided_choice``, ``stream_options.continuous_usage_stats``
-and ``cache_salt``, which only narrows the prefix cache within the calling tenant (the tenant's
-id always comes first in the engine's salt: no client value reaches another tenant's blocks).
+``guided_json`` / ``guided_regex`` / ``guided_choice``, ``stream_options.continuous_usage_stats``,
+``prompt_logprobs`` (the prompt's logprobs, vLLM's response shape) and ``cache_salt``, which
+only narrows the prefix cache within the calling tenant (the tenant's id always comes first in
+the engine's salt: no client value reaches another tenant's blocks).
 
 Types are checked by msgspec (``null`` is "not given"; an integer is accepted for a number,
 never a boolean for either); ranges by :class:`engine.sampling.params.SamplingParams` and
@@ -132,6 +133,7 @@ class GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionBody(GenerationFields, kw_only=True):

@@ -11,9 +11,13 @@ lists not mixed (400s naming ``prompt``).
 ``max_tokens`` defaults to 16 (OpenAI's and vLLM's default for this endpoint). ``logprobs`` is
 the number of alternatives per token (0 to 20), reported in the legacy shape (``tokens``,
 ``token_logprobs``, ``top_logprobs``, ``text_offset``). ``echo`` puts the prompt's text before
-each choice's; ``echo`` with ``logprobs`` would need the prompt's logprobs, which the engine
-does not compute: a 400. ``suffix`` is refused; ``best_of`` is accepted only equal to ``n``.
-Every other field is shared with Chat Completions (``gateway.domains.chat.body``).
+each choice's; with ``logprobs`` the prompt's tokens come first in the logprobs too (the first
+with a null logprob), computed by the engine in the prefill (vLLM's and OpenAI's behaviour;
+the engine's ``prompt_logprobs``). ``max_tokens: 0`` with ``echo`` (or ``prompt_logprobs``)
+answers the prompt alone with ``finish_reason: "length"`` and no completion token, what
+lm-evaluation-harness's loglikelihood requests ask. ``suffix`` is refused; ``best_of`` is
+accepted only equal to ``n``. Every other field is shared with Chat Completions
+(``gateway.domains.chat.body``), vLLM's ``prompt_logprobs`` included.
 """
 
 from __future__ import annotations
@@ -68,15 +72,21 @@ def parse_completion_request(
         )
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", param="logprobs")
-    if req.echo and req.logprobs is not None:
-        raise bad_request(
-            "'echo' with 'logprobs' needs the prompt's logprobs, which this server does not "
-            "compute",
-            param="echo",
-        )
-    common = generation_fields(req, data, ("max_tokens",), max_tokens_limit, max_n, vocab_size)
+    common = generation_fields(
+        req,
+        data,
+        ("max_tokens",),
+        max_tokens_limit,
+        max_n,
+        vocab_size,
+        allow_zero=bool(req.echo) or req.prompt_logprobs is not None,
+        zero_fields="'echo' or 'prompt_logprobs'",
+    )
     if common["max_tokens"] is None:
         common["max_tokens"] = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+    if req.echo and req.logprobs is not None:  # the prompt's part of the logprobs (vLLM's)
+        asked = common["sampling"]["prompt_logprobs"]
+        common["sampling"]["prompt_logprobs"] = max(req.logprobs, asked or 0)
     return ChatRequest(
         messages=[],
         prompt=prompts[0],

@@ -56,7 +56,11 @@ from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.chat.batch import per_prompt
 from loraplex.gateway.domains.chat.body import ChatCompletionBody, CompletionBody
 from loraplex.gateway.domains.chat.completions import parse_completion_request
-from loraplex.gateway.domains.chat.responses import completion_body, text_completion_body
+from loraplex.gateway.domains.chat.responses import (
+    completion_body,
+    legacy_prompt_logprobs_body,
+    text_completion_body,
+)
 from loraplex.gateway.domains.chat.schemas import ChatRequest, parse_chat_request
 from loraplex.gateway.domains.chat.service import (
     ChatDeps,
@@ -125,8 +129,8 @@ async def completions(request: Request, chat_deps: Injected[ChatDeps]) -> Respon
 
     Raises:
         APIError: as :func:`chat_completions`; ``suffix``, more than ``max_n`` choices (prompts
-            x ``n``), mixed prompt kinds, ``best_of`` other than ``n`` and ``echo`` with
-            ``logprobs`` are 400s naming the field.
+            x ``n``), mixed prompt kinds and ``best_of`` other than ``n`` are 400s naming the
+            field.
     """
     return await _generate(request, chat_deps, "cmpl-", parse_completion_request)
 
@@ -359,6 +363,8 @@ async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id
             want_logprobs=chat.logprobs,
             token_bytes=deps.engine.token_bytes,
             echo=await _echoes(deps, chat, run),
+            num_top=chat.top_logprobs,
+            prompt_logprobs=chat.prompt_logprobs,
         )
         return Response(body, media_type="application/json")
     body = completion_body(
@@ -369,6 +375,7 @@ async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id
         want_logprobs=chat.logprobs,
         token_bytes=deps.engine.token_bytes,
         tool_calls=_tool_parsers(deps, chat),
+        prompt_logprobs=chat.prompt_logprobs,
     )
     return Response(body, media_type="application/json")
 
@@ -385,6 +392,15 @@ async def _stream(
     ``writable``: the connection's ``Exchange.writable``, awaited before the last write.
     """
     first = await _unless_client_left(run, run.next())
+    echo = await _echoes(deps, chat, run)
+    echo_logprobs = None
+    if echo and chat.logprobs:  # the prompt's part, in the chunk that echoes it
+        echo_logprobs = legacy_prompt_logprobs_body(
+            first.prompt_token_ids,
+            first.prompt_logprobs or [],
+            chat.top_logprobs,
+            deps.engine.token_bytes,
+        )
     meta = StreamMeta(
         response_id=response_id,
         created=int(time.time()),
@@ -396,7 +412,8 @@ async def _stream(
         token_bytes=deps.engine.token_bytes,
         tool_calls=_tool_parsers(deps, chat),
         text_completion=chat.prompt is not None,
-        echo=await _echoes(deps, chat, run),
+        echo=echo,
+        echo_logprobs=echo_logprobs,
     )
     return EventStream(chunk_stream(run, first, meta, writable), headers=HEADERS)
 

@@ -7,6 +7,10 @@ Shapes (OpenAI's API reference, what the ``openai`` SDK parses)::
     usage            {prompt_tokens, completion_tokens, total_tokens,
                       prompt_tokens_details: {cached_tokens}}
     logprobs         {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
+    prompt_logprobs  (vLLM's, on the chat.completion and on each text_completion choice)
+                     [null, {"<token id>": {logprob, rank, decoded_token}, ...}, ...]: one
+                     entry per prompt token, null for the first (nothing precedes it); each
+                     holds the prompt token and the top alternatives at its position
 """
 
 from __future__ import annotations
@@ -92,6 +96,92 @@ def legacy_logprobs_body(
     }
 
 
+PromptLogprobs = list[tuple[float, int, list[tuple[int, float]]] | None]
+"""The engine's prompt logprobs (``RequestOutput.prompt_logprobs``): None, then per token
+``(logprob, rank, [(alternative id, logprob), ...])``."""
+
+
+def prompt_logprobs_body(
+    prompt_ids: list[int], entries: PromptLogprobs, num_top: int, token_bytes: TokenBytes
+) -> list[dict[str, dict[str, Any]] | None]:
+    """The ``prompt_logprobs`` field (vLLM's): per prompt token, None first, then ``{id: Logprob}``.
+
+    Each position maps ``str(token_id)`` to ``{"logprob", "rank", "decoded_token"}`` for the
+    prompt token itself (its rank: 1 + the tokens more likely) and its ``num_top`` most likely
+    alternatives (ranks 1 .. num_top), the prompt token first; -inf is -9999.0 (vLLM's
+    ``clamp_prompt_logprobs``).
+
+    Args:
+        prompt_ids: The prompt: [P].
+        entries: The engine's prompt logprobs: [P], None first.
+        num_top: Alternatives per position (what the client asked; the engine may hold more).
+        token_bytes: Token ids to their bytes (``decoded_token``: decoded, U+FFFD for part of
+            a character).
+    """
+    text = _texts(prompt_ids, entries, num_top, token_bytes)
+    body: list[dict[str, dict[str, Any]] | None] = []
+    for token, entry in zip(prompt_ids, entries, strict=True):
+        if entry is None:
+            body.append(None)
+            continue
+        lp, rank, tops = entry
+        position = {str(token): _logprob(lp, rank, text[token])}
+        for r, (t, alt) in enumerate(tops[:num_top], start=1):
+            position.setdefault(str(t), _logprob(alt, r, text[t]))
+        body.append(position)
+    return body
+
+
+def legacy_prompt_logprobs_body(
+    prompt_ids: list[int], entries: PromptLogprobs, num_top: int, token_bytes: TokenBytes
+) -> dict[str, Any]:
+    """The prompt's part of the Completions API's ``logprobs`` (``echo`` with ``logprobs``).
+
+    The first token's logprob and alternatives are null; each other ``top_logprobs`` maps the
+    prompt token and its ``num_top`` most likely alternatives to their logprobs (vLLM's; at most
+    ``num_top + 1`` entries, OpenAI's bound). ``text_offset`` starts at 0.
+    """
+    text = _texts(prompt_ids, entries, num_top, token_bytes)
+    tokens, lps, tops, offsets, at = [], [], [], [], 0
+    for token, entry in zip(prompt_ids, entries, strict=True):
+        tokens.append(text[token])
+        offsets.append(at)
+        at += len(text[token])
+        if entry is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lp, _, alts = entry
+        lps.append(_clamp(lp))
+        top = {text[token]: _clamp(lp)}
+        for t, alt in alts[:num_top]:
+            top.setdefault(text[t], _clamp(alt))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _texts(
+    prompt_ids: list[int], entries: PromptLogprobs, num_top: int, token_bytes: TokenBytes
+) -> dict[int, str]:
+    """Each token id the prompt logprobs name, as text (its bytes, U+FFFD for part of one)."""
+    ids = set(prompt_ids)
+    for entry in entries:
+        if entry is not None:
+            ids.update(t for t, _ in entry[2][:num_top])
+    ordered = list(ids)
+    raw = token_bytes(ordered) if ordered else []
+    return {t: b.decode("utf-8", errors="replace") for t, b in zip(ordered, raw, strict=True)}
+
+
+def _clamp(logprob: float) -> float:
+    value = float(logprob)
+    return _MIN_LOGPROB if math.isnan(value) or value < _MIN_LOGPROB else value
+
+
+def _logprob(logprob: float, rank: int, text: str) -> dict[str, Any]:
+    return {"logprob": _clamp(logprob), "rank": rank, "decoded_token": text}
+
+
 def text_completion_body(
     out: RequestOutput,
     *,
@@ -101,12 +191,35 @@ def text_completion_body(
     want_logprobs: bool,
     token_bytes: TokenBytes,
     echo: str | list[str] = "",
+    num_top: int = 0,
+    prompt_logprobs: int | None = None,
 ) -> dict[str, Any]:
     """The ``text_completion`` object (``POST /v1/completions``) for a finished request.
 
-    ``echo``: the prompt's text before each choice's, or one per choice index (a batch of
-    prompts: each choice echoes its own prompt).
+    Args:
+        out: The finished request (its ``prompt_logprobs`` when the engine computed them).
+        response_id: ``cmpl-...``.
+        created: Unix seconds.
+        model: The model as asked.
+        want_logprobs: Completions' ``logprobs`` was given.
+        token_bytes: Token ids to their bytes.
+        echo: The prompt's text when ``echo`` ("" otherwise), or one per choice index (a batch
+            of prompts: each choice echoes its own prompt); with ``want_logprobs`` the
+            prompt's tokens open each choice's ``logprobs`` too (``num_top`` alternatives).
+        num_top: Completions' ``logprobs``: alternatives per token.
+        prompt_logprobs: vLLM's ``prompt_logprobs`` as asked: each choice carries them (None:
+            not asked, no such key).
     """
+    prompt_part = None
+    if echo and want_logprobs:
+        prompt_part = legacy_prompt_logprobs_body(
+            out.prompt_token_ids, out.prompt_logprobs or [], num_top, token_bytes
+        )
+    vllm_part = None
+    if prompt_logprobs is not None:
+        vllm_part = prompt_logprobs_body(
+            out.prompt_token_ids, out.prompt_logprobs or [], prompt_logprobs, token_bytes
+        )
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
         echoed = echo if isinstance(echo, str) else echo[c.index]
@@ -115,14 +228,17 @@ def text_completion_body(
             logprobs = legacy_logprobs_body(
                 c.token_ids, c.logprobs or [], token_bytes, text_offset=len(echoed)
             )
-        choices.append(
-            {
-                "index": c.index,
-                "text": echoed + c.text,
-                "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
-            }
-        )
+            if prompt_part is not None:
+                logprobs = {k: prompt_part[k] + logprobs[k] for k in prompt_part}
+        choice = {
+            "index": c.index,
+            "text": echoed + c.text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+        }
+        if vllm_part is not None:
+            choice["prompt_logprobs"] = vllm_part
+        choices.append(choice)
     return {
         "id": response_id,
         "object": "text_completion",
@@ -180,12 +296,15 @@ def completion_body(
     want_logprobs: bool,
     token_bytes: TokenBytes,
     tool_calls: Callable[[], ToolCallStreamer | None] = lambda: None,
+    prompt_logprobs: int | None = None,
 ) -> dict[str, Any]:
     """The ``chat.completion`` object for a finished request's ``FINAL_ONLY`` output.
 
     ``tool_calls`` makes a fresh tool-call parser per choice (None: plain text).
+    ``prompt_logprobs``: vLLM's field as asked; the body then carries them (vLLM's
+    ``ChatCompletionResponse.prompt_logprobs``).
     """
-    return {
+    body = {
         "id": response_id,
         "object": "chat.completion",
         "created": created,
@@ -200,3 +319,8 @@ def completion_body(
             out.num_cached_tokens,
         ),
     }
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(
+            out.prompt_token_ids, out.prompt_logprobs or [], prompt_logprobs, token_bytes
+        )
+    return body

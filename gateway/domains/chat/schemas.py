@@ -14,7 +14,10 @@ own prefix cache: :meth:`ChatRequest.engine_cache_salt` puts the tenant's id fir
 Numeric fields and their ranges (a value outside gets a 400 naming the field; JSON has no NaN,
 and a number out of float range such as ``1e999`` is malformed JSON)::
 
-    max_completion_tokens / max_tokens   integer, 1 .. --max-tokens-limit (and the model length)
+    max_completion_tokens / max_tokens   integer, 1 .. --max-tokens-limit (and the model length);
+                                         0 (the prefill alone) only with prompt_logprobs, or
+                                         Completions' echo
+    prompt_logprobs                      integer, 0 .. 20 (vLLM's; not with stream)
     n                                    integer, 1 .. max_n (8)
     temperature                          number, 0 .. 100 (0: greedy)
     top_p                                number, (0, 1]
@@ -103,6 +106,9 @@ class ChatRequest:
         echo: Completions' ``echo``: the prompt's text goes before the completion's.
         add_special_tokens: Completions: tokenize a text prompt with BOS and the like.
         prompt_param: The field a prompt-length error names (``messages`` or ``prompt``).
+        prompt_logprobs: vLLM's ``prompt_logprobs`` as asked (alternatives per position), for
+            the response's ``prompt_logprobs``; None when not asked. (What the engine computes,
+            with Completions' ``echo`` and ``logprobs`` too, is ``sampling["prompt_logprobs"]``.)
     """
 
     model: str
@@ -125,6 +131,7 @@ class ChatRequest:
     echo: bool = False
     add_special_tokens: bool = True
     prompt_param: str = "messages"
+    prompt_logprobs: int | None = None
 
     def engine_cache_salt(self, tenant_id: str) -> str:
         """The engine request's cache salt: the tenant's id, then the client's ``cache_salt``.
@@ -247,7 +254,13 @@ def parse_chat_request(
             f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", param="top_logprobs"
         )
     common = generation_fields(
-        req, data, ("max_completion_tokens", "max_tokens"), max_tokens_limit, max_n, vocab_size
+        req,
+        data,
+        ("max_completion_tokens", "max_tokens"),
+        max_tokens_limit,
+        max_n,
+        vocab_size,
+        allow_zero=req.prompt_logprobs is not None,
     )
     tools = parse_tools(req, common["sampling"].get("structured_output") is not None)
     if tools is not None:
@@ -279,6 +292,9 @@ def generation_fields(
     max_tokens_limit: int,
     max_n: int,
     vocab_size: int = 0,
+    *,
+    allow_zero: bool = False,
+    zero_fields: str = "'prompt_logprobs'",
 ) -> dict[str, Any]:
     """The :class:`ChatRequest` fields both Chat Completions and Completions bodies set.
 
@@ -290,6 +306,10 @@ def generation_fields(
         max_n: Largest ``n``.
         vocab_size: Token ids (``stop_token_ids``, ``logit_bias``) must be below it (0:
             unknown, only below :data:`TOKEN_ID_LIMIT`).
+        allow_zero: ``max_tokens: 0`` (the prefill alone: only the prompt and its logprobs
+            are wanted) is allowed: vLLM allows it with ``prompt_logprobs`` and with
+            Completions' ``echo``.
+        zero_fields: The fields that allow 0, named by the error when it is not allowed.
 
     Raises:
         APIError: 400 naming the field at fault.
@@ -302,9 +322,23 @@ def generation_fields(
         if value is not None:
             max_tokens, max_tokens_param = value, name
             break
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is not None:
+        if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}", param="prompt_logprobs"
+            )
+        if req.stream:  # vLLM's rule: they come in the whole response only
+            raise bad_request(
+                "'prompt_logprobs' is not available with 'stream': true", param="prompt_logprobs"
+            )
     if max_tokens is not None:
-        if max_tokens < 1:
-            raise bad_request(f"'{max_tokens_param}' must be at least 1", param=max_tokens_param)
+        if max_tokens < 1 and not (max_tokens == 0 and allow_zero):
+            raise bad_request(
+                f"'{max_tokens_param}' must be at least 1 (0, the prompt alone, only with "
+                f"{zero_fields})",
+                param=max_tokens_param,
+            )
         if max_tokens > max_tokens_limit:
             raise bad_request(
                 f"'{max_tokens_param}' is {max_tokens}; this server allows at most "
@@ -339,6 +373,7 @@ def generation_fields(
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "include_stop_str_in_output": bool(req.include_stop_str_in_output),
         "skip_special_tokens": _or(req.skip_special_tokens, True),
+        "prompt_logprobs": prompt_logprobs,
     }
     # range checks now, not after processing (min_tokens is checked against max_tokens later)
     checked = _sampling(max_tokens=max(1, sampling["min_tokens"]), logprobs=None, **sampling)
@@ -357,6 +392,7 @@ def generation_fields(
         "sampling": sampling,
         "structured_param": structured_param,
         "cache_salt": req.cache_salt,
+        "prompt_logprobs": prompt_logprobs,
     }
 
 

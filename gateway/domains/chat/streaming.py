@@ -120,6 +120,8 @@ class StreamMeta:
             carry ``text`` (no role chunk), legacy logprobs.
         echo: Completions' ``echo``: the prompt's text, sent first in each choice; a list:
             each choice's own (a batch of prompts), by choice index.
+        echo_logprobs: With ``echo`` and ``logprobs``: the prompt's part of the legacy
+            logprobs, in the chunk that echoes the prompt.
         want_logprobs: Send each delta's logprobs.
         token_bytes: Token ids to their bytes (for logprobs).
     """
@@ -135,6 +137,7 @@ class StreamMeta:
     tool_calls: Callable[[], ToolCallStreamer | None] = lambda: None
     text_completion: bool = False
     echo: str | list[str] = ""
+    echo_logprobs: dict[str, Any] | None = None
 
 
 def sse(obj: Any) -> bytes:
@@ -242,7 +245,8 @@ async def chunk_stream(
             if meta.text_completion:  # no role; the echoed prompt opens each choice
                 echo = meta.echo if isinstance(meta.echo, str) else meta.echo[i]
                 if echo:
-                    pending.append(encode([_choice(meta, i, {"content": echo}, None, None)]))
+                    echoed = _choice(meta, i, {"content": echo}, meta.echo_logprobs, None)
+                    pending.append(encode([echoed]))
                 continue
             delta = {"role": "assistant", "content": ""}
             pending.append(encode([_choice(meta, i, delta, None, None)]))
