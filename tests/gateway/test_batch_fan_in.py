@@ -11,7 +11,7 @@ import pytest
 
 from loraplex.engine.request import CompletionOutput, EngineRequest, RequestOutput
 from loraplex.engine.sampling.params import SamplingParams
-from loraplex.gateway.domains.chat.batch import fan_in
+from loraplex.gateway.domains.chat.batch import fan_in, prompt_spans
 
 
 class FakeEngine:
@@ -120,3 +120,50 @@ def test_cancelling_the_reader_closes_every_prompt():
 
     assert asyncio.run(main()) == []  # no prompt's task outlives the reader
     assert sorted(engine.closed) == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
+
+
+class ScoringEngine(FakeEngine):
+    """A ``FakeEngine`` whose first output of each prompt carries its prompt logprobs."""
+
+    async def generate(self, request):
+        first = True
+        async for out in super().generate(request):
+            if first:
+                ids = request.prompt_token_ids
+                out.prompt_logprobs = [None] + [(-1.0 * t, 1, []) for t in ids[1:]]
+                first = False
+            yield out
+
+
+def scored_requests(count, n=2):
+    return [
+        EngineRequest(
+            f"cmpl-1-{i}",
+            list(range(10 * i, 10 * i + 3 + i)),
+            SamplingParams(n=n, max_tokens=8, prompt_logprobs=1),
+        )
+        for i in range(count)
+    ]
+
+
+def test_prompt_logprobs_are_every_prompts_in_order_once_the_last_came():
+    engine = ScoringEngine({"cmpl-1-0": ["tok", "end"], "cmpl-1-1": ["end"], "cmpl-1-2": ["end"]})
+    reqs = scored_requests(3)
+    outs = asyncio.run(collect(engine, reqs))
+    carrying = [o for o in outs if o.prompt_logprobs is not None]
+    assert len(carrying) == 1  # once, when the last prompt's came
+    merged = carrying[0].prompt_logprobs
+    assert len(merged) == len(outs[0].prompt_token_ids) == 3 + 4 + 5
+    spans = prompt_spans(reqs)
+    assert len(spans) == 6
+    for index, span in enumerate(spans):  # choice i * n + j: prompt i's part, None first
+        ids = reqs[index // 2].prompt_token_ids
+        assert outs[0].prompt_token_ids[span] == ids
+        assert merged[span] == [None] + [(-1.0 * t, 1, []) for t in ids[1:]]
+
+
+def test_no_prompt_logprobs_unless_asked():
+    engine = ScoringEngine({"cmpl-1-0": ["end"], "cmpl-1-1": ["end"]})
+    outs = asyncio.run(collect(engine, requests(2)))  # prompt logprobs not asked
+    assert all(o.prompt_logprobs is None for o in outs) and outs[-1].finished
+    assert prompt_spans(requests(2, n=3)) == [slice(0, 4)] * 3 + [slice(4, 9)] * 3

@@ -166,3 +166,74 @@ def test_chat_max_tokens_0_needs_prompt_logprobs(client):
     )
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.content == ""
     assert r.usage.completion_tokens == 0 and len(r.prompt_logprobs) == r.usage.prompt_tokens
+
+
+BATCH = [IDS[:6], IDS[4:15], IDS]  # three token-id prompts of different lengths
+
+
+def _legacy_close(a, b):
+    assert a.tokens == b.tokens and a.text_offset == b.text_offset
+    assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=TOL)
+    for x, y in zip(a.top_logprobs, b.top_logprobs, strict=True):
+        assert (x is None) == (y is None) and (x is None or x == pytest.approx(y, abs=TOL))
+
+
+def test_a_batch_with_echo_logprobs_scores_each_choice_on_its_own_prompt(client, oracle):
+    args = {"model": MODEL, "max_tokens": 0, "echo": True, "logprobs": 2}
+    batch = client.completions.create(prompt=BATCH, n=2, **args)
+    alone = [client.completions.create(prompt=p, **args).choices[0] for p in BATCH]
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert batch.usage.completion_tokens == 0
+    assert batch.usage.prompt_tokens == sum(len(p) for p in BATCH)
+    for index, choice in enumerate(batch.choices):  # choice i * n + j: prompt i
+        one = alone[index // 2]
+        assert choice.text == one.text and choice.finish_reason == "length"
+        assert len(choice.logprobs.tokens) == len(BATCH[index // 2])
+        _legacy_close(choice.logprobs, one.logprobs)
+    want = oracle(BATCH[1])  # and the numbers are the model's
+    lp = batch.choices[3].logprobs.token_logprobs
+    assert lp[0] is None
+    scored = [want[p - 1, t].item() for p, t in enumerate(BATCH[1]) if p]
+    assert lp[1:] == pytest.approx(scored, abs=TOL)
+
+    streamed = list(client.completions.create(prompt=BATCH, stream=True, **args))
+    echoes = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            if c.logprobs is not None and c.index not in echoes:
+                echoes[c.index] = c  # the chunk that echoes the choice's prompt
+    assert sorted(echoes) == [0, 1, 2]
+    for i, one in enumerate(alone):
+        assert echoes[i].text == one.text
+        _legacy_close(echoes[i].logprobs, one.logprobs)
+
+
+def test_a_batch_with_echo_logprobs_and_a_completion_keeps_each_prompts_part(client):
+    args = {"model": MODEL, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    args["extra_body"] = {"ignore_eos": True}
+    prompts = ["Once upon a time", "Colours of the sea: blue, green and"]
+    batch = client.completions.create(prompt=prompts, **args)
+    for i, p in enumerate(prompts):
+        one = client.completions.create(prompt=p, **args).choices[0]
+        mine = batch.choices[i]
+        assert mine.text.startswith(p) and len(mine.logprobs.tokens) == len(one.logprobs.tokens)
+        cut = len(one.logprobs.tokens) - 2  # the prompt's part: BOS and its tokens
+        assert mine.logprobs.tokens[:cut] == one.logprobs.tokens[:cut]
+        assert mine.logprobs.token_logprobs[:cut] == pytest.approx(
+            one.logprobs.token_logprobs[:cut], abs=TOL
+        )
+        assert mine.logprobs.text_offset[cut] == len(p)  # the completion's after the echo
+
+
+def test_vllm_prompt_logprobs_on_a_batch_are_each_prompts_own(live, tenant):
+    body = {"model": MODEL, "max_tokens": 1, "n": 2, "prompt_logprobs": 2}
+    with live.client(tenant["api_key"]) as c:
+        batch = c.post("/v1/completions", json={**body, "prompt": BATCH})
+        alone = [c.post("/v1/completions", json={**body, "prompt": p}) for p in BATCH]
+    assert batch.status_code == 200, batch.text
+    choices = batch.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for index, choice in enumerate(choices):
+        scored = choice["prompt_logprobs"]
+        assert len(scored) == len(BATCH[index // 2]) and scored[0] is None
+        _close(scored, alone[index // 2].json()["choices"][0]["prompt_logprobs"])

@@ -10,6 +10,9 @@ continuous batch. :func:`fan_in` merges their output streams into the one stream
 - the merged outputs' ``prompt_token_ids`` is every prompt's tokens in order, so the usage
   row's ``prompt_tokens`` (and ``usage.prompt_tokens``) is their sum; ``num_cached_tokens`` is
   the sum of each prompt's cached tokens; completion tokens add up per choice as for ``n``;
+- with ``prompt_logprobs`` asked, the merged ``prompt_logprobs`` lines up with the merged
+  ``prompt_token_ids``: every prompt's list (None first) in order, sent once, in the output
+  where the last prompt's came; :func:`prompt_spans` says which part is each choice's prompt;
 - the merged stream finishes when every prompt has finished.
 
 One prompt failing fails the request: a prompt finished with an error (a fault in its part of
@@ -49,6 +52,26 @@ def per_prompt(chat: ChatRequest) -> list[ChatRequest]:
     ]
 
 
+def prompt_spans(requests: list[EngineRequest]) -> list[slice]:
+    """Per choice index, where its prompt lies in the merged ``prompt_token_ids``.
+
+    Args:
+        requests: One engine request per prompt, in prompt order (one request: no batch).
+
+    Returns:
+        One slice per choice (``i * n + j`` -> prompt ``i``) into the merged outputs'
+        ``prompt_token_ids`` and ``prompt_logprobs`` (:func:`fan_in`); for one request, its
+        whole prompt for each of its ``n`` choices.
+    """
+    spans: list[slice] = []
+    at = 0
+    for r in requests:
+        span = slice(at, at + len(r.prompt_token_ids))
+        spans += [span] * r.sampling.n
+        at = span.stop
+    return spans
+
+
 def _failed(out: RequestOutput) -> bool:
     """A finished output that ends the whole request: an error, or an engine abort."""
     return out.finished and (
@@ -84,7 +107,9 @@ async def fan_in(
     Yields:
         ``RequestOutput`` s (``DELTA``): each one prompt's news, its choices renumbered
         ``i * n + j``, ``prompt_token_ids`` every prompt's tokens, ``num_cached_tokens``
-        summed; ``finished`` once every prompt finished, or with the first that failed.
+        summed; ``finished`` once every prompt finished, or with the first that failed;
+        ``prompt_logprobs`` (when asked) every prompt's, concatenated like
+        ``prompt_token_ids``, in one output only: the one where the last prompt's came.
 
     Raises:
         Exception: what a prompt's stream raised (``ValueError`` for an engine refusal,
@@ -95,6 +120,8 @@ async def fan_in(
     for r in requests[:-1]:
         base.append(base[-1] + r.sampling.n)
     cached = [0] * len(requests)
+    scored: list[list | None] = [None] * len(requests)  # each prompt's prompt logprobs
+    unscored = sum(r.sampling.prompt_logprobs is not None for r in requests)
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [
         asyncio.create_task(_forward(generate(r), i, queue), name=f"loraplex-{r.request_id}")
@@ -110,6 +137,12 @@ async def fan_in(
             cached[i] = out.num_cached_tokens
             failed = _failed(out)
             shift = base[i]
+            prompt_logprobs = None
+            if out.prompt_logprobs is not None and scored[i] is None:
+                scored[i] = out.prompt_logprobs
+                unscored -= 1
+                if unscored == 0:  # every prompt's, in prompt order, as prompt_token_ids
+                    prompt_logprobs = [e for entries in scored for e in entries or []]
             yield RequestOutput(
                 request_id=request_id,
                 prompt_token_ids=prompt_ids,
@@ -119,6 +152,7 @@ async def fan_in(
                 ttft=out.ttft,
                 queue_time=out.queue_time,
                 error=out.error,
+                prompt_logprobs=prompt_logprobs,
             )
             if failed:
                 return

@@ -53,12 +53,13 @@ from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputK
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.auth.principals import TenantPrincipal
 from loraplex.gateway.di import Injected
-from loraplex.gateway.domains.chat.batch import per_prompt
+from loraplex.gateway.domains.chat.batch import per_prompt, prompt_spans
 from loraplex.gateway.domains.chat.body import ChatCompletionBody, CompletionBody
 from loraplex.gateway.domains.chat.completions import parse_completion_request
 from loraplex.gateway.domains.chat.responses import (
     completion_body,
     legacy_prompt_logprobs_body,
+    prompt_part_of,
     text_completion_body,
 )
 from loraplex.gateway.domains.chat.schemas import ChatRequest, parse_chat_request
@@ -365,6 +366,7 @@ async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id
             echo=await _echoes(deps, chat, run),
             num_top=chat.top_logprobs,
             prompt_logprobs=chat.prompt_logprobs,
+            prompt_spans=prompt_spans(run.requests),
         )
         return Response(body, media_type="application/json")
     body = completion_body(
@@ -395,12 +397,15 @@ async def _stream(
     echo = await _echoes(deps, chat, run)
     echo_logprobs = None
     if echo and chat.logprobs:  # the prompt's part, in the chunk that echoes it
-        echo_logprobs = legacy_prompt_logprobs_body(
-            first.prompt_token_ids,
-            first.prompt_logprobs or [],
-            chat.top_logprobs,
-            deps.engine.token_bytes,
+        while first.prompt_logprobs is None and not first.finished:  # a batch: every prompt's
+            first.add(await _unless_client_left(run, run.next()))
+        token_bytes, num_top = deps.engine.token_bytes, chat.top_logprobs
+        part = prompt_part_of(
+            first,
+            prompt_spans(run.requests),
+            lambda ids, lps: legacy_prompt_logprobs_body(ids, lps, num_top, token_bytes),
         )
+        echo_logprobs = [part(i) for i in range(run.choices)]
     meta = StreamMeta(
         response_id=response_id,
         created=int(time.time()),

@@ -182,6 +182,36 @@ def _logprob(logprob: float, rank: int, text: str) -> dict[str, Any]:
     return {"logprob": _clamp(logprob), "rank": rank, "decoded_token": text}
 
 
+def prompt_part_of(
+    out: RequestOutput,
+    spans: list[slice] | None,
+    body: Callable[[list[int], PromptLogprobs], Any],
+) -> Callable[[int], Any]:
+    """Choice index -> ``body`` of that choice's own prompt, each prompt's made once.
+
+    Args:
+        out: The request's output: ``prompt_token_ids`` and ``prompt_logprobs`` (a batch of
+            prompts: every prompt's, concatenated, ``gateway.domains.chat.batch.fan_in``).
+        spans: Per choice index, its prompt's slice of both
+            (``gateway.domains.chat.batch.prompt_spans``); None: the whole prompt for each.
+        body: Makes the part from a prompt's token ids [P] and prompt logprobs [P].
+
+    Returns:
+        A function of the choice index; choices of the same prompt share one object.
+    """
+    made: dict[tuple[int | None, int | None], Any] = {}
+    entries = out.prompt_logprobs or []
+
+    def part(index: int) -> Any:
+        span = slice(None) if spans is None else spans[index]
+        key = (span.start, span.stop)
+        if key not in made:
+            made[key] = body(out.prompt_token_ids[span], entries[span])
+        return made[key]
+
+    return part
+
+
 def text_completion_body(
     out: RequestOutput,
     *,
@@ -193,6 +223,7 @@ def text_completion_body(
     echo: str | list[str] = "",
     num_top: int = 0,
     prompt_logprobs: int | None = None,
+    prompt_spans: list[slice] | None = None,
 ) -> dict[str, Any]:
     """The ``text_completion`` object (``POST /v1/completions``) for a finished request.
 
@@ -209,16 +240,24 @@ def text_completion_body(
         num_top: Completions' ``logprobs``: alternatives per token.
         prompt_logprobs: vLLM's ``prompt_logprobs`` as asked: each choice carries them (None:
             not asked, no such key).
+        prompt_spans: A batch of prompts: per choice index, its own prompt's slice of
+            ``out.prompt_token_ids`` and ``out.prompt_logprobs``, for its prompt part of the
+            logprobs and its ``prompt_logprobs`` (``gateway.domains.chat.batch.prompt_spans``);
+            None: the whole prompt for every choice.
     """
     prompt_part = None
     if echo and want_logprobs:
-        prompt_part = legacy_prompt_logprobs_body(
-            out.prompt_token_ids, out.prompt_logprobs or [], num_top, token_bytes
+        prompt_part = prompt_part_of(
+            out,
+            prompt_spans,
+            lambda ids, lps: legacy_prompt_logprobs_body(ids, lps, num_top, token_bytes),
         )
     vllm_part = None
     if prompt_logprobs is not None:
-        vllm_part = prompt_logprobs_body(
-            out.prompt_token_ids, out.prompt_logprobs or [], prompt_logprobs, token_bytes
+        vllm_part = prompt_part_of(
+            out,
+            prompt_spans,
+            lambda ids, lps: prompt_logprobs_body(ids, lps, prompt_logprobs, token_bytes),
         )
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
@@ -229,7 +268,8 @@ def text_completion_body(
                 c.token_ids, c.logprobs or [], token_bytes, text_offset=len(echoed)
             )
             if prompt_part is not None:
-                logprobs = {k: prompt_part[k] + logprobs[k] for k in prompt_part}
+                mine = prompt_part(c.index)
+                logprobs = {k: mine[k] + logprobs[k] for k in mine}
         choice = {
             "index": c.index,
             "text": echoed + c.text,
@@ -237,7 +277,7 @@ def text_completion_body(
             "finish_reason": c.finish_reason,
         }
         if vllm_part is not None:
-            choice["prompt_logprobs"] = vllm_part
+            choice["prompt_logprobs"] = vllm_part(c.index)
         choices.append(choice)
     return {
         "id": response_id,

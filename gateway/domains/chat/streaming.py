@@ -120,8 +120,9 @@ class StreamMeta:
             carry ``text`` (no role chunk), legacy logprobs.
         echo: Completions' ``echo``: the prompt's text, sent first in each choice; a list:
             each choice's own (a batch of prompts), by choice index.
-        echo_logprobs: With ``echo`` and ``logprobs``: the prompt's part of the legacy
-            logprobs, in the chunk that echoes the prompt.
+        echo_logprobs: With ``echo`` and ``logprobs``: per choice index, its prompt's part of
+            the legacy logprobs, in the chunk that echoes the prompt (a batch of prompts: each
+            choice's own prompt's).
         want_logprobs: Send each delta's logprobs.
         token_bytes: Token ids to their bytes (for logprobs).
     """
@@ -137,7 +138,7 @@ class StreamMeta:
     tool_calls: Callable[[], ToolCallStreamer | None] = lambda: None
     text_completion: bool = False
     echo: str | list[str] = ""
-    echo_logprobs: dict[str, Any] | None = None
+    echo_logprobs: list[dict[str, Any]] | None = None
 
 
 def sse(obj: Any) -> bytes:
@@ -245,7 +246,8 @@ async def chunk_stream(
             if meta.text_completion:  # no role; the echoed prompt opens each choice
                 echo = meta.echo if isinstance(meta.echo, str) else meta.echo[i]
                 if echo:
-                    echoed = _choice(meta, i, {"content": echo}, meta.echo_logprobs, None)
+                    lp = None if meta.echo_logprobs is None else meta.echo_logprobs[i]
+                    echoed = _choice(meta, i, {"content": echo}, lp, None)
                     pending.append(encode([echoed]))
                 continue
             delta = {"role": "assistant", "content": ""}
