@@ -122,3 +122,52 @@ def test_another_tenants_response_is_a_404_everywhere(live):
     # the refused continuation ran nothing: billed as errors with no tokens
     rows = usage_events(live, thief_tenant["api_key"])
     assert rows and all(row.status == "error" and row.prompt_tokens == 0 for row in rows)
+
+
+def test_streamed_events_are_what_the_sdk_expects(live):
+    client = live.openai(live.create_tenant("streams")["api_key"])
+    kwargs = {
+        "model": MODEL,
+        "input": "Tell me a story.",
+        "max_output_tokens": 10,
+        "temperature": 0,
+    }
+    plain = client.responses.create(**kwargs, store=False)
+    events = list(client.responses.create(**kwargs, stream=True))
+    types = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert types[:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    last = "response.incomplete" if plain.status == "incomplete" else "response.completed"
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        last,
+    ]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    item_id = events[2].item.id
+    assert all(e.item_id == item_id and e.output_index == 0 for e in deltas)
+    assert "".join(e.delta for e in deltas) == plain.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == plain.output_text and final.status == plain.status
+    assert final.usage.output_tokens == plain.usage.output_tokens
+    assert final.usage.input_tokens == plain.usage.input_tokens
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+    # the stored response is the one the stream ended with
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+
+    # the SDK's own accumulator (it checks every event against the state it builds)
+    with client.responses.stream(**kwargs) as stream:
+        seen = list(stream)
+    assert seen[-1].response.output_text == plain.output_text
+
+    rows = usage_events(live, client.api_key)
+    assert len(rows) == 3 and all(r.status == "ok" for r in rows)
+    assert rows[1].request_id == final.id
