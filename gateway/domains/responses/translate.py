@@ -277,7 +277,7 @@ def responses_param(param: str | None, origins: list[str]) -> str | None:
     if found:
         index = int(found.group(1))
         origin = origins[index] if index < len(origins) else "input"
-        rest = param[found.end() :]
+        rest = param[found.end() :].replace(".image_url.url", ".image_url")
         return origin + rest if origin.startswith("input[") else origin
     if param == "messages":
         return "input"
