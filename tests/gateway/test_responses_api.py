@@ -4,6 +4,7 @@ their tenant only, ``previous_response_id`` chains, usage billed once per respon
 
 import openai
 import pytest
+from openai.types.responses import Response
 
 from tests.gateway.chat_support import engine_direct, usage_events
 
@@ -47,9 +48,12 @@ def test_text_response_equals_chat_and_is_billed_once(live, engine_client):
     assert row.prompt_tokens == r.usage.input_tokens
     assert row.completion_tokens == r.usage.output_tokens
 
-    # the same answer, as stored; gone once deleted
+    # the same answer, as stored (valid for the SDK's pydantic type, not only its lenient
+    # parser); gone once deleted
     again = client.responses.retrieve(r.id)
     assert again.model_dump() == r.model_dump()
+    with live.client(tenant["api_key"]) as c:
+        Response.model_validate(c.get(f"/v1/responses/{r.id}").json())
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
@@ -171,3 +175,23 @@ def test_streamed_events_are_what_the_sdk_expects(live):
     rows = usage_events(live, client.api_key)
     assert len(rows) == 3 and all(r.status == "ok" for r in rows)
     assert rows[1].request_id == final.id
+
+
+def test_the_tenants_adapter_by_name(live, engine_client, tiny_adapter):
+    from tests.gateway.chat_support import register_adapter
+
+    owner = live.create_tenant("owner")
+    digest = register_adapter(live, owner["id"], "my-lora", tiny_adapter)
+    client = live.openai(owner["api_key"])
+    r = client.responses.create(
+        model="my-lora", input="Describe it", max_output_tokens=6, temperature=0
+    )
+    messages = [{"role": "user", "content": "Describe it"}]
+    direct = engine_direct(engine_client, messages, digest, max_tokens=6, temperature=0.0)
+    assert r.model == "my-lora" and r.output_text == direct.outputs[0].text
+    [row] = usage_events(live, owner["api_key"])
+    assert (row.model, row.adapter_digest) == ("my-lora", digest)
+    other = live.openai(live.create_tenant("other")["api_key"])
+    with pytest.raises(openai.NotFoundError) as err:
+        other.responses.create(model="my-lora", input="Describe it", max_output_tokens=2)
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"

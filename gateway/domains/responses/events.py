@@ -10,8 +10,9 @@
 
 A failure after the first event (engine death, shutdown, the usage row or the stored
 response not made durable) ends the stream with an ``error`` event ``{code, message, param}``
-and ``response.failed`` (its ``response.error`` says why). No ``data: [DONE]`` follows: OpenAI
-sends none on this API.
+and ``response.failed`` (its ``response.error`` says why, with OpenAI's ``server_error``,
+``rate_limit_exceeded`` or ``invalid_prompt`` as the code: the ``error`` event has ours).
+No ``data: [DONE]`` follows: OpenAI sends none on this API.
 
 As for chat streams (``gateway.domains.chat.streaming.chunk_stream``, whose run protocol this
 follows): events the engine has already produced go out in one write; the last write waits
@@ -126,9 +127,16 @@ async def event_stream(
         pending.append(
             builder.event("error", code=failed.code, message=failed.message, param=failed.param)
         )
-        error = {"code": failed.code or "server_error", "message": failed.message}
+        error = {"code": _failed_code(failed.status), "message": failed.message}
         body = response_object(
             tr, response_id, created, "failed", builder.output, usage, error=error
         )
         pending.append(builder.event("response.failed", response=body))
     yield FinalChunk(b"".join(pending))
+
+
+def _failed_code(status: int) -> str:
+    """``response.error.code``: one of OpenAI's codes (the ``error`` event has ours)."""
+    if status == 429:
+        return "rate_limit_exceeded"
+    return "server_error" if status >= 500 else "invalid_prompt"

@@ -10,7 +10,8 @@ Shapes (OpenAI's Responses API reference; what the ``openai`` SDK's ``Response``
     message item  {id: "msg_...", type: "message", role: "assistant", status,
                    content: [{type: "output_text", text, annotations: [], logprobs: []}]}
     call item     {id: "fc_...", type: "function_call", call_id, name, arguments, status}
-    usage         {input_tokens, input_tokens_details: {cached_tokens}, output_tokens,
+    usage         {input_tokens, input_tokens_details: {cached_tokens, cache_write_tokens: 0},
+                   output_tokens,
                    output_tokens_details: {reasoning_tokens: 0}, total_tokens}
 
 :class:`OutputBuilder` turns the chat run's text deltas (through the request's tool-call
@@ -46,10 +47,14 @@ def item_id(prefix: str) -> str:
 
 
 def usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    """The Responses ``usage`` object (no reasoning tokens: the model does not reason)."""
+    """The Responses ``usage`` object.
+
+    No reasoning tokens (the model does not reason) and no ``cache_write_tokens`` (prefix
+    caching is automatic: nothing is billed as a cache write).
+    """
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
