@@ -49,6 +49,7 @@ from loraplex.gateway.transport.json_body import decode_object
 ID_PREFIX = "resp_"
 _ID = re.compile(r"^resp_[0-9a-f]{32}$")
 _JSON_ESCAPE = 6  # a byte of text is at most 6 bytes of JSON ("\u0000")
+_UNKNOWN_TOKEN_BYTES = 64  # a token's most bytes, where the tokenizer does not say
 
 
 def _documented(data: ResponsesBody) -> None:  # pragma: no cover - never called
@@ -74,7 +75,7 @@ async def create_response(request: Request, chat_deps: Injected[ChatDeps]) -> Re
         tr = await _translate(chat_deps, principal, body, limits["max_parts"])
         turn["tr"] = tr
         try:
-            chat = parse_chat_request(store_encode(tr.chat), **limits)
+            chat = parse_chat_request(_json(tr.chat), **limits)
         except APIError as exc:
             raise _renamed(exc, tr) from None
         if tr.store:
@@ -139,7 +140,7 @@ async def delete_response(
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-def store_encode(value: Any) -> bytes:
+def _json(value: Any) -> bytes:
     """``value`` as JSON bytes (the chat body the chat parser reads; sizes)."""
     return msgspec.json.encode(value)
 
@@ -183,9 +184,9 @@ def _check_storable(deps: ChatDeps, tr: Translation, chat: ChatRequest) -> None:
     can add (twice: in the Response object and in the stored conversation).
     """
     skip = 1 if tr.body.instructions is not None else 0
-    known = len(store_encode(tr.chat["messages"][skip:])) + len(store_encode(tr.body))
+    known = len(_json(tr.chat["messages"][skip:])) + len(_json(tr.body))
     max_tokens = chat.max_tokens or deps.config.max_tokens_limit
-    per_token = max(1, deps.engine.input_limits.max_token_bytes) * _JSON_ESCAPE
+    per_token = (deps.engine.input_limits.max_token_bytes or _UNKNOWN_TOKEN_BYTES) * _JSON_ESCAPE
     bound = known + 2 * max_tokens * per_token
     if bound > store.MAX_STORED_BYTES:
         raise bad_request(

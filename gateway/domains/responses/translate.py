@@ -49,15 +49,12 @@ class Translation:
     Attributes:
         body: The typed Responses body.
         chat: The Chat Completions body (a dict, for ``parse_chat_request``).
-        context_len: How many of ``chat["messages"]`` came before this turn's input (the
-            instructions message and the previous response's context).
         origins: Per chat message, the Responses field it came from (error messages).
         store: Keep the response (``store``, default true as OpenAI's).
     """
 
     body: ResponsesBody
     chat: dict[str, Any]
-    context_len: int
     origins: list[str]
     store: bool
 
@@ -133,7 +130,6 @@ def translate(
         origins.append("instructions")
     messages.extend(context)
     origins.extend(["previous_response_id"] * len(context))
-    context_len = len(messages)
     new, new_origins = input_messages(body.input)
     messages.extend(new)
     origins.extend(new_origins)
@@ -163,7 +159,6 @@ def translate(
     return Translation(
         body=body,
         chat=chat,
-        context_len=context_len,
         origins=origins,
         store=body.store is not False,
     )
