@@ -1,4 +1,4 @@
-"""The gateway's tables: tenants, API keys, adapters and usage events.
+"""The gateway's tables: tenants, API keys, adapters, usage events and stored responses.
 
 Every datetime is timezone-aware UTC (``UTCDateTime``). Identifiers are random UUID4 hex strings,
 so they can be shown to users and never reveal how many tenants or keys exist. Constraint names
@@ -24,6 +24,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -163,3 +164,28 @@ class UsageEvent(Base):
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     latency_ms: Mapped[float | None] = mapped_column(Float)
     client_request_id: Mapped[str | None] = mapped_column(String(64))
+
+
+class StoredResponse(Base):
+    """A Responses API answer kept for ``GET /v1/responses/{id}`` and ``previous_response_id``.
+
+    Written only with ``store: true`` (OpenAI's default), read and deleted only by its tenant
+    (``gateway.domains.responses.store``, which also bounds a tenant's rows and bytes).
+    ``body`` is the Response object as the client got it, ``context`` the conversation it
+    ends (chat messages, the answer last) for a later turn to continue; both JSON text.
+    ``size_bytes`` is their UTF-8 length together, what the per-tenant byte budget counts.
+    """
+
+    __tablename__ = "stored_responses"
+    __table_args__ = (Index("ix_stored_responses_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    body: Mapped[str] = mapped_column(Text)
+    context: Mapped[str] = mapped_column(Text)
+
+    def __repr__(self) -> str:
+        return f"StoredResponse(id={self.id!r}, tenant_id={self.tenant_id!r})"

@@ -24,7 +24,7 @@ from litestar.openapi import OpenAPIConfig
 
 from loraplex.gateway.auth.middleware import KeyAuthMiddleware
 from loraplex.gateway.auth.redact import RedactingFilter
-from loraplex.gateway.domains import adapters, admin, chat, system, tokenize, usage
+from loraplex.gateway.domains import adapters, admin, chat, responses, system, tokenize, usage
 from loraplex.gateway.domains.chat.service import ChatDeps
 from loraplex.gateway.errors import EXCEPTION_HANDLERS
 from loraplex.gateway.server.engine_watch import watch_engine
@@ -53,6 +53,7 @@ def create_app(state: GatewayState) -> Litestar:
         route_handlers=[
             *system.ROUTES,
             *chat.ROUTES,
+            *responses.ROUTES,
             *tokenize.ROUTES,
             adapters.adapter_controller(state.engine, state.config),
             adapters.ModelsController,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import re
 import time
 import uuid
@@ -136,8 +137,29 @@ async def completions(request: Request, chat_deps: Injected[ChatDeps]) -> Respon
     return await _generate(request, chat_deps, "cmpl-", parse_completion_request)
 
 
-async def _generate(request: Request, deps: ChatDeps, id_prefix: str, parse: Any) -> Response:
-    """The flow both endpoints share (the order of checks in the module doc)."""
+Answer = Callable[[ChatDeps, ChatRun, ChatRequest, str, Callable[[], Any] | None], Any]
+"""Renders a started run: ``answer(deps, run, chat, response_id, writable) -> Response``."""
+
+
+async def _generate(
+    request: Request,
+    deps: ChatDeps,
+    id_prefix: str,
+    parse: Any,
+    answer: Answer | None = None,
+) -> Response:
+    """The flow every generation endpoint shares (the order of checks in the module doc).
+
+    Args:
+        request: The HTTP request.
+        deps: The gateway.
+        id_prefix: The response id's prefix (``chatcmpl-``, ``cmpl-``, ``resp_``).
+        parse: ``parse(body, max_tokens_limit=, max_n=, max_parts=, vocab_size=)`` to a
+            :class:`ChatRequest`, or to an awaitable of one (the Responses API reads its
+            ``previous_response_id`` from the database).
+        answer: Renders the run (the Responses API's objects and events); None: Chat
+            Completions' or Completions' JSON or SSE.
+    """
     principal: TenantPrincipal = request.user
     if deps.draining:
         raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -174,6 +196,8 @@ async def _generate(request: Request, deps: ChatDeps, id_prefix: str, parse: Any
             max_parts=deps.engine.max_model_len,
             vocab_size=deps.engine.input_limits.vocab_size,
         )
+        if inspect.isawaitable(chat):
+            chat = await chat
         ledger.model = chat.model
         run = await _start(deps, principal, chat, ledger, response_id, exchange)
         if exchange is not None:
@@ -181,8 +205,10 @@ async def _generate(request: Request, deps: ChatDeps, id_prefix: str, parse: Any
             exchange.on_written(_ended(run, exchange))
         else:
             run.watch_client(request.receive)
+        writable = None if exchange is None else exchange.writable
+        if answer is not None:
+            return await answer(deps, run, chat, response_id, writable if chat.stream else None)
         if chat.stream:
-            writable = None if exchange is None else exchange.writable
             return await _stream(deps, run, chat, response_id, writable)
         return await _complete(deps, run, chat, response_id)
     except BaseException as exc:
