@@ -29,6 +29,7 @@ from loraplex.gateway.domains.chat.service import ChatDeps
 from loraplex.gateway.errors import EXCEPTION_HANDLERS
 from loraplex.gateway.server.engine_watch import watch_engine
 from loraplex.gateway.server.state import GatewayState
+from loraplex.gateway.transport import request_id
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ def create_app(state: GatewayState) -> Litestar:
             )
         ],
         exception_handlers=EXCEPTION_HANDLERS,
+        before_send=[request_id.before_send],  # x-request-id on every answer, errors included
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         request_max_body_size=state.config.chat_max_body_bytes,
