@@ -155,9 +155,10 @@ def test_without_one_each_answer_gets_a_new_id(gw):
     # the server's id of an executed request ends with it: response id, chunk ids, usage row
     chat = by_what["chat"]
     assert chat.json()["id"] == "chatcmpl-" + chat.headers["x-request-id"]
-    assert by_what["completion"].json()["id"] == "cmpl-" + by_what["completion"].headers[
-        "x-request-id"
-    ]
+    assert (
+        by_what["completion"].json()["id"]
+        == "cmpl-" + by_what["completion"].headers["x-request-id"]
+    )
     stream = by_what["stream"]
     chunks = [json.loads(ln[6:]) for ln in stream.text.splitlines() if ln[6:7] == "{"]
     assert {c["id"] for c in chunks} == {"chatcmpl-" + stream.headers["x-request-id"]}
