@@ -15,6 +15,13 @@ What the test changes in the blocks, and nothing else:
 - ``curl`` is a bash function adding ``--fail-with-body``, so a block whose request gets an
   HTTP error fails (the README's plain ``curl -s`` would print the error body and go on).
 
+``loraplex`` and ``python`` are the test's own interpreter's, where the test extra is installed
+too; with ``LORAPLEX_README_VENV=DIR`` they are that venv's instead: make it as a user would,
+with only the README's install command (``python -m venv DIR && DIR/bin/pip install
+"torch==2.13.0" -e .``), and the blocks' own ``pip install`` lines add the rest, as they would
+for the user (a few minutes and 1.5 GB, hence not by default;
+``tests/test_readme_imports.py`` checks the same statically on every run).
+
 A block preceded by ``<!-- not-run: REASON -->`` is skipped (``loraplex serve`` itself, which
 blocks). The test counts the blocks it ran and skipped, so an edit cannot silently skip them,
 and checks what they did through the server's own API afterwards.
@@ -36,7 +43,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.live import free_port
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +51,12 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 START = "## A session with the server"
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```[ \t]*$", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- not-run: (.+?) -->\s*\Z")
-RUN_BLOCKS = 13  # bash and python blocks the README's walk-through has to run
+RUN_BLOCKS = 14  # bash and python blocks the README's walk-through has to run
 SKIPPED_BLOCKS = 1  # `loraplex serve`
 SERVE_START_S = 180
 SCRIPT_TIMEOUT_S = 900
 MARK = "@@README-BLOCK"
+VENV = "LORAPLEX_README_VENV"
 
 
 @dataclass(frozen=True)
@@ -173,7 +181,9 @@ def test_readme_runs_as_pasted(tmp_path):
     workdir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
     env.pop("KEY", None)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    venv = os.environ.get(VENV)  # a venv with only what the README installs (module doc)
+    bin_dir = Path(venv) / "bin" if venv else Path(sys.executable).parent
+    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
     assert shutil.which("loraplex", path=env["PATH"]), "the loraplex command is not installed"
     blocks = readme_blocks(README.read_text())
     server = Server(workdir, env, tmp_path / "serve.log")
@@ -251,13 +261,13 @@ def check_what_the_session_did(workdir, url, blocks, outputs, keys_held) -> None
     # the curl chat and the SDK stream answered; the SDK printed its usage chunk
     (chat,) = json_values(block_output(blocks, outputs, '"What is in this picture?"'))
     assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] >= 1
-    printed = block_output(blocks, outputs, "data.coffee()")
+    printed = block_output(blocks, outputs, "effect_mandelbrot((128, 96)")
     assert int(re.search(r"completion_tokens=(\d+)", printed).group(1)) >= 1
     # /metrics, read with the admin key (the API port serves it to no other key)
     metrics = block_output(blocks, outputs, "localhost:8000/metrics")
     assert "loraplex_kv_blocks_total " in metrics and "loraplex_tenant_requests_total{" in metrics
-    # /docs: the schema was fetched with the key and lists the routes
-    paths = block_output(blocks, outputs, "/docs/openapi.json").split()
+    # /docs: the schema was fetched without a key and lists the routes
+    paths = block_output(blocks, outputs, "localhost:8000/openapi.json").split()
     assert {"/v1/chat/completions", "/v1/adapters", "/v1/models"} <= set(paths)
     # the served model said what adapters may target; the PEFT recipe made an adapter of the
     # language model only from its regex, and the upload took it

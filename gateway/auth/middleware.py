@@ -1,18 +1,19 @@
 """Authentication (Litestar's authentication middleware) and which keys each route takes.
 
 Every route needs ``Authorization: Bearer <key>`` except those marked ``exclude_from_auth``
-(``/health``, ``/version``). The middleware resolves the key to a ``TenantPrincipal``
-(a tenant key, ``lpx-...``, looked up by its HMAC in the database) or ``AdminPrincipal``
-(the admin key, compared in constant time; both in ``gateway.auth.principals``) and puts it on
-``request.user``. It then keeps the admin key on routes marked ``opt=ADMIN_ONLY``
-(``/admin/*``, ``/metrics``) and tenant keys off them (403 either way); every other route
-takes tenant keys only. The check is the route
-handler's ``opt`` read in the middleware rather than a Litestar guard, which would copy the
-handler on every request (``BaseRouteHandler.authorize_connection``). Verified tenant keys
-are cached for ``auth_cache_seconds`` (a database read saved per request, ``auth.key_cache``);
-revoking a key through the admin API drops it from the cache at once. Keys never reach a log:
-only the key id does. A client address with too many failed attempts (401) gets 429 with
-``Retry-After`` before its key is even hashed (:class:`gateway.limits.auth_throttle.AuthThrottle`).
+(``/health``, ``/version``; ``/docs``, ``/docs/*`` and ``/openapi.json``:
+``gateway.server.docs``). The middleware resolves the key to a ``TenantPrincipal`` (a tenant
+key, ``lpx-...``, looked up by its HMAC in the database) or ``AdminPrincipal`` (the admin key,
+compared in constant time; both in ``gateway.auth.principals``) and puts it on ``request.user``.
+It then keeps the admin key on routes marked ``opt=ADMIN_ONLY`` (``/admin/*``, ``/metrics``) and
+tenant keys off them (403 either way); every other route takes tenant keys only. The check is
+the route handler's ``opt`` read in the middleware rather than a Litestar guard, which would
+copy the handler on every request (``BaseRouteHandler.authorize_connection``). Verified tenant
+keys are cached for ``auth_cache_seconds`` (a database read saved per request,
+``auth.key_cache``); revoking a key through the admin API drops it from the cache at once. Keys
+never reach a log: only the key id does. A client address with too many failed attempts (401)
+gets 429 with ``Retry-After`` before its key is even hashed
+(:class:`gateway.limits.auth_throttle.AuthThrottle`).
 """
 
 from __future__ import annotations

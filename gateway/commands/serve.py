@@ -149,6 +149,13 @@ def register(subparsers) -> None:
         "tenant's counters (default %(default)s)",
     )
     p.add_argument(
+        "--disable-docs",
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="serve no /docs (Swagger UI) and no /openapi.json; vLLM's --disable-fastapi-docs "
+        "is the same flag (default: both served, without a key)",
+    )
+    p.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -393,6 +400,7 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         adapter_store_dir=None if store is None or is_url(store) else Path(store),
         adapter_store_url=store if store is not None and is_url(store) else None,
         rate_limit_url=rate_limit_url,
+        docs=not args.disable_docs,
     )
 
 

@@ -20,15 +20,16 @@ from litestar import Litestar
 from litestar.config.app import AppConfig
 from litestar.di import Provide
 from litestar.middleware import DefineMiddleware
-from litestar.openapi import OpenAPIConfig
 
 from loraplex.gateway.auth.middleware import KeyAuthMiddleware
 from loraplex.gateway.auth.redact import RedactingFilter
 from loraplex.gateway.domains import adapters, admin, chat, responses, system, tokenize, usage
 from loraplex.gateway.domains.chat.service import ChatDeps
 from loraplex.gateway.errors import EXCEPTION_HANDLERS
+from loraplex.gateway.server.docs import docs_setup
 from loraplex.gateway.server.engine_watch import watch_engine
 from loraplex.gateway.server.state import GatewayState
+from loraplex.gateway.transport import request_id
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,12 @@ def create_app(state: GatewayState) -> Litestar:
     async def on_shutdown() -> None:
         await shutdown(state)
 
+    openapi_config, docs_routes = None, []
+    if state.config.docs:  # /docs and /openapi.json, no key (gateway.server.docs)
+        openapi_config, docs_routes = docs_setup(title="loraplex", version="0.1.0")
     return Litestar(
         route_handlers=[
+            *docs_routes,
             *system.ROUTES,
             *chat.ROUTES,
             *responses.ROUTES,
@@ -67,10 +72,11 @@ def create_app(state: GatewayState) -> Litestar:
             )
         ],
         exception_handlers=EXCEPTION_HANDLERS,
+        before_send=[request_id.before_send],  # x-request-id on every answer, errors included
         on_startup=[on_startup],
         on_shutdown=[on_shutdown],
         request_max_body_size=state.config.chat_max_body_bytes,
-        openapi_config=OpenAPIConfig(title="loraplex", version="0.1.0", path="/docs"),
+        openapi_config=openapi_config,
         on_app_init=[_quiet_keys],
     )
 

@@ -99,6 +99,8 @@ class GatewayConfig:
         metrics_port: Its port: a listener that answers ``GET /metrics`` without a key and
             nothing else (:mod:`gateway.server.metrics_listener`); None: no such listener
             (``/metrics`` on the API port takes the admin key either way).
+        docs: Serve ``/docs`` (Swagger UI) and ``/openapi.json`` without a key
+            (:mod:`gateway.server.docs`); False (``serve --disable-docs``): neither exists.
     """
 
     data_dir: Path
@@ -145,6 +147,7 @@ class GatewayConfig:
     rate_limit_url: str | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
+    docs: bool = True
 
     @property
     def store_dir(self) -> Path:

@@ -24,6 +24,7 @@ import msgspec
 
 from loraplex.gateway.errors import error_body
 from loraplex.gateway.metrics.registry import CONTENT_TYPE
+from loraplex.gateway.transport.request_id import tag_response
 
 if TYPE_CHECKING:
     from loraplex.gateway.server.state import GatewayState
@@ -48,24 +49,32 @@ class MetricsApp:
         self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Answer one HTTP request: 200 with the metrics, 404 or 405 in OpenAI's error body."""
+        """Answer one HTTP request: 200 with the metrics, 404 or 405 in OpenAI's error body.
+
+        Each answer carries ``x-request-id``, as the API's do (``gateway.transport.request_id``).
+        """
         if scope["type"] != "http":
             return
+
+        async def tagged(message: MutableMapping[str, Any]) -> None:
+            tag_response(message, scope)
+            await send(message)
+
         method = scope["method"]
         if scope["path"] != METRICS_PATH:
             await _send_error(
-                send, 404, "the metrics listener serves GET /metrics only", "not_found"
+                tagged, 404, "the metrics listener serves GET /metrics only", "not_found"
             )
         elif method not in ("GET", "HEAD"):
-            await _send_error(send, 405, f"{method[:16]} is not allowed on /metrics", allow=True)
+            await _send_error(tagged, 405, f"{method[:16]} is not allowed on /metrics", allow=True)
         else:
             body = self.render()
             headers = [
                 (b"content-type", CONTENT_TYPE.encode()),
                 (b"content-length", str(len(body)).encode()),
             ]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
+            await tagged({"type": "http.response.start", "status": 200, "headers": headers})
+            await tagged({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
 
 
 async def _send_error(

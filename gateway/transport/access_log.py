@@ -7,9 +7,10 @@ written from a second thread, GIL hand-overs that stretched the latency tail. Li
 buffered ``access_log``, :class:`AccessLog` formats each line with one f-string when the
 response ends and writes what gathered in one ``write`` per ``flush_seconds``.
 
-Line format (uvicorn's, plus the time the request took and the tenant when a key named one)::
+Line format (uvicorn's, plus the time the request took, the request's id (the ``x-request-id``
+its response carried: :mod:`gateway.transport.request_id`) and the tenant when a key named one)::
 
-    INFO:     127.0.0.1:50412 - "POST /v1/chat/completions HTTP/1.1" 200 3.1ms tenant=7f3a...
+    INFO:     127.0.0.1:50412 - "GET /v1/models HTTP/1.1" 200 3.1ms request_id=9c1e... tenant=7f...
 
 A request that ended before its response started (client gone, server stopping) shows ``-`` as
 its status. The request target is logged percent-decoded, keys masked
@@ -26,6 +27,7 @@ from typing import Any, TextIO
 from urllib.parse import unquote_plus
 
 from loraplex.gateway.auth.redact import redact
+from loraplex.gateway.transport.request_id import request_id
 
 Scope = dict[str, Any]
 
@@ -130,6 +132,7 @@ def access_line(scope: Scope, status: int, seconds: float) -> str:
     tenant = getattr(scope.get("user"), "tenant_id", None)
     line = (
         f'INFO:     {where} - "{scope.get("method", "-")} {target} '
-        f'HTTP/{scope.get("http_version", "1.1")}" {status or "-"} {seconds * 1e3:.1f}ms'
+        f'HTTP/{scope.get("http_version", "1.1")}" {status or "-"} {seconds * 1e3:.1f}ms '
+        f"request_id={request_id(scope)}"  # printable, no space: cannot forge a field or line
     )
     return f"{line} tenant={tenant}\n" if tenant else f"{line}\n"

@@ -30,6 +30,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from loraplex.gateway.errors import error_body
 from loraplex.gateway.transport.connections import ConnectionTable
 from loraplex.gateway.transport.limits import TransportLimits
+from loraplex.gateway.transport.request_id import new_id, request_id
 
 _IDLE, _HEAD, _BODY = 0, 1, 2  # between requests; reading a head; reading a body
 EXCHANGE = "loraplex.exchange"  # the key of a request's Exchange in scope["extensions"]
@@ -376,7 +377,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             else:
                 msg = "Invalid HTTP request received."
                 self.logger.warning(msg)
-                self.send_400_response(msg)
+                self._answer(400, msg, "invalid_http_request")  # uvicorn's, in OpenAI's body
             return
         if self._phase == _HEAD:
             if self._head_raw > self.limits.max_head_raw_bytes:
@@ -537,10 +538,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._answer(status, message, reason)
 
     def _answer(self, status: int, message: str, code: str) -> None:
-        """Write a whole error response (OpenAI's body) and close the connection."""
+        """Write a whole error response (OpenAI's body) and close the connection.
+
+        Its ``x-request-id`` is the request's (``gateway.transport.request_id``) once its head
+        is complete, else a new one: a head cut short is not believed.
+        """
         if self._refusal is None:
             self._refusal = (status, message, code)
         body = json.dumps(error_body(status, message, code=code)).encode()
+        rid = request_id(self.scope) if self._phase == _BODY else new_id()
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]
@@ -548,6 +554,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n",
+            b"x-request-id: %s\r\n" % rid.encode("ascii"),
         ]
         if status == 503:
             head.append(b"retry-after: 1\r\n")

@@ -2,11 +2,13 @@
 
 import asyncio
 import io
+import re
 from types import SimpleNamespace
 
 import pytest
 
 from loraplex.gateway.transport.access_log import AccessLog, access_line
+from loraplex.gateway.transport.request_id import tag_response
 
 SECRET = "lpx-" + "s3cr3t" * 6
 
@@ -63,7 +65,8 @@ def test_each_request_gets_one_line_written_in_one_batch():
     assert [line.split('"')[1] for line in lines] == [f"POST /{p} HTTP/1.1" for p in "abc"]
     assert all(line.startswith("INFO:     127.0.0.1:5151 - ") for line in lines)
     assert all(line.split('" ')[1].split()[0] == "201" for line in lines)
-    assert all(line.split()[-1].endswith("ms") for line in lines)
+    assert all(line.split()[-2].endswith("ms") for line in lines)
+    assert all(re.fullmatch(r"request_id=[0-9a-f]{32}", line.split()[-1]) for line in lines)
     assert stream.writes == 1 and log.written == 3
     assert sent == ["http.response.start", "http.response.body"] * 3  # passed through
 
@@ -150,7 +153,7 @@ def test_a_broken_stream_drops_lines_without_failing_requests():
 def test_keys_in_the_target_are_masked_even_percent_encoded(path, query):
     line = access_line(http_scope(path, query), 200, 0.001)
     assert "s3cr3t" not in line and "t0ps3cret" not in line, line
-    assert "***" in line and line.endswith("1.0ms\n")
+    assert "***" in line and " 1.0ms request_id=" in line
 
 
 def test_a_crafted_target_cannot_forge_a_second_line():
@@ -160,5 +163,33 @@ def test_a_crafted_target_cannot_forge_a_second_line():
 
 def test_the_tenant_is_named_when_a_key_named_one():
     user = SimpleNamespace(tenant_id="t-123")
-    assert access_line(http_scope(user=user), 200, 0.0).endswith(" tenant=t-123\n")
+    line = access_line(http_scope(user=user), 200, 0.0)
+    assert re.search(r" 0\.0ms request_id=[0-9a-f]{32} tenant=t-123\n$", line)
     assert "tenant=" not in access_line(http_scope(), 401, 0.0)
+
+
+def test_the_line_names_the_id_the_response_carried():
+    stream = io.StringIO()
+    sent = []
+
+    async def tagging(scope, receive, send):
+        async def tagged(message):
+            tag_response(message, scope)
+            await send(message)
+
+        await answer(200)(scope, receive, tagged)
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        log = AccessLog(tagging, stream)
+        await log(http_scope(headers=[(b"x-request-id", b"job-1:a")]), None, send)
+        await log(http_scope(headers=[(b"x-request-id", b"bad id")]), None, send)
+        log.flush()
+
+    asyncio.run(main())
+    mine, generated = (dict(m["headers"])[b"x-request-id"].decode() for m in sent[::2])
+    assert mine == "job-1:a" and re.fullmatch(r"[0-9a-f]{32}", generated)
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[-1] for line in lines] == [f"request_id={i}" for i in (mine, generated)]

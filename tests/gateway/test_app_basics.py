@@ -125,18 +125,20 @@ def test_every_route_takes_one_kind_of_key(live):
     assert checked >= 12
 
 
-def test_docs_take_a_tenant_key(live):
-    """``/docs`` (the OpenAPI UI, README) answers a tenant key: a browser alone gets 401."""
+def test_docs_open_without_a_key(live):
+    """``/docs`` and the schema answer a browser (no key) and every key alike (issue 31).
+
+    The page and the schema themselves: tests/gateway/test_docs.py.
+    """
     tenant = live.create_tenant("reader")
-    with live.client() as c:
-        assert_openai_error(c.get("/docs"), 401)
-        assert_openai_error(c.get("/docs/openapi.json"), 401)
-    with live.client(tenant["api_key"]) as c:
-        page = c.get("/docs")
-        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        schema = c.get("/docs/openapi.json")
-        assert schema.status_code == 200
-        paths = schema.json()["paths"]
-    assert {"/v1/chat/completions", "/v1/adapters", "/v1/models", "/v1/usage"} <= set(paths)
-    with live.admin() as c:
-        assert_openai_error(c.get("/docs"), 403)
+    for key in (None, tenant["api_key"], live.admin_key):
+        with live.client(key) as c:
+            page = c.get("/docs")
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            for path in ("/openapi.json", "/docs/openapi.json"):
+                schema = c.get(path)
+                assert schema.status_code == 200, (path, key)
+                paths = schema.json()["paths"]
+                assert {"/v1/chat/completions", "/v1/adapters", "/v1/models", "/v1/usage"} <= set(
+                    paths
+                )

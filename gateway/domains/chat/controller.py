@@ -40,7 +40,6 @@ import contextlib
 import inspect
 import re
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,11 +78,9 @@ from loraplex.gateway.errors import (
     pool_busy,
 )
 from loraplex.gateway.limits.admission import OverloadedError
+from loraplex.gateway.transport import request_id
 from loraplex.gateway.transport.http_protocol import Exchange, exchange_of
 from loraplex.gateway.usage.ledger import UsageLedger
-
-REQUEST_ID_HEADER = "x-request-id"
-_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,64}$")  # printable ASCII, no spaces
 
 
 def _documented_chat(data: ChatCompletionBody) -> None:  # pragma: no cover - never called
@@ -177,14 +174,16 @@ async def _generate(
         ticket.release(0)
         deps.metrics.rate_limited.labels(principal.tenant_id, "overloaded").inc()
         raise overloaded(str(exc), exc.retry_after) from None
-    response_id = f"{id_prefix}{uuid.uuid4().hex}"
-    client_id = request.headers.get(REQUEST_ID_HEADER)
-    valid_id = client_id is not None and _REQUEST_ID.match(client_id) is not None
-    ledger = UsageLedger(deps, principal, ticket, response_id, client_id if valid_id else None)
+    client_id = request_id.client_id(request.scope)
+    # the server's id: the response's ``id`` and the usage row's key, unique per request;
+    # it ends with the x-request-id the response carries unless the client named that one
+    server_id = request_id.new_id() if client_id else request_id.request_id(request.scope)
+    response_id = id_prefix + server_id
+    ledger = UsageLedger(deps, principal, ticket, response_id, client_id)
     ledger.admission = admission
     run: ChatRun | None = None
     try:
-        if client_id is not None and not valid_id:
+        if client_id is None and request_id.sent_id(request.scope) is not None:
             raise bad_request(
                 "X-Request-Id must be 1 to 64 printable ASCII characters without spaces",
                 param="X-Request-Id",
