@@ -12,6 +12,9 @@ import torch
 from loraplex.adapters.store import AdapterStore
 from tests.adapters.conftest import assert_refused, edit_config, edit_tensors, make_adapter
 
+# The slow tier: the fast tier (-m 'not slow and not service') must stay under two minutes.
+pytestmark = pytest.mark.slow
+
 ATTN = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 MLP = dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"])
 LM_QV = dict(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)")

@@ -23,6 +23,9 @@ from tests.gateway.chat_support import (
 from tests.gateway.live import LiveGateway
 from tests.gateway.test_app_basics import assert_openai_error
 
+# The slow tier: the fast tier (-m 'not slow and not service') must stay under two minutes.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llava"
 HI = [{"role": "user", "content": "hi"}]
 

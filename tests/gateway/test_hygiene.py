@@ -21,6 +21,9 @@ from tests.gateway.live import LiveGateway
 from tests.gateway.test_adapters_api import GOOD, OTHER, read, upload_dir
 from tests.gateway.test_app_basics import assert_openai_error
 
+# The slow tier: the fast tier (-m 'not slow and not service') must stay under two minutes.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def adapters(hf_llava, tmp_path_factory):

@@ -11,6 +11,9 @@ from loraplex.engine.client.processing import max_token_bytes
 from tests.gateway.chat_support import image_part, usage_events, user
 from tests.gateway.test_app_basics import assert_openai_error
 
+# The slow tier: the fast tier (-m 'not slow and not service') must stay under two minutes.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llava"
 HI = [{"role": "user", "content": "hi"}]
 

@@ -35,6 +35,9 @@ from tests.gateway.test_adapters_api import (
 )
 from tests.gateway.test_app_basics import assert_openai_error
 
+# The slow tier: the fast tier (-m 'not slow and not service') must stay under two minutes.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def good_dir(hf_llava, tmp_path_factory):
