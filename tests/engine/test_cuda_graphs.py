@@ -174,10 +174,11 @@ def run(model_dir, adapter_dirs, *, backend, padded, device=None, enforce_eager=
 def test_padded_decode_steps_give_the_same_greedy_tokens(
     tiny_text_dir, adapters, backend, num_kv_blocks
 ):
-    if backend == "triton" and num_kv_blocks == 14 and not CUDA:
-        # Under the Triton interpreter this one costs ~40 s of the suite's 15 minutes; the torch
-        # backend's padded path covers preemption on the CPU and a GPU runs this variant.
-        pytest.skip("Triton backend with preemption: on CUDA only (the interpreter is too slow)")
+    if backend == "triton" and not CUDA:
+        # Under the Triton interpreter these cost 30-40 s each of the suite's 15 minutes. On the
+        # CPU the torch backend's padded path covers preemption, and the stand-in graph test
+        # below runs the Triton backend's padded path; a GPU runs both variants.
+        pytest.skip("Triton backend: on CUDA only (the interpreter is too slow)")
     kw = dict(backend=backend, num_kv_blocks=num_kv_blocks)
     expected, _, _ = run(tiny_text_dir, adapters, padded=False, **kw)
     got, buckets, preempted = run(tiny_text_dir, adapters, padded=True, **kw)
@@ -304,8 +305,10 @@ def test_capture_and_replay_bookkeeping_with_a_stand_in_graph(tiny_text_dir, ada
         graphs.capture()
         return graphs
 
-    # Roomy: preemption with padding is covered by the torch backend's test above.
-    expected, _, _ = run(tiny_text_dir, adapters, backend="triton", padded=False,
+    # Roomy: preemption with padding is covered by the torch backend's test above. The eager
+    # tokens come from the torch backend (greedy tokens equal the Triton backend's on this
+    # model: tests/engine/test_triton_backend.py), which spares a run under the interpreter.
+    expected, _, _ = run(tiny_text_dir, adapters, backend="torch", padded=False,
                          num_kv_blocks=64)  # fmt: skip
     with monkeypatch.context() as m:
         m.setattr(
