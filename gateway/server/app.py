@@ -24,7 +24,7 @@ from litestar.openapi import OpenAPIConfig
 
 from loraplex.gateway.auth.middleware import KeyAuthMiddleware
 from loraplex.gateway.auth.redact import RedactingFilter
-from loraplex.gateway.domains import adapters, admin, chat, system, tokenize, usage
+from loraplex.gateway.domains import adapters, admin, chat, files, system, tokenize, usage
 from loraplex.gateway.domains.chat.service import ChatDeps
 from loraplex.gateway.errors import EXCEPTION_HANDLERS
 from loraplex.gateway.server.engine_watch import watch_engine
@@ -56,6 +56,7 @@ def create_app(state: GatewayState) -> Litestar:
             *tokenize.ROUTES,
             adapters.adapter_controller(state.engine, state.config),
             adapters.ModelsController,
+            files.files_controller(state.config),
             *usage.ROUTES,
             *admin.ROUTES,
         ],
