@@ -24,7 +24,16 @@ from litestar.openapi import OpenAPIConfig
 
 from loraplex.gateway.auth.middleware import KeyAuthMiddleware
 from loraplex.gateway.auth.redact import RedactingFilter
-from loraplex.gateway.domains import adapters, admin, chat, files, system, tokenize, usage
+from loraplex.gateway.domains import (
+    adapters,
+    admin,
+    batches,
+    chat,
+    files,
+    system,
+    tokenize,
+    usage,
+)
 from loraplex.gateway.domains.chat.service import ChatDeps
 from loraplex.gateway.errors import EXCEPTION_HANDLERS
 from loraplex.gateway.server.engine_watch import watch_engine
@@ -41,10 +50,12 @@ def create_app(state: GatewayState) -> Litestar:
     them and their usage is recorded as aborted), usage is flushed, the database engine
     disposed, and the engine shut down if the app owns it.
     """
+    state.batches = batches.BatchRunner(state.sessions, state.config, lambda: chat_deps_of(state))
 
     async def on_startup() -> None:
         state.usage.start()
         state.background.append(asyncio.create_task(watch_engine(state), name="engine-watch"))
+        await state.batches.resume()  # batches a previous run left unfinished
 
     async def on_shutdown() -> None:
         await shutdown(state)
@@ -57,6 +68,7 @@ def create_app(state: GatewayState) -> Litestar:
             adapters.adapter_controller(state.engine, state.config),
             adapters.ModelsController,
             files.files_controller(state.config),
+            batches.BatchesController,
             *usage.ROUTES,
             *admin.ROUTES,
         ],
@@ -90,6 +102,7 @@ DEPENDENCIES = {
     "adapter_registry": "adapters",
     "in_flight": "in_flight",
     "draining": "draining",
+    "batch_runner": "batches",
 }
 """Each app-level dependency's name and the :class:`GatewayState` attribute it provides; one
 more, ``chat_deps``, bundles those of the generation and tokenizer routes (``ChatDeps``)."""
@@ -112,22 +125,27 @@ def dependencies(state: GatewayState) -> dict[str, Provide]:
         return Provide(dependency, sync_to_thread=False)
 
     def chat_deps() -> ChatDeps:
-        return ChatDeps(
-            config=state.config,
-            engine=state.engine,
-            sessions=state.sessions,
-            limiter=state.limiter,
-            admission=state.admission,
-            usage=state.usage,
-            metrics=state.metrics,
-            default_limits=state.default_limits,
-            in_flight=state.in_flight,
-            draining=state.draining,
-        )
+        return chat_deps_of(state)
 
     provided = {name: provide(attribute) for name, attribute in DEPENDENCIES.items()}
     provided["chat_deps"] = Provide(chat_deps, sync_to_thread=False)
     return provided
+
+
+def chat_deps_of(state: GatewayState) -> ChatDeps:
+    """The generation routes' dependencies (``ChatDeps``) as ``state`` holds them now."""
+    return ChatDeps(
+        config=state.config,
+        engine=state.engine,
+        sessions=state.sessions,
+        limiter=state.limiter,
+        admission=state.admission,
+        usage=state.usage,
+        metrics=state.metrics,
+        default_limits=state.default_limits,
+        in_flight=state.in_flight,
+        draining=state.draining,
+    )
 
 
 def _quiet_keys(config: AppConfig) -> AppConfig:
@@ -144,6 +162,8 @@ async def shutdown(state: GatewayState) -> None:
     state.draining = True
     for task in state.background:
         task.cancel()
+    if state.batches is not None:  # their lines are aborted; the next start resumes them
+        await state.batches.close()
     if state.in_flight:
         _, pending = await asyncio.wait(
             set(state.in_flight), timeout=state.config.shutdown_grace_seconds

@@ -36,6 +36,7 @@ cut's reason (``write_timeout``, ``evicted_stalled``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 import uuid
@@ -48,7 +49,13 @@ from litestar.exceptions import HTTPException
 
 from loraplex.engine.client.fair_pool import PoolBusyError
 from loraplex.engine.client.inputs import ProcessedPrompt
-from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
+from loraplex.engine.request import (
+    PRIORITY_BATCH,
+    PRIORITY_INTERACTIVE,
+    EngineRequest,
+    RequestOutput,
+    RequestOutputKind,
+)
 from loraplex.gateway.auth.principals import TenantPrincipal
 from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.chat.body import ChatCompletionBody, CompletionBody
@@ -66,12 +73,16 @@ from loraplex.gateway.errors import (
     ERROR_TYPES,
     APIError,
     bad_request,
+    error_body,
     overloaded,
     pool_busy,
 )
 from loraplex.gateway.limits.admission import OverloadedError
+from loraplex.gateway.limits.ratelimit import Ticket
 from loraplex.gateway.transport.http_protocol import Exchange, exchange_of
 from loraplex.gateway.usage.ledger import UsageLedger
+
+logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,64}$")  # printable ASCII, no spaces
@@ -188,6 +199,84 @@ async def _generate(request: Request, deps: ChatDeps, id_prefix: str, parse: Any
         raise
 
 
+BATCH_ENDPOINTS = {
+    "/v1/chat/completions": ("chatcmpl-", parse_chat_request),
+    "/v1/completions": ("cmpl-", parse_completion_request),
+}
+"""The endpoints a ``/v1/batches`` line may name: its id prefix and body parser."""
+
+
+def _no_release(_tokens: int) -> None:
+    """A batch line's rate-limit ticket releases nothing (batch lines pass no rate limiter)."""
+
+
+async def run_line(
+    deps: ChatDeps,
+    principal: TenantPrincipal,
+    endpoint: str,
+    body: bytes,
+    batch_id: str,
+) -> tuple[int, str, dict[str, Any]]:
+    """Answer one ``/v1/batches`` line through the endpoint's own path, as a JSON body.
+
+    The same parsing, model resolution, prompt processing, engine run, usage row and response
+    building as ``POST`` on ``endpoint`` (:func:`_start`, :func:`_answer`); what differs: no
+    rate limiter and no admission control (the batch runner bounds its own concurrency), the
+    engine request runs at ``PRIORITY_BATCH``, the usage row carries ``batch_id``, and
+    ``stream: true`` is refused (a batch line has no connection to stream to).
+
+    Args:
+        deps: The generation dependencies.
+        principal: The tenant (and the key that created the batch).
+        endpoint: ``/v1/chat/completions`` or ``/v1/completions`` (``BATCH_ENDPOINTS``).
+        body: The line's ``body``, as JSON bytes.
+        batch_id: The batch (recorded in the usage row).
+
+    Returns:
+        ``(status code, response id, body)``: 200 and the completion, or the error's status and
+        OpenAI's error body, as the endpoint would have answered.
+
+    Raises:
+        asyncio.CancelledError: the batch was cancelled or the server stops (the engine request
+            is aborted, its row says ``aborted``).
+    """
+    prefix, parse = BATCH_ENDPOINTS[endpoint]
+    response_id = f"{prefix}{uuid.uuid4().hex}"
+    ledger = UsageLedger(deps, principal, Ticket(_no_release), response_id, batch_id=batch_id)
+    run: ChatRun | None = None
+    try:
+        chat = parse(
+            body,
+            max_tokens_limit=deps.config.max_tokens_limit,
+            max_n=deps.config.max_n,
+            max_parts=deps.engine.max_model_len,
+            vocab_size=deps.engine.input_limits.vocab_size,
+        )
+        if chat.stream:
+            raise bad_request("'stream' cannot be used in a batch request", param="stream")
+        ledger.model = chat.model
+        run = await _start(deps, principal, chat, ledger, response_id, priority=PRIORITY_BATCH)
+        out = await run.final()
+        await run.durable()
+        return 200, response_id, await _answer(deps, chat, out, response_id)
+    except asyncio.CancelledError:
+        if run is None:
+            ledger.close("aborted", "batch_cancelled")
+        else:
+            run.cancel("batch_cancelled")
+        raise
+    except Exception as exc:
+        if run is None:
+            ledger.close("error", _error_type(exc))
+            await ledger.wait_durable(strict=False)
+        else:
+            await run.durable(strict=False)
+        if isinstance(exc, APIError):
+            return exc.status, response_id, error_body(exc.status, exc.message, exc.param, exc.code)
+        logger.exception("batch %s: a line failed", batch_id)
+        return 500, response_id, error_body(500, "internal server error")
+
+
 async def _start(
     deps: ChatDeps,
     principal: TenantPrincipal,
@@ -195,10 +284,12 @@ async def _start(
     ledger: UsageLedger,
     response_id: str,
     exchange: Exchange | None = None,
+    priority: int = PRIORITY_INTERACTIVE,
 ) -> ChatRun:
     """Resolve the model, process the messages, check lengths, and start the engine run.
 
     A stream with an ``exchange`` defers its ``ok`` row to its last write (``ChatRun.deliver``).
+    ``priority``: the engine's scheduling class (batch lines: ``PRIORITY_BATCH``).
     """
     engine = deps.engine
     ledger.adapter_digest = await resolve_model(deps, principal.tenant_id, chat.model)
@@ -215,6 +306,7 @@ async def _start(
         cache_salt=chat.engine_cache_salt(principal.tenant_id),  # the tenant's id first
         tenant=principal.tenant_id,  # the scheduler's fairness group
         output_kind=RequestOutputKind.DELTA,  # non-streamed too: the ledger times each token
+        priority=priority,
     )
     ledger.prompt_tokens = len(prompt.prompt_token_ids)
     ledger.images = len(prompt.images)
@@ -279,8 +371,15 @@ async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id
     """Wait for the whole answer (or the client leaving) and return ``chat.completion``."""
     out = await _unless_client_left(run, run.final())
     await run.durable()  # 503 if the row could not be made durable
+    return Response(await _answer(deps, chat, out, response_id), media_type="application/json")
+
+
+async def _answer(
+    deps: ChatDeps, chat: ChatRequest, out: RequestOutput, response_id: str
+) -> dict[str, Any]:
+    """The ``text_completion`` or ``chat.completion`` body of a finished request."""
     if chat.prompt is not None:
-        body = text_completion_body(
+        return text_completion_body(
             out,
             response_id=response_id,
             created=int(time.time()),
@@ -289,8 +388,7 @@ async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id
             token_bytes=deps.engine.token_bytes,
             echo=await _echo(deps, chat, out.prompt_token_ids),
         )
-        return Response(body, media_type="application/json")
-    body = completion_body(
+    return completion_body(
         out,
         response_id=response_id,
         created=int(time.time()),
@@ -299,7 +397,6 @@ async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id
         token_bytes=deps.engine.token_bytes,
         tool_calls=_tool_parsers(deps, chat),
     )
-    return Response(body, media_type="application/json")
 
 
 async def _stream(
