@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 def create_app(state: GatewayState) -> Litestar:
     """Build the gateway app around ready services.
 
-    On startup the usage writer and the engine watchdog start. On shutdown: new chat requests
+    On startup the usage writer and the engine watchdog start, and the batches a previous run
+    left unfinished resume (``gateway.domains.batches.runner``). On shutdown: the batch runner
+    stops (its lines in flight are aborted; the next start resumes), new chat requests
     get 503, in-flight ones get ``shutdown_grace_seconds`` to finish (then the engine aborts
     them and their usage is recorded as aborted), usage is flushed, the database engine
     disposed, and the engine shut down if the app owns it.

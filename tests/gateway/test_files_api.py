@@ -56,12 +56,16 @@ def test_bad_uploads_are_400_naming_the_field(client, purpose, data, param):
     assert err.value.body["param"] == param
 
 
-def test_size_and_line_bounds(engine_client, tmp_path):
+def test_size_line_and_count_bounds(engine_client, tmp_path):
     from tests.gateway.live import LiveGateway
 
-    with LiveGateway(
-        engine_client, tmp_path / "d", batch_file_max_bytes=1000, batch_max_requests=3
-    ) as gw:
+    bounds = {
+        "batch_file_max_bytes": 1000,
+        "batch_max_requests": 3,
+        "batch_max_files_per_tenant": 1,
+        "batch_max_active_per_tenant": 0,
+    }
+    with LiveGateway(engine_client, tmp_path / "d", **bounds) as gw:
         c = gw.openai(gw.create_tenant("t")["api_key"])
         with pytest.raises(openai.APIStatusError) as err:
             c.files.create(file=("x.jsonl", io.BytesIO(b"{}\n" * 400)), purpose="batch")
@@ -69,5 +73,14 @@ def test_size_and_line_bounds(engine_client, tmp_path):
         with pytest.raises(openai.BadRequestError) as err:
             c.files.create(file=("x.jsonl", io.BytesIO(b"{}\n" * 4)), purpose="batch")
         assert err.value.body["param"] == "file"
-        assert c.files.create(file=("x.jsonl", io.BytesIO(b"{}\n" * 3)), purpose="batch").bytes == 9
+        f = c.files.create(file=("x.jsonl", io.BytesIO(b"{}\n" * 3)), purpose="batch")
+        assert f.bytes == 9
         assert not list((tmp_path / "d" / "files").glob(".upload-*"))  # refused spools removed
+        with pytest.raises(openai.RateLimitError) as err:  # the tenant's file count
+            c.files.create(file=("y.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+        assert err.value.body["code"] == "too_many_files"
+        with pytest.raises(openai.RateLimitError) as err:  # its unfinished batches
+            c.batches.create(
+                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+        assert err.value.body["code"] == "too_many_batches"

@@ -13,17 +13,18 @@ from typing import Any
 
 from litestar import Controller, Request, get, post
 from litestar.params import FromPath, FromQuery
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loraplex.gateway.db.models import Batch
 from loraplex.gateway.db.types import utcnow
 from loraplex.gateway.di import Injected
-from loraplex.gateway.domains.batches.runner import BatchRunner, expires_at_for
+from loraplex.gateway.domains.batches.runner import ACTIVE, BatchRunner, expires_at_for
 from loraplex.gateway.domains.chat.controller import BATCH_ENDPOINTS
 from loraplex.gateway.domains.files.controller import check_limit, list_page
 from loraplex.gateway.domains.files.store import get_file
-from loraplex.gateway.errors import bad_request, not_found
+from loraplex.gateway.errors import APIError, bad_request, not_found
+from loraplex.gateway.server.config import GatewayConfig
 from loraplex.gateway.transport.json_body import decode_object
 
 CREATE_FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata")
@@ -115,13 +116,15 @@ class BatchesController(Controller):
         request: Request,
         sessions: Injected[async_sessionmaker],
         batch_runner: Injected[BatchRunner],
+        config: Injected[GatewayConfig],
     ) -> dict[str, Any]:
         """Create a batch from an uploaded ``purpose: batch`` file; it starts ``validating``.
 
         Raises:
             APIError: 400 an unknown field, an endpoint other than ``/v1/chat/completions`` and
                 ``/v1/completions``, a window other than ``24h``, bad ``metadata``, a file not
-                of purpose ``batch``; 404 the file absent or another tenant's.
+                of purpose ``batch``; 404 the file absent or another tenant's; 429
+                ``too_many_batches`` past ``batch_max_active_per_tenant`` unfinished ones.
         """
         data = decode_object(await request.body())
         for key in data:
@@ -141,6 +144,17 @@ class BatchesController(Controller):
         principal = request.user
         async with sessions() as session:
             file = await get_file(session, principal.tenant_id, file_id)
+            active = await session.scalar(
+                select(func.count())
+                .select_from(Batch)
+                .where(Batch.tenant_id == principal.tenant_id, Batch.status.in_(ACTIVE))
+            )
+            if active >= config.batch_max_active_per_tenant:
+                raise APIError(
+                    429,
+                    f"this tenant has {active} unfinished batches, the most allowed",
+                    code="too_many_batches",
+                )
             if file.purpose != "batch":
                 raise bad_request(
                     f"the file's purpose is {file.purpose!r}, not 'batch'", param="input_file_id"

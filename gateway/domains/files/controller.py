@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.files.store import (
     add_file,
+    count_files,
     delete_file,
     file_path,
     file_view,
@@ -32,7 +33,7 @@ from loraplex.gateway.domains.files.store import (
     list_files,
 )
 from loraplex.gateway.domains.files.upload import read_file_form
-from loraplex.gateway.errors import bad_request
+from loraplex.gateway.errors import APIError, bad_request
 from loraplex.gateway.server.config import GatewayConfig
 
 UPLOAD_PURPOSES = ("batch",)
@@ -83,9 +84,18 @@ class FilesController(Controller):
 
         Raises:
             APIError: 400 a purpose other than ``batch``, no file, an empty file, a file that
-                is not UTF-8 or has too many lines, an unknown field; 413 over the size limit.
+                is not UTF-8 or has too many lines, an unknown field; 413 over the size limit;
+                429 ``too_many_files`` when the tenant holds ``batch_max_files_per_tenant``.
         """
         root = files_root(config.files_dir)
+        async with sessions() as session:
+            held = await count_files(session, request.user.tenant_id)
+        if held >= config.batch_max_files_per_tenant:
+            raise APIError(
+                429,
+                f"this tenant holds {held} files, the most allowed: delete some first",
+                code="too_many_files",
+            )
         form = await read_file_form(
             request, root, config.batch_file_max_bytes, config.batch_max_requests
         )

@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.gateway.db.models import StoredFile
@@ -65,6 +65,12 @@ async def get_file(session: AsyncSession, tenant_id: str, file_id: str) -> Store
     if row is None or row.tenant_id != tenant_id:
         raise not_found(f"no file with id {file_id[:64]!r}", code="file_not_found")
     return row
+
+
+async def count_files(session: AsyncSession, tenant_id: str) -> int:
+    """How many files the tenant holds (uploads and batch outputs)."""
+    query = select(func.count()).select_from(StoredFile).where(StoredFile.tenant_id == tenant_id)
+    return int(await session.scalar(query) or 0)
 
 
 async def list_files(
