@@ -97,7 +97,15 @@ class Preemptor:
         if not over:
             return None
         victim_tenant = max(over, key=lambda t: (counts[t], fair.counter(t)))
-        return next(s for s in reversed(running) if tenant_of(s) == victim_tenant)
+        rank = priority_of(head)  # a batch head never preempts an interactive sequence
+        return next(
+            (
+                s
+                for s in reversed(running)
+                if tenant_of(s) == victim_tenant and priority_of(s) >= rank
+            ),
+            None,
+        )
 
     @staticmethod
     def room_victim(running: list[Sequence]) -> Sequence:

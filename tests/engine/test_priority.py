@@ -76,3 +76,20 @@ def test_queue_orders_classes_before_counters():
     q.remove(interactive)
     assert not q.waits_before(PRIORITY_BATCH)
     assert q.waiting_tenants() == ["poor"] and len(q) == 1
+
+
+def test_a_batch_head_never_preempts_an_interactive_sequence():
+    from loraplex.engine.scheduling.preemption import Preemptor
+
+    q = FairQueue()
+    running = [_seq(f"i{k}", "rich") for k in range(4)]
+    for s in running:
+        q.started(s)
+    q.charge("rich", 10_000, 10_000)  # far above the batch tenant: fairness alone would preempt
+    head = _seq("b", "poor", PRIORITY_BATCH)
+    q.append(head)
+    assert Preemptor.fairness_victim(head, running, q, max_num_seqs=4) is None
+    mixed = [_seq("b0", "rich", PRIORITY_BATCH), *running[:3]]  # the batch one is the oldest
+    interactive_head = _seq("j", "poor")
+    assert Preemptor.fairness_victim(interactive_head, mixed, q, max_num_seqs=4) is mixed[0]
+    assert Preemptor.room_victim(mixed) is mixed[0]

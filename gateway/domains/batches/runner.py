@@ -61,6 +61,10 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 COMPLETION_WINDOW = timedelta(hours=24)
 READ_CHUNK = 256
 """Lines read from the input file per worker-thread call."""
+UNAVAILABLE_RETRIES = 30
+"""Times a line answered 503 (engine restarting, usage database down) is run again before its
+503 goes to the error file; each try has its own usage row."""
+UNAVAILABLE_WAIT_S = 1.0
 COUNTS_EVERY_S = 1.0
 """How often ``request_counts`` are written to the database while a batch runs."""
 
@@ -223,9 +227,13 @@ class BatchRunner:
         ending = "completed"
 
         async def one(line: Line) -> None:
-            status, request_id, body = await run_line(
-                self.deps(), principal, row.endpoint, line.body, row.id
-            )
+            for attempt in range(UNAVAILABLE_RETRIES + 1):
+                status, request_id, body = await run_line(
+                    self.deps(), principal, row.endpoint, line.body, row.id
+                )
+                if status != 503 or attempt == UNAVAILABLE_RETRIES:
+                    break
+                await asyncio.sleep(UNAVAILABLE_WAIT_S)  # the engine or database: not the line
             record = {
                 "id": f"batch_req_{secrets.token_hex(16)}",
                 "custom_id": line.custom_id,
