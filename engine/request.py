@@ -66,6 +66,9 @@ class EngineRequest:
             (``engine.scheduling.fair_queue``); None for requests without one (one shared group).
         arrival_time: ``time.monotonic()`` at arrival.
         output_kind: What its outputs carry (streaming: ``DELTA``).
+        priority: Its scheduling class (``engine.scheduling.fair_queue``): ``PRIORITY_INTERACTIVE``
+            (0) or ``PRIORITY_BATCH`` (1: ``/v1/batches`` lines), lower first. A batch sequence
+            is admitted only while no interactive one waits, and is preempted first.
     """
 
     request_id: str
@@ -77,6 +80,7 @@ class EngineRequest:
     tenant: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    priority: int = 0
 
     def block_hasher(self, block_size: int, algorithm: str = "sha256") -> RequestBlockHasher:
         """The request's block hashes, as the engine computes them (its prompt hashed).
@@ -98,6 +102,12 @@ class EngineRequest:
         )
         hasher.extend(self.prompt_token_ids)
         return hasher
+
+
+PRIORITY_INTERACTIVE = 0
+"""The scheduling class of requests a client waits on (the default)."""
+PRIORITY_BATCH = 1
+"""The scheduling class of batch lines: only the capacity interactive requests leave."""
 
 
 @dataclass

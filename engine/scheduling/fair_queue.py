@@ -12,6 +12,12 @@ so a returning tenant is served next but cannot then monopolise the engine.
 Within a tenant, order is first come, first served, and a preempted sequence goes back to the
 front of its tenant's queue. Without tenants (``tenant`` None everywhere) the queue is one FCFS
 deque, as before.
+
+Priority classes come before fairness: each request has a class (``EngineRequest.priority``,
+interactive 0, batch 1; lower first), a tenant has one queue per class, and :meth:`peek` only
+looks at a class when no lower one waits (outside ``skip``). The scheduler admits a batch
+sequence only while no interactive one waits at all (:meth:`waits_before`), and preempts batch
+sequences first, so batch work only gets the capacity interactive traffic leaves.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ OUTPUT_WEIGHT = 2.0
 def tenant_of(seq: Sequence) -> str:
     """The fairness group of a sequence (``""`` for requests without a tenant)."""
     return seq.request.tenant or ""
+
+
+def priority_of(seq: Sequence) -> int:
+    """The scheduling class of a sequence (0 interactive, 1 batch; lower goes first)."""
+    return seq.request.priority
 
 
 class FairQueue:
@@ -50,22 +61,23 @@ class FairQueue:
         self.output_weight = output_weight
         self.counters: dict[str, float] = {}
         self.running: dict[str, int] = {}
-        self._queues: dict[str, deque[Sequence]] = {}
+        self._queues: dict[tuple[int, str], deque[Sequence]] = {}
+        self._by_priority: dict[int, int] = {}
         self._len = 0
 
     # ------------------------------------------------------------------------- queue
     def append(self, seq: Sequence) -> None:
-        """Queue a new sequence at the back of its tenant's queue."""
-        self._queue(tenant_of(seq)).append(seq)
-        self._len += 1
+        """Queue a new sequence at the back of its tenant's queue (of its class)."""
+        self._queue(seq).append(seq)
+        self._count(seq, 1)
 
     def appendleft(self, seq: Sequence) -> None:
-        """Queue a preempted sequence at the front of its tenant's queue."""
-        self._queue(tenant_of(seq)).appendleft(seq)
-        self._len += 1
+        """Queue a preempted sequence at the front of its tenant's queue (of its class)."""
+        self._queue(seq).appendleft(seq)
+        self._count(seq, 1)
 
     def peek(self, skip: set[str] | frozenset[str] = frozenset()) -> Sequence | None:
-        """The next sequence to admit: its tenant has the lowest counter.
+        """The next sequence to admit: the lowest class, then the tenant with the lowest counter.
 
         Ties (a tenant lifted to the lowest counter ties with it) go to the tenant running
         fewer sequences, then to the oldest head.
@@ -74,12 +86,13 @@ class FairQueue:
             skip: Tenants not to consider (their turn in this step is over).
         """
         best: Sequence | None = None
-        best_key: tuple[float, int, float] | None = None
-        for tenant, queue in self._queues.items():
+        best_key: tuple[int, float, int, float] | None = None
+        for (priority, tenant), queue in self._queues.items():
             if tenant in skip:
                 continue
             head = queue[0]
             key = (
+                priority,
                 self.counters.get(tenant, 0.0),
                 self.running.get(tenant, 0),
                 head.request.arrival_time,
@@ -106,14 +119,14 @@ class FairQueue:
         Raises:
             ValueError: it is not waiting.
         """
-        tenant = tenant_of(seq)
-        queue = self._queues.get(tenant)
+        key = (priority_of(seq), tenant_of(seq))
+        queue = self._queues.get(key)
         if queue is None:
             raise ValueError("sequence is not waiting")
         queue.remove(seq)
-        self._len -= 1
+        self._count(seq, -1)
         if not queue:
-            del self._queues[tenant]
+            del self._queues[key]
 
     def __len__(self) -> int:
         return self._len
@@ -127,13 +140,18 @@ class FairQueue:
 
     def waiting_tenants(self) -> list[str]:
         """Tenants with at least one waiting sequence."""
-        return list(self._queues)
+        return list(dict.fromkeys(t for _, t in self._queues))
+
+    def waits_before(self, priority: int) -> bool:
+        """Whether a sequence of a class ahead of ``priority`` (a lower number) is waiting."""
+        return any(n for p, n in self._by_priority.items() if p < priority)
 
     def demand(self, limit: int, cost: Callable[[Sequence], float]) -> dict[str, float]:
-        """Each waiting tenant's work, ``cost`` summed over its first ``limit`` sequences."""
-        return {
-            t: sum(cost(q[i]) for i in range(min(limit, len(q)))) for t, q in self._queues.items()
-        }
+        """Each waiting tenant's work: ``cost`` over its first ``limit`` sequences per class."""
+        work: dict[str, float] = {}
+        for (_, t), q in self._queues.items():
+            work[t] = work.get(t, 0.0) + sum(cost(q[i]) for i in range(min(limit, len(q))))
+        return work
 
     # ---------------------------------------------------------------------- counters
     def charge(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
@@ -162,13 +180,21 @@ class FairQueue:
         """The tenant's counter (0 for a tenant never served)."""
         return self.counters.get(tenant, 0.0)
 
-    def _queue(self, tenant: str) -> deque[Sequence]:
-        queue = self._queues.get(tenant)
+    def _count(self, seq: Sequence, delta: int) -> None:
+        priority = priority_of(seq)
+        self._by_priority[priority] = self._by_priority.get(priority, 0) + delta
+        self._len += delta
+
+    def _queue(self, seq: Sequence) -> deque[Sequence]:
+        tenant = tenant_of(seq)
+        key = (priority_of(seq), tenant)
+        queue = self._queues.get(key)
         if queue is None:
-            if tenant not in self.running:  # active again: no credit for the idle time
-                active = [t for t in (*self._queues, *self.running) if t != tenant]
+            waiting = {t for _, t in self._queues}
+            if tenant not in self.running and tenant not in waiting:  # active again: no credit
+                active = [t for t in (*waiting, *self.running) if t != tenant]
                 if active:
                     floor = min(self.counters.get(t, 0.0) for t in active)
                     self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
-            queue = self._queues[tenant] = deque()
+            queue = self._queues[key] = deque()
         return queue

@@ -9,6 +9,9 @@ The scheduler's module docstring, steps 0 and 1, has the policy:
   than the head's tenant) gives way (:meth:`Preemptor.fairness_victim`);
 - room (step 1): the newest running sequence gives way until the sequence being scheduled fits
   (:meth:`Preemptor.room_victim`);
+- priority classes (``engine.scheduling.fair_queue``): a batch sequence gives way before any
+  interactive one, in both cases, and a blocked interactive head preempts the newest running
+  batch sequence whatever the tenants' shares;
 - ``recompute`` frees a victim's blocks (they stay cached, so resuming is mostly prefix hits);
   ``swap`` first copies its computed KV to the CPU pool (recompute when the pool is full), and
   :meth:`Preemptor.swap_in` copies it back at re-admission.
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.kv_cache.swap import CpuBlockPool
-from loraplex.engine.scheduling.fair_queue import FairQueue, tenant_of
+from loraplex.engine.scheduling.fair_queue import FairQueue, priority_of, tenant_of
 from loraplex.engine.scheduling.output import SchedulerOutput
 from loraplex.engine.sequence import Sequence
 
@@ -77,9 +80,13 @@ class Preemptor:
             max_num_seqs: Most sequences running at once.
 
         Returns:
-            The newest running sequence of the tenant most above its share among those
+            The newest running sequence of the lowest class below the head's, if any runs;
+            else the newest running sequence of the tenant most above its share among those
             served more than the head's tenant; None when no tenant qualifies.
         """
+        below = [s for s in running if priority_of(s) > priority_of(head)]
+        if below:  # a lower class gives way first: its newest sequence of the lowest class
+            return max(reversed(below), key=priority_of)
         tenant = tenant_of(head)
         counts = fair.running
         share = -(-max_num_seqs // len(set(counts) | {tenant}))  # ceil: no ping-pong
@@ -90,12 +97,23 @@ class Preemptor:
         if not over:
             return None
         victim_tenant = max(over, key=lambda t: (counts[t], fair.counter(t)))
-        return next(s for s in reversed(running) if tenant_of(s) == victim_tenant)
+        rank = priority_of(head)  # a batch head never preempts an interactive sequence
+        return next(
+            (
+                s
+                for s in reversed(running)
+                if tenant_of(s) == victim_tenant and priority_of(s) >= rank
+            ),
+            None,
+        )
 
     @staticmethod
     def room_victim(running: list[Sequence]) -> Sequence:
-        """The sequence that gives way when the pool is short (step 1): the newest running."""
-        return running[-1]
+        """The sequence that gives way when the pool is short (step 1).
+
+        The newest running sequence of the lowest class (batch before interactive).
+        """
+        return max(reversed(running), key=priority_of)
 
     # ------------------------------------------------------------------------ KV moves
     def evict(self, seq: Sequence, out: SchedulerOutput, *, allow_swap: bool = True) -> bool:

@@ -25,6 +25,9 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
    the running sequences, and so every step, never hold more distinct adapters than slots;
    and since nothing overtakes, requests waiting for a slot are served in that order across
    adapters (no starvation).
+   Priority classes come first: a batch sequence (``EngineRequest.priority``) is admitted
+   only while no interactive sequence waits, and batch sequences are the first preempted
+   (steps 0 and 1), so batch work uses only the capacity interactive traffic leaves.
    Prefill work is shared between tenants within each step (``engine.scheduling.budget``), so a
    newcomer's short prompt is computed in the step it is admitted and another tenant's long
    prompts cannot stretch every decoder's step.
@@ -483,8 +486,8 @@ class Scheduler:
         done: set[str] = set()  # tenants whose prefill turn in this step is over
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek(done)
-            if seq is None:
-                break
+            if seq is None or self.waiting.waits_before(seq.request.priority):
+                break  # a batch sequence only takes what no interactive one waits for
             tenant = tenant_of(seq)
             if allowance.get(tenant, 0.0) <= 0 or (shared and tenant in prefilling):
                 done.add(tenant)  # its allowance (or its one chunk) is used: the next tenant

@@ -103,6 +103,24 @@ def register(subparsers) -> None:
         help="adapter uploads processed at once, server-wide (default %(default)s)",
     )
     a.add_argument(
+        "--batch-file-max-bytes",
+        type=int,
+        default=d.batch_file_max_bytes,
+        help="largest /v1/files upload in bytes (default %(default)s)",
+    )
+    a.add_argument(
+        "--batch-max-requests",
+        type=int,
+        default=d.batch_max_requests,
+        help="most lines one batch input file may hold (default %(default)s)",
+    )
+    a.add_argument(
+        "--batch-concurrency",
+        type=int,
+        default=d.batch_concurrency,
+        help="lines of one batch in flight at once (default %(default)s)",
+    )
+    a.add_argument(
         "--tenant-share",
         type=float,
         default=d.tenant_share,
@@ -347,6 +365,9 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         raise ValueError("--metrics-max-adapter-labels must not be negative")
     if args.max_concurrent_uploads < 1:
         raise ValueError("--max-concurrent-uploads must be at least 1")
+    for flag in ("batch_file_max_bytes", "batch_max_requests", "batch_concurrency"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0.0 < args.tenant_share <= 1.0:
         raise ValueError("--tenant-share must be in (0, 1]")
     for flag in (
@@ -380,6 +401,9 @@ def gateway_config_from_args(args: argparse.Namespace, served_model_name: str) -
         max_outstanding_tokens=args.max_outstanding_tokens or None,
         tenant_share=args.tenant_share,
         max_concurrent_uploads=args.max_concurrent_uploads,
+        batch_file_max_bytes=args.batch_file_max_bytes,
+        batch_max_requests=args.batch_max_requests,
+        batch_concurrency=args.batch_concurrency,
         usage_spool_fsync=args.usage_fsync,
         usage_backlog_limit=args.usage_backlog_limit,
         metrics_max_adapter_labels=args.metrics_max_adapter_labels,

@@ -1,4 +1,4 @@
-"""The gateway's tables: tenants, API keys, adapters, usage events and stored responses.
+"""The gateway's tables: tenants, keys, adapters, usage events, stored responses, files, batches.
 
 Every datetime is timezone-aware UTC (``UTCDateTime``). Identifiers are random UUID4 hex strings,
 so they can be shown to users and never reveal how many tenants or keys exist. Constraint names
@@ -164,6 +164,7 @@ class UsageEvent(Base):
     ttft_ms: Mapped[float | None] = mapped_column(Float)
     latency_ms: Mapped[float | None] = mapped_column(Float)
     client_request_id: Mapped[str | None] = mapped_column(String(64))
+    batch_id: Mapped[str | None] = mapped_column(String(64))
 
 
 class StoredResponse(Base):
@@ -189,3 +190,77 @@ class StoredResponse(Base):
 
     def __repr__(self) -> str:
         return f"StoredResponse(id={self.id!r}, tenant_id={self.tenant_id!r})"
+
+
+FILE_PURPOSES = ("batch", "batch_output")
+BATCH_STATUSES = (
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+
+
+class StoredFile(Base):
+    """A tenant's file (``/v1/files``): its bytes live in the data directory, not here.
+
+    ``id`` is OpenAI's shape (``file-`` and 32 hex digits). ``purpose`` is ``batch`` (uploaded)
+    or ``batch_output`` (a batch's output or error file). ``lines`` is the number of JSONL lines.
+    Deleting a file deletes its row and its bytes.
+    """
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(256))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    lines: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Batch(Base):
+    """A tenant's batch (``/v1/batches``): OpenAI's Batch object, one row.
+
+    ``status`` moves ``validating -> in_progress -> finalizing -> completed``, or to ``failed``
+    (the input file did not validate: ``errors``), ``cancelling -> cancelled`` or ``expired``;
+    each step's time is kept. ``key_id`` is the key that created it: its lines' usage rows
+    carry it. The per-line progress lives in the data directory
+    (``gateway.domains.batches.progress``), so a restarted gateway resumes where it stopped.
+    """
+
+    __tablename__ = "batches"
+    __table_args__ = (
+        Index("ix_batches_tenant_id_created_at", "tenant_id", "created_at"),
+        Index("ix_batches_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    batch_metadata: Mapped[Any] = mapped_column("metadata", JSON, nullable=True)
+    errors: Mapped[Any] = mapped_column(JSON, nullable=True)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    total: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    completed: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    failed: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    in_progress_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime())

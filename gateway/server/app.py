@@ -23,7 +23,17 @@ from litestar.middleware import DefineMiddleware
 
 from loraplex.gateway.auth.middleware import KeyAuthMiddleware
 from loraplex.gateway.auth.redact import RedactingFilter
-from loraplex.gateway.domains import adapters, admin, chat, responses, system, tokenize, usage
+from loraplex.gateway.domains import (
+    adapters,
+    admin,
+    batches,
+    chat,
+    files,
+    responses,
+    system,
+    tokenize,
+    usage,
+)
 from loraplex.gateway.domains.chat.service import ChatDeps
 from loraplex.gateway.errors import EXCEPTION_HANDLERS
 from loraplex.gateway.server.docs import docs_setup
@@ -37,15 +47,19 @@ logger = logging.getLogger(__name__)
 def create_app(state: GatewayState) -> Litestar:
     """Build the gateway app around ready services.
 
-    On startup the usage writer and the engine watchdog start. On shutdown: new chat requests
+    On startup the usage writer and the engine watchdog start, and the batches a previous run
+    left unfinished resume (``gateway.domains.batches.runner``). On shutdown: the batch runner
+    stops (its lines in flight are aborted; the next start resumes), new chat requests
     get 503, in-flight ones get ``shutdown_grace_seconds`` to finish (then the engine aborts
     them and their usage is recorded as aborted), usage is flushed, the database engine
     disposed, and the engine shut down if the app owns it.
     """
+    state.batches = batches.BatchRunner(state.sessions, state.config, lambda: chat_deps_of(state))
 
     async def on_startup() -> None:
         state.usage.start()
         state.background.append(asyncio.create_task(watch_engine(state), name="engine-watch"))
+        await state.batches.resume()  # batches a previous run left unfinished
 
     async def on_shutdown() -> None:
         await shutdown(state)
@@ -62,6 +76,8 @@ def create_app(state: GatewayState) -> Litestar:
             *tokenize.ROUTES,
             adapters.adapter_controller(state.engine, state.config),
             adapters.ModelsController,
+            files.files_controller(state.config),
+            batches.BatchesController,
             *usage.ROUTES,
             *admin.ROUTES,
         ],
@@ -96,6 +112,7 @@ DEPENDENCIES = {
     "adapter_registry": "adapters",
     "in_flight": "in_flight",
     "draining": "draining",
+    "batch_runner": "batches",
 }
 """Each app-level dependency's name and the :class:`GatewayState` attribute it provides; one
 more, ``chat_deps``, bundles those of the generation and tokenizer routes (``ChatDeps``)."""
@@ -118,22 +135,27 @@ def dependencies(state: GatewayState) -> dict[str, Provide]:
         return Provide(dependency, sync_to_thread=False)
 
     def chat_deps() -> ChatDeps:
-        return ChatDeps(
-            config=state.config,
-            engine=state.engine,
-            sessions=state.sessions,
-            limiter=state.limiter,
-            admission=state.admission,
-            usage=state.usage,
-            metrics=state.metrics,
-            default_limits=state.default_limits,
-            in_flight=state.in_flight,
-            draining=state.draining,
-        )
+        return chat_deps_of(state)
 
     provided = {name: provide(attribute) for name, attribute in DEPENDENCIES.items()}
     provided["chat_deps"] = Provide(chat_deps, sync_to_thread=False)
     return provided
+
+
+def chat_deps_of(state: GatewayState) -> ChatDeps:
+    """The generation routes' dependencies (``ChatDeps``) as ``state`` holds them now."""
+    return ChatDeps(
+        config=state.config,
+        engine=state.engine,
+        sessions=state.sessions,
+        limiter=state.limiter,
+        admission=state.admission,
+        usage=state.usage,
+        metrics=state.metrics,
+        default_limits=state.default_limits,
+        in_flight=state.in_flight,
+        draining=state.draining,
+    )
 
 
 def _quiet_keys(config: AppConfig) -> AppConfig:
@@ -150,6 +172,8 @@ async def shutdown(state: GatewayState) -> None:
     state.draining = True
     for task in state.background:
         task.cancel()
+    if state.batches is not None:  # their lines are aborted; the next start resumes them
+        await state.batches.close()
     if state.in_flight:
         _, pending = await asyncio.wait(
             set(state.in_flight), timeout=state.config.shutdown_grace_seconds

@@ -148,6 +148,12 @@ class GatewayConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     docs: bool = True
+    batch_file_max_bytes: int = 100 * MiB
+    batch_max_requests: int = 50_000
+    batch_concurrency: int = 16
+    batch_max_running: int = 4
+    batch_max_files_per_tenant: int = 100
+    batch_max_active_per_tenant: int = 4
 
     @property
     def store_dir(self) -> Path:
@@ -168,6 +174,11 @@ class GatewayConfig:
     def dead_letter_path(self) -> Path:
         """Where usage rows the database refused are set aside (JSON lines)."""
         return self.data_dir / "usage-dead-letter.jsonl"
+
+    @property
+    def files_dir(self) -> Path:
+        """Where ``/v1/files`` keeps files' bytes (and batches their progress)."""
+        return self.data_dir / "files"
 
     def replace(self, **changes: object) -> GatewayConfig:
         """A copy with ``changes`` applied."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
@@ -54,6 +55,7 @@ class GatewayState:
         on_engine_death: Called once if the engine stops while serving
             (``gateway.server.engine_watch``); ``loraplex serve`` exits non-zero from it.
         background: The app's own background tasks (cancelled on shutdown).
+        batches: The batch runner (``gateway.domains.batches.runner``), set by the app.
     """
 
     config: GatewayConfig
@@ -75,6 +77,7 @@ class GatewayState:
     in_flight: set[asyncio.Task] = field(default_factory=set)
     on_engine_death: Callable[[], None] | None = None
     background: list[asyncio.Task] = field(default_factory=list)
+    batches: Any = None
 
     @property
     def default_limits(self) -> TenantLimits:

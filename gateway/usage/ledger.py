@@ -48,6 +48,7 @@ class UsageLedger:
         usage_id: The usage row's key: the server's id of this request (its response id),
             unique per executed request.
         client_request_id: The client's ``X-Request-Id`` (recorded, never a key).
+        batch_id: The batch this request is a line of (``/v1/batches``), recorded in the row.
 
     Attributes:
         durable: Completes once the row is durable (None until :meth:`close`, or when the row
@@ -63,12 +64,14 @@ class UsageLedger:
         ticket: Ticket,
         usage_id: str,
         client_request_id: str | None = None,
+        batch_id: str | None = None,
     ) -> None:
         self.deps = deps
         self.principal = principal
         self.ticket = ticket
         self.usage_id = usage_id
         self.client_request_id = client_request_id
+        self.batch_id = batch_id
         self.durable: asyncio.Future[None] | None = None
         self.started = time.perf_counter()
         self.model = "(invalid request)"  # replaced as soon as the body names a model
@@ -159,6 +162,7 @@ class UsageLedger:
                     latency_ms=latency * 1000.0,
                     created_at=utcnow(),
                     client_request_id=self.client_request_id,
+                    batch_id=self.batch_id,
                 )
             )
             self.deps.metrics.record_request(

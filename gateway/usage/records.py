@@ -40,7 +40,8 @@ class UsageRecord:
     """What one request used. Token counts are partial for failed and aborted requests.
 
     ``request_id`` is the server's id of the executed request (unique per row);
-    ``client_request_id`` the client's ``X-Request-Id``, if it sent one (not unique).
+    ``client_request_id`` the client's ``X-Request-Id``, if it sent one (not unique);
+    ``batch_id`` the batch a line of ``/v1/batches`` belongs to (None for interactive requests).
     ``model`` is the name the client asked for: the served base model or an adapter's name.
     ``created_at`` defaults to the time of recording.
     """
@@ -60,6 +61,7 @@ class UsageRecord:
     latency_ms: float | None = None
     created_at: datetime | None = None
     client_request_id: str | None = None
+    batch_id: str | None = None
 
     def safe(self) -> UsageRecord:
         """This record with every value storable in its column, on SQLite and PostgreSQL.

@@ -13,7 +13,9 @@ from loraplex.gateway.db.migrate import upgrade
 from loraplex.gateway.db.session import make_engine, session_factory
 
 SECRET = b"s" * 32
-PG_TABLES = "stored_responses, usage_events, adapters, api_keys, tenants, alembic_version"
+PG_TABLES = (
+    "batches, files, stored_responses, usage_events, adapters, api_keys, tenants, alembic_version"
+)
 
 
 def run(coro):

@@ -9,7 +9,7 @@ from loraplex.gateway.db.migrate import current_revision, head_revision, upgrade
 from loraplex.gateway.db.models import Base
 from tests.gateway.conftest import run, with_db
 
-TABLES = {"tenants", "api_keys", "adapters", "usage_events", "stored_responses"}
+TABLES = {"tenants", "api_keys", "adapters", "usage_events", "stored_responses", "files", "batches"}
 
 
 def schema_diff(url, metadata):

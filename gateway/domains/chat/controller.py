@@ -38,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,7 +51,13 @@ from litestar.exceptions import HTTPException
 
 from loraplex.engine.client.fair_pool import PoolBusyError
 from loraplex.engine.client.inputs import ProcessedPrompt
-from loraplex.engine.request import EngineRequest, RequestOutput, RequestOutputKind
+from loraplex.engine.request import (
+    PRIORITY_BATCH,
+    PRIORITY_INTERACTIVE,
+    EngineRequest,
+    RequestOutput,
+    RequestOutputKind,
+)
 from loraplex.engine.sampling.params import SamplingParams
 from loraplex.gateway.auth.principals import TenantPrincipal
 from loraplex.gateway.di import Injected
@@ -74,13 +82,17 @@ from loraplex.gateway.errors import (
     ERROR_TYPES,
     APIError,
     bad_request,
+    error_body,
     overloaded,
     pool_busy,
 )
 from loraplex.gateway.limits.admission import OverloadedError
+from loraplex.gateway.limits.ratelimit import Ticket
 from loraplex.gateway.transport import request_id
 from loraplex.gateway.transport.http_protocol import Exchange, exchange_of
 from loraplex.gateway.usage.ledger import UsageLedger
+
+logger = logging.getLogger(__name__)
 
 
 def _documented_chat(data: ChatCompletionBody) -> None:  # pragma: no cover - never called
@@ -225,6 +237,84 @@ async def _generate(
         raise
 
 
+BATCH_ENDPOINTS = {
+    "/v1/chat/completions": ("chatcmpl-", parse_chat_request),
+    "/v1/completions": ("cmpl-", parse_completion_request),
+}
+"""The endpoints a ``/v1/batches`` line may name: its id prefix and body parser."""
+
+
+def _no_release(_tokens: int) -> None:
+    """A batch line's rate-limit ticket releases nothing (batch lines pass no rate limiter)."""
+
+
+async def run_line(
+    deps: ChatDeps,
+    principal: TenantPrincipal,
+    endpoint: str,
+    body: bytes,
+    batch_id: str,
+) -> tuple[int, str, dict[str, Any]]:
+    """Answer one ``/v1/batches`` line through the endpoint's own path, as a JSON body.
+
+    The same parsing, model resolution, prompt processing, engine run, usage row and response
+    building as ``POST`` on ``endpoint`` (:func:`_start`, :func:`_answer`); what differs: no
+    rate limiter and no admission control (the batch runner bounds its own concurrency), the
+    engine request runs at ``PRIORITY_BATCH``, the usage row carries ``batch_id``, and
+    ``stream: true`` is refused (a batch line has no connection to stream to).
+
+    Args:
+        deps: The generation dependencies.
+        principal: The tenant (and the key that created the batch).
+        endpoint: ``/v1/chat/completions`` or ``/v1/completions`` (``BATCH_ENDPOINTS``).
+        body: The line's ``body``, as JSON bytes.
+        batch_id: The batch (recorded in the usage row).
+
+    Returns:
+        ``(status code, response id, body)``: 200 and the completion, or the error's status and
+        OpenAI's error body, as the endpoint would have answered.
+
+    Raises:
+        asyncio.CancelledError: the batch was cancelled or the server stops (the engine request
+            is aborted, its row says ``aborted``).
+    """
+    prefix, parse = BATCH_ENDPOINTS[endpoint]
+    response_id = f"{prefix}{uuid.uuid4().hex}"
+    ledger = UsageLedger(deps, principal, Ticket(_no_release), response_id, batch_id=batch_id)
+    run: ChatRun | None = None
+    try:
+        chat = parse(
+            body,
+            max_tokens_limit=deps.config.max_tokens_limit,
+            max_n=deps.config.max_n,
+            max_parts=deps.engine.max_model_len,
+            vocab_size=deps.engine.input_limits.vocab_size,
+        )
+        if chat.stream:
+            raise bad_request("'stream' cannot be used in a batch request", param="stream")
+        ledger.model = chat.model
+        run = await _start(deps, principal, chat, ledger, response_id, priority=PRIORITY_BATCH)
+        out = await run.final()
+        await run.durable()
+        return 200, response_id, await _answer(deps, chat, run, out, response_id)
+    except asyncio.CancelledError:
+        if run is None:
+            ledger.close("aborted", "batch_cancelled")
+        else:
+            run.cancel("batch_cancelled")
+        raise
+    except Exception as exc:
+        if run is None:
+            ledger.close("error", _error_type(exc))
+            await ledger.wait_durable(strict=False)
+        else:
+            await run.durable(strict=False)
+        if isinstance(exc, APIError):
+            return exc.status, response_id, error_body(exc.status, exc.message, exc.param, exc.code)
+        logger.exception("batch %s: a line failed", batch_id)
+        return 500, response_id, error_body(500, "internal server error")
+
+
 async def _start(
     deps: ChatDeps,
     principal: TenantPrincipal,
@@ -232,21 +322,27 @@ async def _start(
     ledger: UsageLedger,
     response_id: str,
     exchange: Exchange | None = None,
+    priority: int = PRIORITY_INTERACTIVE,
 ) -> ChatRun:
     """Resolve the model, process the messages, check lengths, and start the engine run.
 
     A stream with an ``exchange`` defers its ``ok`` row to its last write (``ChatRun.deliver``).
+    ``priority``: the engine's scheduling class (batch lines: ``PRIORITY_BATCH``).
     """
     engine = deps.engine
     ledger.adapter_digest = await resolve_model(deps, principal.tenant_id, chat.model)
     if len(chat.prompts) > 1:  # a Completions batch: one engine request per prompt
-        engine_requests = await _batch_requests(deps, principal, chat, ledger, response_id)
+        engine_requests = await _batch_requests(
+            deps, principal, chat, ledger, response_id, priority
+        )
     else:
         prompt = await _prompt(deps, principal, chat)
         sampling = chat.sampling_params(
             len(prompt.prompt_token_ids), engine.max_model_len, deps.config.max_tokens_limit
         )
-        engine_requests = [_engine_request(principal, chat, ledger, response_id, prompt, sampling)]
+        engine_requests = [
+            _engine_request(principal, chat, ledger, response_id, prompt, sampling, priority)
+        ]
         ledger.images = len(prompt.images)
     ledger.prompt_tokens = sum(len(r.prompt_token_ids) for r in engine_requests)
     try:
@@ -274,8 +370,9 @@ def _engine_request(
     request_id: str,
     prompt: ProcessedPrompt,
     sampling: SamplingParams,
+    priority: int = PRIORITY_INTERACTIVE,
 ) -> EngineRequest:
-    """The engine request of one prompt: the tenant's cache salt and fairness group."""
+    """The engine request of one prompt: the tenant's cache salt, fairness group and class."""
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=prompt.prompt_token_ids,
@@ -285,6 +382,7 @@ def _engine_request(
         cache_salt=chat.engine_cache_salt(principal.tenant_id),  # the tenant's id first
         tenant=principal.tenant_id,  # the scheduler's fairness group
         output_kind=RequestOutputKind.DELTA,  # non-streamed too: the ledger times each token
+        priority=priority,
     )
 
 
@@ -294,6 +392,7 @@ async def _batch_requests(
     chat: ChatRequest,
     ledger: UsageLedger,
     response_id: str,
+    priority: int = PRIORITY_INTERACTIVE,
 ) -> list[EngineRequest]:
     """One engine request per prompt of a Completions batch (``gateway.domains.chat.batch``).
 
@@ -316,7 +415,9 @@ async def _batch_requests(
                 len(prompt.prompt_token_ids), engine.max_model_len, deps.config.max_tokens_limit
             )
         request_id = f"{response_id}-{i}"
-        requests.append(_engine_request(principal, one, ledger, request_id, prompt, sampling))
+        requests.append(
+            _engine_request(principal, one, ledger, request_id, prompt, sampling, priority)
+        )
     return requests
 
 
@@ -380,8 +481,16 @@ async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id
     """Wait for the whole answer (or the client leaving) and return ``chat.completion``."""
     out = await _unless_client_left(run, run.final())
     await run.durable()  # 503 if the row could not be made durable
+    body = await _answer(deps, chat, run, out, response_id)
+    return Response(body, media_type="application/json")
+
+
+async def _answer(
+    deps: ChatDeps, chat: ChatRequest, run: ChatRun, out: RequestOutput, response_id: str
+) -> dict[str, Any]:
+    """The ``text_completion`` or ``chat.completion`` body of a finished request."""
     if chat.prompt is not None:
-        body = text_completion_body(
+        return text_completion_body(
             out,
             response_id=response_id,
             created=int(time.time()),
@@ -393,8 +502,7 @@ async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id
             prompt_logprobs=chat.prompt_logprobs,
             prompt_spans=prompt_spans(run.requests),
         )
-        return Response(body, media_type="application/json")
-    body = completion_body(
+    return completion_body(
         out,
         response_id=response_id,
         created=int(time.time()),
@@ -404,7 +512,6 @@ async def _complete(deps: ChatDeps, run: ChatRun, chat: ChatRequest, response_id
         tool_calls=_tool_parsers(deps, chat),
         prompt_logprobs=chat.prompt_logprobs,
     )
-    return Response(body, media_type="application/json")
 
 
 async def _stream(
