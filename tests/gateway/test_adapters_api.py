@@ -24,6 +24,9 @@ from tests.adapters.conftest import edit_config, edit_tensors, make_adapter, sto
 from tests.gateway.live import ADMIN_KEY, LiveGateway
 from tests.gateway.test_app_basics import assert_openai_error
 
+# The slow tier: the fast tier (-m 'not slow and not service') must stay under two minutes.
+pytestmark = pytest.mark.slow
+
 LM = r".*language_model.*\."
 GOOD = dict(r=4, lora_alpha=8, target_modules=LM + r"(q_proj|v_proj)")
 OTHER = dict(r=8, lora_alpha=16, target_modules=LM + r"(gate_proj|up_proj|down_proj)")
