@@ -8,6 +8,9 @@ import jsonschema
 import openai
 import pytest
 
+# The slow tier: the fast tier (-m 'not slow and not service') must stay under two minutes.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-llava"
 WEATHER = {
     "type": "object",
