@@ -33,11 +33,13 @@ PROMPT = 64
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of :data:`PROMPT` random token ids in ``[16, vocab)`` (seeded)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(16, vocab, (PROMPT,), generator=gen).tolist() for _ in range(n)]
 
 
 def p99(values: list[float]) -> float:
+    """The 99th percentile (nearest rank) of ``values``; raises IndexError when empty."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
@@ -125,6 +127,7 @@ def _unfinished(engine) -> list[str]:
 
 
 def main() -> None:
+    """The command line (see the module docstring): the table, then the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 48-request batch (< 60 s)")
     parser.add_argument("--batch", type=int, default=None, help="batch requests (default 1000)")
