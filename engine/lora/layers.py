@@ -36,7 +36,31 @@ if TYPE_CHECKING:
     from loraplex.engine.lora.slots import SlotBuffers
 
 
-class LoRALinear(nn.Module):
+class _WrapsBase:
+    """The base projection's weight and sizes, as a LoRA wrapper shows them (``self.base``).
+
+    Callers that read a projection's weight or sizes see the base's, fused or not.
+    """
+
+    base: nn.Module
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base weight (``[out, in]``; fused: ``[sum out_k, in]``)."""
+        return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        """The base projection's input size."""
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        """The base projection's output size (fused: the slices' sum)."""
+        return self.base.out_features
+
+
+class LoRALinear(_WrapsBase, nn.Module):
     """A base ``nn.Linear`` plus the per-token LoRA delta of the step's adapters.
 
     Args:
@@ -63,21 +87,6 @@ class LoRALinear(nn.Module):
         self.layer_idx = layer_idx
         self.name = name
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The base weight (``[out, in]``)."""
-        return self.base.weight
-
-    @property
-    def in_features(self) -> int:
-        """The base projection's input size."""
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        """The base projection's output size."""
-        return self.base.out_features
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., T, in] -> [..., T, out]``: base projection plus LoRA deltas.
 
@@ -99,7 +108,7 @@ class LoRALinear(nn.Module):
         return y
 
 
-class FusedLoRALinear(nn.Module):
+class FusedLoRALinear(_WrapsBase, nn.Module):
     """A fused projection plus each slice's per-token LoRA delta (exact per slice).
 
     ``y = base(x)``, then for each slice ``k`` (``q_proj``, ``k_proj``, ``v_proj``, or
@@ -144,21 +153,6 @@ class FusedLoRALinear(nn.Module):
         self.buffers = list(buffers)
         self.offsets = base.slice_offsets
         self.backend = backend
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The fused base weight (``[sum out_k, in]``)."""
-        return self.base.weight
-
-    @property
-    def in_features(self) -> int:
-        """The shared input size."""
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        """The fused output size."""
-        return self.base.out_features
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The base's :meth:`~engine.models.fused.FusedLinear.split` (the model calls it)."""
