@@ -200,13 +200,7 @@ async def _generate(
                 "X-Request-Id must be 1 to 64 printable ASCII characters without spaces",
                 param="X-Request-Id",
             )
-        chat = parse(
-            body,
-            max_tokens_limit=deps.config.max_tokens_limit,
-            max_n=deps.config.max_n,
-            max_parts=deps.engine.max_model_len,
-            vocab_size=deps.engine.input_limits.vocab_size,
-        )
+        chat = _parse(deps, parse, body)
         if inspect.isawaitable(chat):
             chat = await chat
         ledger.model = chat.model
@@ -283,13 +277,7 @@ async def run_line(
     ledger = UsageLedger(deps, principal, Ticket(_no_release), response_id, batch_id=batch_id)
     run: ChatRun | None = None
     try:
-        chat = parse(
-            body,
-            max_tokens_limit=deps.config.max_tokens_limit,
-            max_n=deps.config.max_n,
-            max_parts=deps.engine.max_model_len,
-            vocab_size=deps.engine.input_limits.vocab_size,
-        )
+        chat = _parse(deps, parse, body)
         if chat.stream:
             raise bad_request("'stream' cannot be used in a batch request", param="stream")
         ledger.model = chat.model
@@ -313,6 +301,27 @@ async def run_line(
             return exc.status, response_id, error_body(exc.status, exc.message, exc.param, exc.code)
         logger.exception("batch %s: a line failed", batch_id)
         return 500, response_id, error_body(500, "internal server error")
+
+
+def _parse(deps: ChatDeps, parse: Callable[..., Any], body: bytes) -> Any:
+    """``parse(body)`` under the server's bounds, for every path that parses a body.
+
+    ``parse`` is the chat, completions or (translating) Responses parser; the bounds are
+    ``max_tokens_limit``, ``max_n``, the model length and the vocabulary size.
+
+    Returns:
+        What ``parse`` returns: a :class:`ChatRequest`, or an awaitable of one.
+
+    Raises:
+        APIError: 400 naming the field at fault (the parser's).
+    """
+    return parse(
+        body,
+        max_tokens_limit=deps.config.max_tokens_limit,
+        max_n=deps.config.max_n,
+        max_parts=deps.engine.max_model_len,
+        vocab_size=deps.engine.input_limits.vocab_size,
+    )
 
 
 async def _start(
