@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -98,6 +99,11 @@ class EngineConfig:
     """While more than one tenant has work, a step's prefills do at most this much work
     (token-equivalents): what another tenant's long prompts may add to a step a tenant waits
     for. Default: ``max_num_batched_tokens`` / 16; 0: no cap."""
+    batch_yield_s: float = 1.0
+    """Priority classes: for this many seconds after an interactive request arrives, batch
+    requests' prefills do at most ``tenant_prefill_tokens`` of work in a step, so an
+    interactive request that arrives during a batch step waits for a short step
+    (docs/engine.md, *Priority classes*). 0: never capped."""
     enable_prefix_caching: bool = True
     """Reuse the KV of earlier requests' identical prefixes (same adapter, images and cache
     salt)."""
@@ -247,6 +253,10 @@ class EngineConfig:
             (
                 self.tenant_prefill_tokens is None or self.tenant_prefill_tokens >= 0,
                 "tenant_prefill_tokens must be >= 0",
+            ),
+            (
+                math.isfinite(self.batch_yield_s) and self.batch_yield_s >= 0,
+                f"batch_yield_s must be a finite number >= 0, got {self.batch_yield_s}",
             ),
             (
                 self.max_model_len is None or self.max_model_len > 0,

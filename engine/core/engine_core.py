@@ -280,6 +280,7 @@ class EngineCore:
             draft_model=draft_model is not None,
             breadcrumb=self.breadcrumb,
             atomic_image_spans=self.atomic_images,
+            batch_yield_s=config.batch_yield_s,
         )
         generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.runner = ModelRunner(

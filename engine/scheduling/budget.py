@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from loraplex.engine.scheduling.fair_queue import FairQueue, tenant_of
+from loraplex.engine.scheduling.fair_queue import FairQueue, priority_of, tenant_of
 from loraplex.engine.sequence import Sequence
 
 
@@ -48,7 +48,12 @@ class PrefillBudget:
         self.attention_cost = attention_cost
 
     def allowance(
-        self, running: Iterable[Sequence], waiting: FairQueue, max_num_seqs: int
+        self,
+        running: Iterable[Sequence],
+        waiting: FairQueue,
+        max_num_seqs: int,
+        priority: int | None = None,
+        cap: int = 0,
     ) -> tuple[dict[str, float], bool]:
         """Prefill work each tenant may do this step, and whether it is shared.
 
@@ -56,12 +61,16 @@ class PrefillBudget:
             running: The running sequences.
             waiting: The waiting queue (its first ``max_num_seqs`` prompts per tenant count).
             max_num_seqs: How many waiting prompts of a tenant to count.
+            priority: Count only the sequences of this class (``EngineRequest.priority``),
+                running and waiting: the allowance of a step that class takes alone (the
+                interactive pass of ``Scheduler._schedule``). None: every class.
+            cap: Most prefill work in all (0: no cap beyond the budget's own).
 
         Returns:
             ``tenant -> allowance`` (token-equivalents) and whether more than one tenant has
             work.
         """
-        running = list(running)
+        running = [s for s in running if priority is None or priority_of(s) == priority]
         demand: dict[str, float] = {}
         decoding = False
         for s in running:
@@ -71,16 +80,18 @@ class PrefillBudget:
                 demand[t] = demand.get(t, 0.0) + self.cost(s.num_computed_tokens, remaining)
             elif remaining == 1:
                 decoding = True
-        for t, work in waiting.demand(max_num_seqs, lambda q: self.cost(0, q.num_tokens)).items():
+        queued = waiting.demand(max_num_seqs, lambda q: self.cost(0, q.num_tokens), priority)
+        for t, work in queued.items():
             demand[t] = demand.get(t, 0.0) + work
         total = float(self.max_num_batched_tokens)
-        shared = bool(self.tenant_prefill_tokens) and (
-            len(demand.keys() | waiting.running.keys()) > 1
-        )
+        active = waiting.running.keys() if priority is None else {tenant_of(s) for s in running}
+        shared = bool(self.tenant_prefill_tokens) and len(demand.keys() | active) > 1
         if decoding and self.long_prefill_token_threshold:
             total = min(total, float(self.long_prefill_token_threshold))
         if shared:
             total = min(total, float(self.tenant_prefill_tokens))
+        if cap:
+            total = min(total, float(cap))
         allowance: dict[str, float] = {}
         left = total
         ordered = sorted(demand.items(), key=lambda kv: kv[1])

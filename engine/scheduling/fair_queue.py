@@ -146,11 +146,24 @@ class FairQueue:
         """Whether a sequence of a class ahead of ``priority`` (a lower number) is waiting."""
         return any(n for p, n in self._by_priority.items() if p < priority)
 
-    def demand(self, limit: int, cost: Callable[[Sequence], float]) -> dict[str, float]:
-        """Each waiting tenant's work: ``cost`` over its first ``limit`` sequences per class."""
+    def waits_after(self, priority: int) -> bool:
+        """Whether a sequence of a class behind ``priority`` (a higher number) is waiting."""
+        return any(n for p, n in self._by_priority.items() if p > priority)
+
+    def demand(
+        self, limit: int, cost: Callable[[Sequence], float], priority: int | None = None
+    ) -> dict[str, float]:
+        """Each waiting tenant's work: ``cost`` over its first ``limit`` sequences per class.
+
+        Args:
+            limit: Sequences counted per (class, tenant) queue.
+            cost: A waiting sequence's work.
+            priority: Count only this class (None: every class).
+        """
         work: dict[str, float] = {}
-        for (_, t), q in self._queues.items():
-            work[t] = work.get(t, 0.0) + sum(cost(q[i]) for i in range(min(limit, len(q))))
+        for (p, t), q in self._queues.items():
+            if priority is None or p == priority:
+                work[t] = work.get(t, 0.0) + sum(cost(q[i]) for i in range(min(limit, len(q))))
         return work
 
     # ---------------------------------------------------------------------- counters

@@ -11,7 +11,9 @@ The scheduler's module docstring, steps 0 and 1, has the policy:
   (:meth:`Preemptor.room_victim`);
 - priority classes (``engine.scheduling.fair_queue``): a batch sequence gives way before any
   interactive one, in both cases, and a blocked interactive head preempts the newest running
-  batch sequence whatever the tenants' shares;
+  batch sequence whatever the tenants' shares; an interactive head blocked on an adapter slot
+  preempts the batch sequences holding one (:meth:`Preemptor.slot_victims`), so batch lines
+  that hold every slot cannot keep an interactive request waiting;
 - ``recompute`` frees a victim's blocks (they stay cached, so resuming is mostly prefix hits);
   ``swap`` first copies its computed KV to the CPU pool (recompute when the pool is full), and
   :meth:`Preemptor.swap_in` copies it back at re-admission.
@@ -114,6 +116,32 @@ class Preemptor:
         The newest running sequence of the lowest class (batch before interactive).
         """
         return max(reversed(running), key=priority_of)
+
+    @staticmethod
+    def slot_victims(running: list[Sequence]) -> list[Sequence]:
+        """The batch sequences that give way so an interactive head gets an adapter slot.
+
+        Call it only when every adapter slot is held by running sequences. A slot is freed
+        only when every sequence holding it stops, so the victims are all the running
+        sequences of one adapter that no interactive sequence uses: the adapter with the
+        fewest of them (the least work to recompute), the newest on a tie.
+
+        Args:
+            running: The running sequences, oldest first.
+
+        Returns:
+            The victims, newest first; empty when every held adapter has an interactive user.
+        """
+        users: dict[str, list[Sequence]] = {}
+        for s in running:
+            if s.request.lora_digest is not None:
+                users.setdefault(s.request.lora_digest, []).append(s)
+        batch_only = [seqs for seqs in users.values() if all(priority_of(s) > 0 for s in seqs)]
+        if not batch_only:
+            return []
+        newest = {id(s): i for i, s in enumerate(running)}
+        chosen = min(batch_only, key=lambda seqs: (len(seqs), -newest[id(seqs[-1])]))
+        return chosen[::-1]
 
     # ------------------------------------------------------------------------ KV moves
     def evict(self, seq: Sequence, out: SchedulerOutput, *, allow_swap: bool = True) -> bool:

@@ -57,15 +57,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.engine.core.breadcrumb import STEP, Breadcrumb
 from loraplex.engine.kv_cache import KVCacheManager, PrefixMatch, SlotAllocation
 from loraplex.engine.kv_cache.swap import CpuBlockPool
-from loraplex.engine.request import EngineRequest
+from loraplex.engine.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, EngineRequest
 from loraplex.engine.scheduling.budget import PrefillBudget
-from loraplex.engine.scheduling.fair_queue import FairQueue, tenant_of
+from loraplex.engine.scheduling.fair_queue import FairQueue, priority_of, tenant_of
 from loraplex.engine.scheduling.output import (
     EngineCoreOutput,
     ImageSpan,
@@ -80,6 +80,34 @@ from loraplex.engine.sequence import Sequence, SequenceStatus
 from loraplex.engine.spec_decode import AdaptiveK, SpecDecodeStats
 from loraplex.engine.spec_decode.adaptive import DRAFT_MAX_FAILED_PROBES
 from loraplex.engine.structured_output.grammar import grammar_bitmask, speculative_bitmasks
+
+BATCH_MAX_SIT_OUT = 4
+"""Most steps in a row running batch sequences sit out for interactive prefills; the next
+one carries their decodes too, so a stream of interactive prompts cannot stall them forever."""
+
+
+@dataclass
+class _Step:
+    """What is left of a step while it is scheduled (``Scheduler._schedule``'s passes).
+
+    Attributes:
+        budget: Tokens left in the step.
+        allowance: ``tenant -> prefill work`` left (``engine.scheduling.budget``).
+        shared: The allowance is shared (one chunk per tenant).
+        prefilling: Tenants with a prefill chunk in the step.
+        loras: Adapters of the step.
+        prefilled: A prefill chunk (or an admission) is in the step.
+        short: A pass preempted for room (the pool is short): admit nothing new. Fairness
+            preemption (step 0) does not count: it made room for the head, admitted now.
+    """
+
+    budget: int
+    allowance: dict[str, float] = field(default_factory=dict)
+    shared: bool = False
+    prefilling: set[str] = field(default_factory=set)
+    loras: set[str] = field(default_factory=set)
+    prefilled: bool = False
+    short: bool = False
 
 
 @dataclass
@@ -134,6 +162,9 @@ class Scheduler:
             model whose image tokens attend to each other in both directions, Gemma 3): a
             chunk that would is cut back to the span's start, or, when it starts inside or at
             the span, taken to the span's end if the step's budget holds it (else it waits).
+        batch_yield_s: For this long after an interactive request is added, the batch class's
+            prefill work in a step is at most the budget's ``tenant_prefill_tokens`` (0: never
+            capped); see :meth:`_schedule`.
 
     Attributes:
         preemptor: Victim choice and the KV side of preemption
@@ -162,9 +193,11 @@ class Scheduler:
         draft_model: bool = False,
         breadcrumb: Breadcrumb | None = None,
         atomic_image_spans: bool = False,
+        batch_yield_s: float = 0.0,
     ) -> None:
         self.kv = kv
         self.atomic_image_spans = atomic_image_spans
+        self.batch_yield_s = batch_yield_s
         self.max_num_seqs = max_num_seqs
         self.budget = budget
         self.max_num_batched_tokens = budget.max_num_batched_tokens
@@ -190,6 +223,8 @@ class Scheduler:
         self._dropped: list[str] = []  # preempted since the last step: the runner drops them
         self._finished: list[str] = []  # finished since the last step
         self._pending: list[EngineCoreOutput] = []  # outputs of sequences finished in schedule
+        self._interactive_at = float("-inf")  # when the last interactive request was added
+        self._sat_out = 0  # steps in a row the running batch sequences sat out
 
     # ------------------------------------------------------------------------ figures
     @property
@@ -218,6 +253,8 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         self.requests[seq.request.request_id] = _RequestSeqs(seq.request, [seq])
         self.waiting.append(seq)
+        if seq.request.priority == PRIORITY_INTERACTIVE:
+            self._interactive_at = time.monotonic()
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Take a sequence out of the queues and release its blocks (and adapter slot) at once.
@@ -435,26 +472,89 @@ class Scheduler:
         return self.kv.get_computed_blocks(seq.hasher.block_hashes, seq.num_tokens)
 
     def _schedule(self, out: SchedulerOutput) -> None:
-        made_room = len(out.preempted)  # by fairness preemption: for the head, admit it now
-        budget = self.max_num_batched_tokens
-        allowance, shared = self.budget.allowance(self.running, self.waiting, self.max_num_seqs)
+        """Steps 1 and 2, the interactive class first; batch sequences sit out its prefills.
+
+        The interactive pass schedules the running interactive sequences and admits waiting
+        interactive ones, within an allowance counted over the interactive class alone (the
+        batch class's work neither shares nor caps it). If it scheduled a prefill chunk (an
+        interactive request's time to first token), the running batch sequences sit the step
+        out: they keep their blocks and adapter slots, and run in the next step without one,
+        or in the step after :data:`BATCH_MAX_SIT_OUT` such steps in a row, which they join
+        with at most ``tenant_prefill_tokens`` of prefill work. Otherwise the batch pass
+        schedules them, then admits batch lines while no interactive one waits, with what the
+        step has left, under the allowance of every class; within ``batch_yield_s`` of an
+        interactive arrival that allowance is at most ``tenant_prefill_tokens``, so the step
+        an interactive request may arrive during stays short. With no batch sequence anywhere
+        the interactive pass is the whole step, as before the classes. vLLM v1's ``priority``
+        policy admits by class and preempts the lowest class first, as steps 0-2 do; the
+        class-first pass, the sit-out and the cap are ours (docs/engine.md, *Priority
+        classes*).
+        """
+        step = _Step(self.max_num_batched_tokens)
+        interactive = [s for s in self.running if priority_of(s) == PRIORITY_INTERACTIVE]
+        batch = [s for s in self.running if priority_of(s) != PRIORITY_INTERACTIVE]
+        if batch or self.waiting.waits_after(PRIORITY_INTERACTIVE):
+            step.allowance, step.shared = self.budget.allowance(
+                self.running, self.waiting, self.max_num_seqs, PRIORITY_INTERACTIVE
+            )
+        else:  # one class: the allowance of every sequence (the same numbers)
+            step.allowance, step.shared = self.budget.allowance(
+                self.running, self.waiting, self.max_num_seqs
+            )
+        # after BATCH_MAX_SIT_OUT steps sat out, the batch decodes' tokens are kept for them
+        reserve = min(len(batch), step.budget // 2) if self._sat_out >= BATCH_MAX_SIT_OUT else 0
+        step.budget -= reserve
+        self._schedule_running(out, interactive, step)
+        if not step.short:  # the pool is short: admit nothing new
+            self._admit_waiting(out, step, PRIORITY_INTERACTIVE)
+        step.budget += reserve
+        if not (batch or self.waiting.waits_after(PRIORITY_INTERACTIVE)):
+            return  # one class
+        if step.prefilled and (not batch or self._sat_out < BATCH_MAX_SIT_OUT):
+            self._sat_out += bool(batch)
+            return  # an interactive prefill is in the step: the batch class sits it out
+        self._sat_out = 0
+        batch = [s for s in batch if s.status is SequenceStatus.RUNNING]
+        cap = self.budget.tenant_prefill_tokens
+        if step.prefilled:  # batch sequences sat out the steps they may: they join this one
+            step.allowance, step.shared = self.budget.allowance(
+                batch, FairQueue(), self.max_num_seqs, PRIORITY_BATCH, cap=cap
+            )
+            self._schedule_running(out, batch, step)
+            return
+        recent = time.monotonic() - self._interactive_at < self.batch_yield_s
+        step.allowance, step.shared = self.budget.allowance(
+            self.running, self.waiting, self.max_num_seqs, cap=cap if recent else 0
+        )
+        self._schedule_running(out, batch, step)
+        if not step.short and not self.waiting.waits_before(PRIORITY_BATCH):
+            self._admit_waiting(out, step, None)  # (a waiting interactive head had its turn)
+
+    def _schedule_running(self, out: SchedulerOutput, seqs: list[Sequence], step: _Step) -> None:
+        """Step 1 for ``seqs`` (running, oldest first): each gets the tokens it still needs.
+
+        A sequence preempted meanwhile (a room victim of an older one) is passed over; when
+        the sequence being scheduled is itself preempted (or capped), the pass ends.
+        """
         cost, within = self.budget.cost, self.budget.tokens_within
-        prefilling: set[str] = set()  # tenants with a prefill chunk in this step
-        step_loras: set[str] = set()
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        allowance = step.allowance
+        preempted = len(out.preempted)
+        for seq in seqs:
+            if step.budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for room in this pass
+                continue
+            budget = step.budget
             remaining = seq.num_tokens - seq.num_computed_tokens
             tenant = tenant_of(seq)
             num_new = min(remaining, budget)
             start = seq.num_computed_tokens
             if remaining > 1:  # a prefill (or recompute) chunk: within its tenant's allowance
                 num_new = within(start, num_new, allowance.get(tenant, 0.0))
-                if shared and tenant in prefilling:  # one chunk per tenant while shared
+                if step.shared and tenant in step.prefilling:  # one chunk per tenant if shared
                     num_new = 0
                 num_new = self._whole_images(seq, start, num_new, budget)
             if num_new <= 0:  # no allowance left this step (or nothing to compute)
-                i += 1
                 continue
             k, alloc, masks = (
                 self._allocate_lookahead(seq, budget) if remaining == 1 else (0, None, [])
@@ -475,19 +575,27 @@ class Scheduler:
                 num_new += k
             if remaining > 1:
                 allowance[tenant] -= cost(start, num_new)
-                prefilling.add(tenant)
+                step.prefilling.add(tenant)
+                step.prefilled = True
             if seq.request.lora_digest is not None:
-                step_loras.add(seq.request.lora_digest)
-            budget -= num_new
-            i += 1
-        if len(out.preempted) > made_room:  # the pool is short: admit nothing new
-            return
+                step.loras.add(seq.request.lora_digest)
+            step.budget -= num_new
+        if len(out.preempted) > preempted:
+            step.short = True
 
+    def _admit_waiting(self, out: SchedulerOutput, step: _Step, priority: int | None) -> None:
+        """Step 2: admit waiting sequences in fair order (only of class ``priority`` if given)."""
+        cost, within = self.budget.cost, self.budget.tokens_within
+        allowance, shared, prefilling = step.allowance, step.shared, step.prefilling
+        step_loras = step.loras
         done: set[str] = set()  # tenants whose prefill turn in this step is over
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            budget = step.budget
             seq = self.waiting.peek(done)
             if seq is None or self.waiting.waits_before(seq.request.priority):
                 break  # a batch sequence only takes what no interactive one waits for
+            if priority is not None and priority_of(seq) != priority:
+                break  # the interactive pass admits interactive sequences only
             tenant = tenant_of(seq)
             if allowance.get(tenant, 0.0) <= 0 or (shared and tenant in prefilling):
                 done.add(tenant)  # its allowance (or its one chunk) is used: the next tenant
@@ -497,6 +605,8 @@ class Scheduler:
                 break
             if lora is not None:
                 got, error = self._acquire_lora(seq)
+                if not got and error is None and self._free_slot_for(seq, out):
+                    got, error = self._acquire_lora(seq)
                 if error is not None:  # the adapter is gone: fail this request, go on
                     self._refuse(seq, out, error)
                     continue
@@ -550,7 +660,25 @@ class Scheduler:
             item = out.scheduled[-1]
             allowance[tenant] -= cost(item.start, item.num_new_tokens)
             prefilling.add(tenant)
-            budget -= item.num_new_tokens
+            step.prefilled = True
+            step.budget -= item.num_new_tokens
+
+    def _free_slot_for(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt batch sequences so an interactive head blocked on an adapter slot gets one.
+
+        The victims are the preemptor's choice (``Preemptor.slot_victims``): every running
+        sequence of one adapter only batch sequences use. None is in this step yet (the batch
+        pass comes after the interactive one), so nothing scheduled is undone.
+
+        Returns:
+            True when a slot was freed.
+        """
+        if priority_of(seq) != PRIORITY_INTERACTIVE or self.lora_manager is None:
+            return False
+        victims = self.preemptor.slot_victims(self.running)
+        for victim in victims:
+            self._preempt(victim, out)
+        return bool(victims)
 
     def _whole_images(self, seq: Sequence, start: int, num_new: int, budget: int) -> int:
         """``num_new`` changed so the chunk ends outside every image span (atomic spans only).
