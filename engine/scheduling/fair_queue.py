@@ -16,8 +16,10 @@ deque, as before.
 Priority classes come before fairness: each request has a class (``EngineRequest.priority``,
 interactive 0, batch 1; lower first), a tenant has one queue per class, and :meth:`peek` only
 looks at a class when no lower one waits (outside ``skip``). The scheduler admits a batch
-sequence only while no interactive one waits at all (:meth:`waits_before`), and preempts batch
-sequences first, so batch work only gets the capacity interactive traffic leaves.
+sequence only while no interactive one waits at all (:meth:`waits_before`), preempts batch
+sequences first and leaves them out of a step that carries an interactive prefill
+(``engine.scheduling.scheduler``), so batch work only gets the capacity interactive traffic
+leaves.
 """
 
 from __future__ import annotations

@@ -25,9 +25,13 @@ Each step (vLLM v1's unified scheduling; Orca's iteration-level batching):
    the running sequences, and so every step, never hold more distinct adapters than slots;
    and since nothing overtakes, requests waiting for a slot are served in that order across
    adapters (no starvation).
-   Priority classes come first: a batch sequence (``EngineRequest.priority``) is admitted
-   only while no interactive sequence waits, and batch sequences are the first preempted
-   (steps 0 and 1), so batch work uses only the capacity interactive traffic leaves.
+   Priority classes come first: steps 1 and 2 run for the interactive class, then for the
+   batch class (``EngineRequest.priority``); a batch sequence is admitted only while no
+   interactive sequence waits, batch sequences are the first preempted (steps 0 and 1, and
+   for an adapter slot an interactive head needs), running batch sequences sit out a step
+   that carries an interactive prefill (at most ``BATCH_MAX_SIT_OUT`` in a row), and for
+   ``batch_yield_s`` after an interactive arrival the batch class's prefills are capped, so
+   batch work uses only the capacity interactive traffic leaves (:meth:`Scheduler._schedule`).
    Prefill work is shared between tenants within each step (``engine.scheduling.budget``), so a
    newcomer's short prompt is computed in the step it is admitted and another tenant's long
    prompts cannot stretch every decoder's step.
