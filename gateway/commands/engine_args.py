@@ -81,6 +81,7 @@ FLAG_SPECS: dict[str, FlagSpec] = {
     ),
     "cuda_graph_sizes": FlagSpec(metavar="N,N,...", parse=_batch_sizes),
     "num_speculative_tokens": FlagSpec(metavar="K"),
+    "batch_yield_s": FlagSpec(metavar="S", show_default="{:g}".format),
     "num_cpu_threads": FlagSpec(flag="--cpu-threads", metavar="N", aliases=("--num-cpu-threads",)),
     "cpu_threads_bind": FlagSpec(metavar="auto|nobind|CPUS", parse=_cpu_threads_bind),
     "speculative_model": FlagSpec(metavar="MODEL"),

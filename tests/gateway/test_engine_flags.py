@@ -191,6 +191,8 @@ def test_help_text_names_flags_and_reads_like_the_hand_written_help():
         (["--vision-cache-entries", "-1"], "vision_cache_entries"),
         (["--num-cpu-threads", "0"], "num_cpu_threads"),
         (["--max-images", "-1"], "max_images"),
+        (["--batch-yield-s", "-1"], "batch_yield_s"),
+        (["--batch-yield-s", "nan"], "batch_yield_s"),
     ],
 )
 def test_a_new_flag_out_of_range_is_refused_before_the_model_loads(argv, match):
