@@ -512,10 +512,12 @@ class Scheduler:
         if not step.short:  # the pool is short: admit nothing new
             self._admit_waiting(out, step, PRIORITY_INTERACTIVE)
         step.budget += reserve
-        if not (batch or self.waiting.waits_after(PRIORITY_INTERACTIVE)):
-            return  # one class
-        if step.prefilled and (not batch or self._sat_out < BATCH_MAX_SIT_OUT):
-            self._sat_out += bool(batch)
+        if not batch:
+            self._sat_out = 0
+            if step.prefilled or not self.waiting.waits_after(PRIORITY_INTERACTIVE):
+                return  # one class, or an interactive prefill: no batch line is admitted
+        elif step.prefilled and self._sat_out < BATCH_MAX_SIT_OUT:
+            self._sat_out += 1
             return  # an interactive prefill is in the step: the batch class sits it out
         self._sat_out = 0
         batch = [s for s in batch if s.status is SequenceStatus.RUNNING]
