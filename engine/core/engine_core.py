@@ -31,6 +31,7 @@ from loraplex.adapters.registry import AdapterRegistry
 from loraplex.engine.attention import check_backend_runs, get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core.breadcrumb import STEP, Breadcrumb
+from loraplex.engine.core.kv_tiers import build_kv_tier_connector
 from loraplex.engine.core.validation import RequestLimits, validate_request
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.kv_cache.events import KVEvent, KVEventLog
@@ -326,6 +327,8 @@ class EngineCore:
             block_size=config.block_size,
             max_image_span=batched if self.atomic_images else None,
         )
+        # KV tiers below the pool (host memory, disk, a shared store), or None.
+        self.kv_tiers = build_kv_tier_connector(config, self.model, self.kv, self.runner.kv_caches)
         self._failing_steps = 0  # steps in a row whose every sequence failed
         # Step and model forward + logits seconds: totals and the latest steps (bounded).
         self.step_stats = StepStats()
@@ -344,7 +347,11 @@ class EngineCore:
                 for a spec already known to be refused.
         """
         rid = request.request_id
-        if rid in self.scheduler.requests or rid in self._awaiting_grammar:
+        if (
+            rid in self.scheduler.requests
+            or rid in self._awaiting_grammar
+            or (self.kv_tiers is not None and rid in self.kv_tiers)
+        ):
             raise ValueError(f"request id {rid!r} is already in flight")
         validate_request(request, self.request_limits)
         digest = request.lora_digest
@@ -375,6 +382,8 @@ class EngineCore:
         if template is not None:
             with self.breadcrumb.on(STEP, request.request_id):
                 seq.grammar = template.deep_copy()
+        if self.kv_tiers is not None and self.kv_tiers.start_load(seq):
+            return  # waits for its blocks from a KV tier; queued by a later step's poll
         self.scheduler.add(seq)
 
     def _admit_ready_grammars(self) -> None:
@@ -412,6 +421,8 @@ class EngineCore:
         """
         if self._awaiting_grammar.pop(request_id, None) is not None:
             return True
+        if self.kv_tiers is not None and self.kv_tiers.abort(request_id):
+            return True
         return bool(self.scheduler.finish_request(request_id, "abort"))
 
     def finish_request(
@@ -426,7 +437,12 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is in flight (waiting for its grammar included)."""
-        return bool(self.scheduler.requests or self._awaiting_grammar or self._rejected)
+        return bool(
+            self.scheduler.requests
+            or self._awaiting_grammar
+            or self._rejected
+            or (self.kv_tiers is not None and self.kv_tiers.busy)
+        )
 
     # ------------------------------------------------------------------------ adapters
     @property
@@ -474,6 +490,9 @@ class EngineCore:
         t0 = time.perf_counter()
         if self._awaiting_grammar:
             self._admit_ready_grammars()
+        tiers = self.kv_tiers
+        if tiers is not None:
+            tiers.poll(self.scheduler.add)  # loaded requests join; offloaded blocks unpinned
         sched = self.scheduler.schedule()
         if sched.is_empty():
             if sched.finished_seq_ids or sched.dropped_seq_ids:  # aborted while nothing ran
@@ -481,7 +500,12 @@ class EngineCore:
             if self._awaiting_grammar:  # nothing else to do: wait a little, do not spin
                 futures = [g for _, g in self._awaiting_grammar.values()]
                 wait_futures(futures, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+            elif tiers is not None and tiers.busy:
+                tiers.wait(GRAMMAR_WAIT_S)
             return []
+        if tiers is not None:  # the step's sequences, finished ones too, for the offload
+            seqs = self.scheduler.seqs
+            step_seqs = {i.seq_id: seqs[i.seq_id] for i in sched.scheduled if i.seq_id in seqs}
         result = self.runner.execute(sched)
         if sched.scheduled and len(result.failed) >= len(sched.scheduled):
             self._failing_steps += 1
@@ -495,6 +519,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         if sched.kv_trims:
             self.runner.apply_kv_trims(sched.kv_trims)
+        if tiers is not None:
+            tiers.offload_step(sched, step_seqs)
         self.step_stats.record(time.perf_counter() - t0, result.forward_seconds)
         return outputs
 
@@ -519,8 +545,11 @@ class EngineCore:
             "requests_waiting_for_grammar": len(self._awaiting_grammar),
             **self.structured.stats(),
             **self.scheduler.spec_stats.as_dict(),
+            **(self.kv_tiers.snapshot() if self.kv_tiers is not None else {}),
         }
 
     def shutdown(self) -> None:
         """Stop the helpers the core started (the grammar sandbox's workers and thread)."""
         self.structured.shutdown()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
