@@ -73,6 +73,13 @@ GRAMMAR_WAIT_S = 0.02
 """How long an idle step waits for a grammar being compiled before it returns."""
 
 
+KV_LOAD_STEP_SHARE = 0.06
+"""While requests run, KV tier loads between two steps take at most this share of a step."""
+
+KV_LOAD_MIN_BUDGET_S = 0.001
+"""...and at least this many seconds, so a load progresses whatever the step time."""
+
+
 RECENT_STEPS = 1024
 """Steps whose timings :class:`StepStats` keeps one by one (the totals count every step)."""
 
@@ -491,8 +498,8 @@ class EngineCore:
         if self._awaiting_grammar:
             self._admit_ready_grammars()
         tiers = self.kv_tiers
-        if tiers is not None:
-            tiers.poll(self.scheduler.add)  # loaded requests join; offloaded blocks unpinned
+        if tiers is not None:  # loaded requests join; offloaded blocks are unpinned
+            tiers.poll(self.scheduler.add, self._kv_load_budget())
         sched = self.scheduler.schedule()
         if sched.is_empty():
             if sched.finished_seq_ids or sched.dropped_seq_ids:  # aborted while nothing ran
@@ -523,6 +530,19 @@ class EngineCore:
             tiers.offload_step(sched, step_seqs)
         self.step_stats.record(time.perf_counter() - t0, result.forward_seconds)
         return outputs
+
+    def _kv_load_budget(self) -> float | None:
+        """Seconds of KV tier loading before this step: None (all) when nothing else runs.
+
+        Otherwise ``KV_LOAD_STEP_SHARE`` of the last step's time (at least 1 ms), so the
+        running requests' steps take at most about that much longer while a load goes on.
+        """
+        sched = self.scheduler
+        if not sched.running and not sched.waiting:
+            return None
+        recent = self.step_stats.recent
+        last = recent[-1][0] if recent else 0.0
+        return max(KV_LOAD_MIN_BUDGET_S, KV_LOAD_STEP_SHARE * last)
 
     def drain_kv_events(self) -> list[KVEvent]:
         """The KV events since the last call, oldest first (none unless ``enable_kv_events``)."""

@@ -10,12 +10,14 @@ of vLLM's KV connector (``WAITING_FOR_REMOTE_KVS``) and LMCache's store/retrieve
   offers them to the store, whose own writer puts them in every tier. So a block the pool
   evicts later is already below it, and a restart or another replica finds it.
 - **Load.** A new request whose prompt continues past its pool prefix hit with blocks some
-  tier holds waits for them off the step, as a request waits for its grammar: a background
-  thread reads them (``TieredStore.load_prefix``); the engine thread then pins fresh pool
-  blocks; a background thread copies the payloads into them (``scatter_blocks``); the engine
-  thread registers them under their hashes and queues the request, whose prefix lookup now
-  hits them (``cached_tokens`` counts them). A load that cannot get blocks, or whose pool
-  prefix was evicted meanwhile, queues the request as is: it recomputes.
+  tier holds waits for them off the scheduler, as a request waits for its grammar. Between
+  steps, on the engine thread, the connector pins fresh pool blocks for them, reads them from
+  the tiers (``TieredStore.read_prefix``: verified, host first) and copies them in
+  (``scatter_blocks``), a chunk at a time within a time budget (a share of the step time
+  while other requests run, unbounded when the engine is idle); once all are in it registers
+  them under their hashes and queues the request, whose prefix lookup now hits them
+  (``cached_tokens`` counts them). A load that cannot get blocks, or whose pool prefix was
+  evicted meanwhile, queues the request as is: it recomputes.
 
 Every transfer holds its blocks pinned (``KVCacheManager.pin_cached`` / ``pin_new``) so no step
 reads, writes or evicts them meanwhile. docs/kv_tiers.md.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -35,25 +37,34 @@ import torch
 
 from loraplex.engine.kv_cache.block import KVCacheBlock
 from loraplex.engine.kv_cache.manager import KVCacheManager
+from loraplex.engine.kv_cache.tiers.store import background_priority
 from loraplex.engine.runner.kv_transfer import KVCaches, gather_blocks, scatter_blocks
 from loraplex.engine.scheduling.output import SchedulerOutput
 from loraplex.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+LOAD_CHUNK = 16
+"""Most blocks a load reads and copies in one go (a remote tier: one round trip per chunk)."""
+
+LOAD_MIN_CHUNK = 8
+"""While requests run, a load waits until its time credit pays for this many blocks at once."""
+
+LOAD_CREDIT_CAP_S = 0.05
+"""Most loading time saved up across polls (s)."""
+
 
 @dataclass(slots=True)
 class _Load:
-    """One request's tier load, through its phases (read, then copy into the pool)."""
+    """One request's tier load: fresh pool blocks filled chunk by chunk between steps."""
 
     seq: Sequence
     first_block: int  # logical index of the first block the tiers hold (the pool hit's end)
     hashes: list[bytes]  # the tier-held run of block hashes from ``first_block``
-    future: Future  # phase 1: list[torch.Tensor] payloads; phase 2: None (copied)
     started: float
     prefix: list[KVCacheBlock] = field(default_factory=list)  # pinned pool hit
     fresh: list[KVCacheBlock] = field(default_factory=list)  # pinned blocks being written
-    copying: bool = False
+    done: int = 0  # blocks of ``fresh`` written so far
     aborted: bool = False
 
 
@@ -107,10 +118,18 @@ class KVTierConnector:
         self.block_size = kv.block_size
         self.max_load_blocks = max(1, int(kv.pool.num_blocks * max_load_fraction))
         self.stats = KVTierStats()
-        self._offload_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-offload")
-        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        # A background thread at a lower CPU priority: the step goes first (store.py).
+        self._offload_pool = ThreadPoolExecutor(
+            1, thread_name_prefix="kv-offload", initializer=background_priority
+        )
         self._offloads: list[tuple[Future, list[KVCacheBlock]]] = []
         self._loads: dict[str, _Load] = {}
+        self._block_seconds = 1e-3  # moving average of a block's read + copy in
+        self._credit_s = 0.0  # loading time saved up across polls (a token bucket)
+        k0 = kv_caches[0][0]
+        block_nbytes = k0[0].numel() * k0.element_size() * 2 * len(kv_caches)
+        # Reused by every chunk's copy in: no allocation (and no page faults) per chunk.
+        self._staging = torch.empty((LOAD_CHUNK, block_nbytes), dtype=torch.uint8)
 
     # ------------------------------------------------------------------------- offload
     def offload_step(self, sched: SchedulerOutput, seqs: Mapping[str, Sequence]) -> int:
@@ -176,25 +195,26 @@ class KVTierConnector:
         if held <= 0:
             return False
         wanted = list(hashes[first : first + held])
-        self._loads[seq.seq_id] = _Load(
-            seq, first, wanted, self._load_pool.submit(self._read, wanted), time.perf_counter()
-        )
+        self._loads[seq.seq_id] = _Load(seq, first, wanted, time.perf_counter())
         self.stats.loads += 1
         return True
 
-    def _read(self, keys: list[bytes]) -> list[torch.Tensor]:
-        """Background: the payloads of the longest leading run of keys the tiers hold."""
-        return self.store.load_prefix(keys).result()
+    def poll(self, queue: Callable[[Sequence], None], budget_s: float | None = None) -> None:
+        """Release finished offloads' pins; load tier blocks for about ``budget_s`` seconds.
 
-    def _copy_in(self, block_ids: list[int], payloads: list[torch.Tensor]) -> None:
-        """Background: write payloads into pinned fresh blocks."""
-        scatter_blocks(self.kv_caches, block_ids, payloads)
-
-    def poll(self, queue: Callable[[Sequence], None]) -> None:
-        """Advance finished transfers: release offload pins, queue the loaded requests.
+        Loads run here, on the engine thread between steps, in chunks of blocks (read from
+        the tiers, verified, copied into pinned fresh blocks), oldest request first, within
+        the time credit the budgets add up to (:meth:`_copy_chunks`); a finished load
+        registers its blocks in the prefix cache and queues its request. On CPython a load on
+        a background thread would hold the interpreter lock in every block's read and
+        checksum, and each of the step's hundreds of small torch calls would wait for it
+        (measured: the other requests' decode rate fell to 0.45x during a disk load;
+        docs/kv_tiers.md), so the time it takes from the steps is bounded here instead.
 
         Args:
             queue: Hands a sequence to the scheduler (its load done or given up).
+            budget_s: Seconds of loading this call adds to the credit; None: finish every
+                load now (the engine has nothing else to run).
         """
         if self._offloads:
             still: list[tuple[Future, list[KVCacheBlock]]] = []
@@ -209,55 +229,90 @@ class KVTierConnector:
                 else:
                     self.stats.offloaded_blocks += len(blocks)
             self._offloads = still
+        if not self._loads:
+            return
+        if budget_s is not None:
+            self._credit_s = min(self._credit_s + budget_s, LOAD_CREDIT_CAP_S)
         for rid, load in list(self._loads.items()):
-            if load.future.done():
-                self._advance(rid, load, queue)
+            if load.aborted:
+                self._release(load)
+                self._finish(rid, load, queue, fell_back=False)
+                continue
+            if not load.fresh and not self._begin(load):
+                self._finish(rid, load, queue, fell_back=True)
+                continue
+            if not self._copy_chunks(load, budget_s):
+                return  # out of credit: go on at a later step
+            self._complete(rid, load, queue)
 
-    def _advance(self, rid: str, load: _Load, queue: Callable[[Sequence], None]) -> None:
-        """One finished phase of a load: start the copy in, or finish."""
-        error = load.future.exception()
-        if load.copying:  # phase 2 done: the fresh blocks hold the KV
-            n = len(load.fresh)
-            if error is None and not load.aborted:
-                self.kv.register_loaded(load.fresh, load.hashes[:n])
-                self.stats.loaded_blocks += n
-            elif error is not None:
-                logger.error("copying %d KV blocks into the pool failed: %s", n, error)
-            self.kv.unpin(load.fresh[::-1] + load.prefix[::-1])
-            self._finish(rid, load, queue, fell_back=error is not None)
-            return
-        if error is not None:
-            logger.error("reading KV blocks from the tiers failed: %s", error)
-        payloads: list[torch.Tensor] = [] if error is not None else load.future.result()
-        if load.aborted or not payloads:
-            self._finish(rid, load, queue, fell_back=not load.aborted)
-            return
-        # The pool prefix may have moved since the lookup: evicted (a gap: give up) or
-        # grown (another request computed some of these blocks: skip them).
+    def _begin(self, load: _Load) -> bool:
+        """Pin the pool hit and fresh blocks for the load; False when it cannot (recompute)."""
         seq = load.seq
         hashes = seq.hasher.block_hashes
+        # The pool prefix may have moved since the lookup: evicted (a gap: give up) or
+        # grown (another request computed some of these blocks: skip them).
         now = len(self.kv.get_computed_blocks(hashes, seq.num_tokens).blocks)
         skip = now - load.first_block
-        if skip < 0 or skip >= len(payloads):
-            self._finish(rid, load, queue, fell_back=skip < 0)
-            return
-        payloads = payloads[skip:]
+        if skip < 0 or skip >= len(load.hashes):
+            return False
+        wanted = load.hashes[skip:]
         pinned = sum(len(x.fresh) for x in self._loads.values())
-        load.prefix = self.kv.pin_cached(hashes[:now])
-        fresh = (
-            self.kv.pin_new(len(payloads))
-            if pinned + len(payloads) <= self.max_load_blocks
-            else None
-        )
+        if pinned + len(wanted) > self.max_load_blocks:
+            return False
+        fresh = self.kv.pin_new(len(wanted))
         if fresh is None:
-            self.kv.unpin(load.prefix[::-1])
-            load.prefix = []
-            self._finish(rid, load, queue, fell_back=True)
-            return
-        load.fresh = fresh
-        load.hashes = list(hashes[now : now + len(payloads)])
-        load.copying = True
-        load.future = self._load_pool.submit(self._copy_in, [b.block_id for b in fresh], payloads)
+            return False
+        load.prefix = self.kv.pin_cached(hashes[:now])
+        load.first_block, load.hashes, load.fresh = now, wanted, fresh
+        return True
+
+    def _copy_chunks(self, load: _Load, budget_s: float | None) -> bool:
+        """Read and copy until the load is done (True) or the time credit runs out (False).
+
+        With a budget the connector saves time credit across polls (a token bucket filled by
+        each poll's budget, capped at ``LOAD_CREDIT_CAP_S``) and spends it in chunks of at
+        least ``LOAD_MIN_CHUNK`` blocks, sized from the measured time per block: one chunk
+        every few steps amortises the per-chunk cost (one copy per layer, one round trip)
+        that a block per step would pay each time, at the same share of the step time.
+        """
+        while load.done < len(load.fresh):
+            left = len(load.fresh) - load.done
+            if budget_s is None:
+                n = min(left, LOAD_CHUNK)
+            else:
+                n = min(left, LOAD_CHUNK, int(self._credit_s / self._block_seconds))
+                if n < min(left, LOAD_MIN_CHUNK):
+                    return False  # save up for a whole chunk
+            t0 = time.perf_counter()
+            end = load.done + n
+            payloads = self.store.read_prefix(load.hashes[load.done : end])
+            if payloads:
+                ids = [b.block_id for b in load.fresh[load.done : load.done + len(payloads)]]
+                scatter_blocks(self.kv_caches, ids, payloads, self._staging)
+            spent = time.perf_counter() - t0
+            if budget_s is not None:
+                self._credit_s -= spent
+            if payloads:
+                per_block = spent / len(payloads)
+                self._block_seconds = 0.7 * self._block_seconds + 0.3 * per_block
+            load.done += len(payloads)
+            if load.done < end:  # a block went missing (evicted, corrupt): stop before it
+                break
+        return True
+
+    def _complete(self, rid: str, load: _Load, queue: Callable[[Sequence], None]) -> None:
+        """Register the written blocks, release the pins, queue the request."""
+        done = load.done
+        if done:
+            self.kv.register_loaded(load.fresh[:done], load.hashes[:done])
+            self.stats.loaded_blocks += done
+        self._release(load)
+        self._finish(rid, load, queue, fell_back=done == 0)
+
+    def _release(self, load: _Load) -> None:
+        # Tail first: the prefix's last blocks are evicted before its first ones.
+        self.kv.unpin(load.fresh[::-1] + load.prefix[::-1])
+        load.fresh, load.prefix = [], []
 
     def _finish(
         self, rid: str, load: _Load, queue: Callable[[Sequence], None], *, fell_back: bool
@@ -274,7 +329,7 @@ class KVTierConnector:
         return request_id in self._loads
 
     def abort(self, request_id: str) -> bool:
-        """Forget a request waiting for its load (its pins are released when the copy ends).
+        """Forget a request waiting for its load (its pins are released at the next poll).
 
         Returns:
             False when the request is not waiting for a load.
@@ -296,16 +351,18 @@ class KVTierConnector:
         return bool(self._loads or self._offloads)
 
     def wait(self, timeout: float) -> None:
-        """Block until some transfer finishes or ``timeout`` seconds pass (an idle step)."""
-        futures: Iterable[Future] = [f for f, _ in self._offloads] + [
-            x.future for x in self._loads.values()
-        ]
-        futures = list(futures)
+        """Block until an offload finishes or ``timeout`` seconds pass (an idle step)."""
+        futures = [f for f, _ in self._offloads]
         if futures:
             wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def snapshot(self) -> dict[str, Any]:
-        """The connector's and the store's figures, for ``EngineCore.stats``."""
+        """The connector's and the store's figures, for ``EngineCore.stats``.
+
+        Flat numbers (a replica set adds its replicas' up): ``kv_tier_*`` for the connector,
+        ``kv_tier_<tier>_<counter>`` per tier (host, disk, remote) and
+        ``kv_tier_store_<counter>`` for the store (``flatten_tier_stats``).
+        """
         s = self.stats
         return {
             "kv_tier_offloaded_blocks": s.offloaded_blocks,
@@ -315,7 +372,7 @@ class KVTierConnector:
             "kv_tier_load_seconds": s.load_seconds,
             "kv_tier_loads_fallen_back": s.loads_fallen_back,
             "requests_waiting_for_kv": self.num_waiting,
-            "kv_tiers": self.store.stats(),
+            **flatten_tier_stats(self.store.stats()),
         }
 
     def close(self, timeout: float = 5.0) -> None:
@@ -325,11 +382,23 @@ class KVTierConnector:
             self.wait(0.05)
             self.poll(lambda seq: None)
         self._offload_pool.shutdown(wait=True)
-        self._load_pool.shutdown(wait=True)
         flush = getattr(self.store, "flush", None)
         if flush is not None:
             flush(max(0.0, deadline - time.monotonic()))
         self.store.close()
+
+
+def flatten_tier_stats(stats: Mapping[str, Any]) -> dict[str, float]:
+    """``TieredStore.stats()`` flat: ``kv_tier_<tier>_<key>``, ``kv_tier_store_<key>``."""
+    flat: dict[str, float] = {}
+    for tier, row in stats.get("tiers", {}).items():
+        for key, value in row.items():
+            if isinstance(value, int | float):
+                flat[f"kv_tier_{tier}_{key}"] = value
+    for key, value in stats.get("store", {}).items():
+        if isinstance(value, int | float):
+            flat[f"kv_tier_store_{key}"] = value
+    return flat
 
 
 def build_kv_tier_connector(

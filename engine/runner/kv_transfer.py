@@ -69,7 +69,10 @@ def gather_blocks(kv_caches: KVCaches, block_ids: Sequence[int]) -> list[torch.T
 
 
 def scatter_blocks(
-    kv_caches: KVCaches, block_ids: Sequence[int], payloads: Sequence[torch.Tensor]
+    kv_caches: KVCaches,
+    block_ids: Sequence[int],
+    payloads: Sequence[torch.Tensor],
+    staging: torch.Tensor | None = None,
 ) -> None:
     """Copy tier payloads into pool blocks.
 
@@ -77,6 +80,8 @@ def scatter_blocks(
         kv_caches: The pool (see :func:`gather_blocks`).
         block_ids: Physical block ids to write (pinned fresh blocks), one per payload.
         payloads: 1-D ``torch.uint8`` tensors as :func:`gather_blocks` makes them.
+        staging: A reusable 2-D ``torch.uint8`` CPU buffer of at least ``len(payloads)`` rows
+            of one block's bytes to stack them in (no allocation per call); None: a new one.
 
     Raises:
         ValueError: a payload whose size is not one block's bytes, or counts that differ.
@@ -93,7 +98,12 @@ def scatter_blocks(
             raise ValueError(f"a block payload must be {nbytes} uint8 bytes, got {p.numel()}")
     device = k0.device
     # [n, L, 2, block_size, heads, head_dim] in the pool's dtype.
-    host = torch.stack(list(payloads)).view(k0.dtype).view(len(payloads), *shape)
+    n = len(payloads)
+    if staging is not None and staging.shape[0] >= n and staging.shape[1] == nbytes:
+        flat = torch.stack(list(payloads), out=staging[:n])
+    else:
+        flat = torch.stack(list(payloads))
+    host = flat.view(k0.dtype).view(n, *shape)
     with _stream(device):
         buf = host.to(device, non_blocking=device.type == "cuda")
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=device)

@@ -73,6 +73,17 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_tokens(ho
     assert stats["kv_tier_loaded_blocks"] == 6 and stats["kv_tier_loads"] == 1
     assert stats["kv_tier_offloaded_blocks"] >= 6
     assert host_llm.engine.kv.num_pinned == 0 and host_llm.engine.kv.pool.num_used == 0
+    # The same figures on /metrics, by tier.
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from loraplex.gateway.metrics.registry import _EngineCollector
+
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(host_llm.engine.core.stats))
+    text = generate_latest(registry).decode()
+    assert 'loraplex_kv_tier_loaded_blocks_total{tier="host"} 6.0' in text
+    assert 'loraplex_kv_tier_hits_total{tier="host"} 6.0' in text
+    assert "loraplex_kv_tier_loads_total 1.0" in text
 
 
 def test_a_prefix_still_in_the_pool_is_not_loaded_again(host_llm):
@@ -146,8 +157,7 @@ def test_the_disk_tier_survives_a_restart_and_a_corrupt_block_is_recomputed(
         victim.write_bytes(bytes(data))
         out = ask(third, "c", tokens)
         assert out.num_cached_tokens == 2 * BS and out.outputs[0].token_ids == expected
-        tiers = third.engine.core.stats()["kv_tiers"]
-        assert tiers["tiers"]["disk"]["corrupt"] == 1
+        assert third.engine.core.stats()["kv_tier_disk_corrupt"] == 1
     finally:
         third.shutdown()
 
@@ -179,3 +189,42 @@ def test_tiers_with_a_draft_model_or_without_prefix_caching_are_refused():
         EngineConfig(model="m", kv_remote_url="redis://localhost:6379/0")
     with pytest.raises(ValueError, match="redis"):
         EngineConfig(model="m", kv_remote_url="http://x", kv_remote_bytes=1 << 20)
+
+
+def test_a_load_while_others_decode_is_paced_between_steps_and_exact(host_llm, reference):
+    engine = host_llm.engine
+    core = engine.core
+    tokens = prompt(200, seed=8)  # 12 full blocks
+    ask(host_llm, "a", tokens)
+    settle(host_llm)
+    evict_all(host_llm)
+    engine.add_request(
+        EngineRequest(
+            "other",
+            prompt(20, seed=9),
+            SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+        )
+    )
+    engine.step()
+    polls = []
+    real_poll = core.kv_tiers.poll
+    core.kv_tiers.poll = lambda queue, budget=None: polls.append(budget) or real_poll(queue, budget)
+    try:
+        engine.add_request(EngineRequest("b", tokens, SamplingParams(temperature=0, max_tokens=6)))
+        outs = {}
+        while "b" not in outs or not outs["b"].finished:
+            for out in engine.step():
+                if out.request_id == "b":
+                    outs["b"] = out
+        engine.abort_request("other")
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        core.kv_tiers.poll = real_poll
+    # The load was budgeted (another request ran), not done in one go, and still exact.
+    assert polls and all(b is not None for b in polls[:2])
+    assert core.stats()["kv_tier_loaded_blocks"] == 12
+    expected = ask(reference, "r", tokens).outputs[0].token_ids
+    assert outs["b"].num_cached_tokens == 12 * BS
+    assert ask(host_llm, "c", tokens).outputs[0].token_ids == expected
+    assert core.kv.num_pinned == 0
