@@ -138,7 +138,10 @@ def test_tier_resident_prefixes_count_at_the_tier_weight():
     r3.views["a"].tier_capacity_blocks = 0
     r3.views["a"].apply([stored(*H[:3]), KVEvent("removed", H[:3])])
     assert r3.views["a"].leading_tier_hits(H[:3]) == (0, 0)
-    assert tier_capacity_blocks(
-        {"kv_blocks_total": 10, "kv_cache_bytes": 1000, "kv_tier_host_capacity_bytes": 500}
-    ) == 5
+    assert (
+        tier_capacity_blocks(
+            {"kv_blocks_total": 10, "kv_cache_bytes": 1000, "kv_tier_host_capacity_bytes": 500}
+        )
+        == 5
+    )
     assert tier_capacity_blocks({"kv_blocks_total": 10, "kv_cache_bytes": 1000}) == 0
