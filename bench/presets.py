@@ -6,6 +6,7 @@ every later run:
 - ``tiny``: the built-in model (hidden 64, 4 layers), for smoke runs.
 - ``bench``: 26.4M parameters (hidden 512, 8 layers), the older CPU workloads.
 - ``smollm-135m``: SmolLM-135M's shape (30 layers, GQA 9/3, vocab 49152, tied), 134.5M.
+- ``smollm2-135m``: SmolLM2-135M's shape: the same layers with 8192 positions, rope theta 1e5.
 - ``llama-1b``: a Llama-3.2-1B-like shape for GPU runs (16 layers, hidden 2048, MLP 8192, GQA
   32/8, head_dim 64, vocab 32000, tied), 1.05B parameters, saved in bfloat16 (2.1 GB; about
   10 s to draw and write on one core, once).
@@ -19,11 +20,12 @@ import torch
 
 from loraplex.gateway.settings import data_dir
 
-PRESETS = ("tiny", "bench", "smollm-135m", "llama-1b")
+PRESETS = ("tiny", "bench", "smollm-135m", "smollm2-135m", "llama-1b")
 DIR_NAMES = {  # the names the benches used before this module
     "tiny": "tiny-text",
     "bench": "tiny-text-bench",
     "smollm-135m": "smollm-135m-shape",
+    "smollm2-135m": "smollm2-135m-shape",
     "llama-1b": "llama-1b-shape",
 }
 

@@ -152,6 +152,23 @@ class EngineConfig:
     host memory and back)."""
     swap_space_bytes: int = 256 * 1024 * 1024
     """Size of the host-memory pool that swap preemption copies KV to, e.g. 1GiB."""
+    kv_offloading_bytes: int = 0
+    """KV tiers (docs/kv_tiers.md): host memory that keeps the KV blocks the engine computes
+    (written through as they fill, LRU-evicted past this size), so a prefix the pool evicted
+    is loaded back instead of recomputed, e.g. 8GiB (vLLM's ``--kv-offloading-size``; a bare
+    number is GiB, as there). 0: no host tier."""
+    kv_disk_dir: str | None = None
+    """KV tiers: the directory of the local-disk tier (below the host tier), kept across
+    restarts and keyed by a fingerprint of the model, dtype, block size and hashing scheme.
+    Default: none (``serve`` uses DATA_DIR/kv_tiers when ``kv_disk_bytes`` is set)."""
+    kv_disk_bytes: int = 0
+    """KV tiers: size of the local-disk tier, LRU-evicted past it, e.g. 100GiB. 0: none."""
+    kv_remote_url: str | None = None
+    """KV tiers: a store shared by every replica and machine serving the same model, below the
+    disk tier, e.g. redis://host:6379/0 (LMCache's ``remote_url``). Default: none."""
+    kv_remote_bytes: int = 0
+    """KV tiers: bound on the shared store's KV bytes for this model, all replicas together (give
+    every replica the same), LRU-evicted past it, e.g. 64GiB; needed with ``kv_remote_url``."""
     vision_cache_entries: int = 256
     """Image encodings kept by image key (LRU), so a repeated image is encoded once."""
     max_images: int = DEFAULT_MAX_IMAGES
@@ -209,6 +226,11 @@ class EngineConfig:
     grammar_memory_bytes: int = 2 * 1024**3
     """Address space of one sandbox worker (RLIMIT_AS), e.g. 2GiB; a schema that needs more
     gets a 400; 0: no limit."""
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        """Whether any KV tier is configured (host, disk or remote)."""
+        return bool(self.kv_offloading_bytes or self.kv_disk_bytes or self.kv_remote_url)
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_sizes, list):  # hashable, as every field
@@ -332,6 +354,33 @@ class EngineConfig:
                 "need 0 < unresponsive_timeout_s <= dead_timeout_s and step_timeout_s > 0",
             ),
             (self.swap_space_bytes > 0, "swap_space_bytes must be positive"),
+            (
+                self.kv_offloading_bytes >= 0 and self.kv_disk_bytes >= 0,
+                "kv_offloading_bytes and kv_disk_bytes must be >= 0",
+            ),
+            (
+                (self.kv_remote_url is None) == (self.kv_remote_bytes == 0)
+                and self.kv_remote_bytes >= 0,
+                "kv_remote_url needs kv_remote_bytes (the shared tier's size), and only it",
+            ),
+            (
+                self.kv_remote_url is None
+                or self.kv_remote_url.split("://")[0] in ("redis", "rediss", "unix"),
+                "kv_remote_url must be a redis://, rediss:// or unix:// URL",
+            ),
+            (
+                self.kv_disk_dir is None or self.kv_disk_bytes > 0,
+                "kv_disk_dir needs kv_disk_bytes (the disk tier's size)",
+            ),
+            (
+                not (self.kv_tiers_enabled and self.speculative_method == "draft"),
+                "the KV tiers do not keep a draft model's KV: use them without "
+                "speculative_method draft",
+            ),
+            (
+                not (self.kv_tiers_enabled and not self.enable_prefix_caching),
+                "the KV tiers need prefix caching (their blocks are found by prefix hash)",
+            ),
             (
                 self.vision_cache_entries >= 0,
                 f"vision_cache_entries must be >= 0, got {self.vision_cache_entries}",

@@ -48,6 +48,17 @@ class _ReplicaSink:
             self.router._sink.on_error(rid, error)
 
 
+def tier_capacity_blocks(stats: dict[str, Any]) -> int:
+    """Blocks a replica's own KV tiers hold (host + disk bytes over a block's), from its stats."""
+    blocks, pool = stats.get("kv_blocks_total", 0), stats.get("kv_cache_bytes", 0)
+    tiers = stats.get("kv_tier_host_capacity_bytes", 0) + stats.get(
+        "kv_tier_disk_capacity_bytes", 0
+    )
+    if not blocks or not pool or not tiers:
+        return 0
+    return int(tiers // (pool / blocks))
+
+
 class ReplicaRouter(EngineCoreClient):
     """Several core clients of the same model behind one, with a router.
 
@@ -95,6 +106,8 @@ class ReplicaRouter(EngineCoreClient):
             running = replica.is_running
             if running != view.healthy:
                 self.router.set_healthy(name, running)
+            if running and view.tier_capacity_blocks is None:
+                view.tier_capacity_blocks = tier_capacity_blocks(replica.stats())
             events = replica.drain_kv_events()
             if running:
                 view.apply(events)

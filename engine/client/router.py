@@ -3,6 +3,7 @@
 Each healthy replica is scored in tokens of work::
 
     score = block_size * leading_hits             prefill the replica's cache saves
+          + tier_weight * block_size * tier_hits  ... and its own KV tiers (loaded, not free)
           + adapter_load_tokens * resident        an adapter already in a device slot
           - load_weight * outstanding_tokens      work already queued on it
 
@@ -40,6 +41,10 @@ class RoutingPolicy:
             continuous batch the new request runs alongside them), so 0.125 by default
             (``bench.scale``: 0.96 of the one-big-pool hit rate at 0.125, 0.94 at 0.25,
             with the requests still split evenly).
+        tier_weight: Weight of a block in a replica's own KV tiers (host memory, disk)
+            against one in its pool: loading it back costs a fraction of recomputing it
+            (``bench.kv_tiers``: 0.06-0.07x on the CPU), but is not free. A store shared by
+            every replica counts the same for all, so it never changes the choice.
         imbalance_tokens: Queued tokens above the least-loaded replica's past which...
         imbalance_ratio: ... and past this multiple of it, least-loaded wins outright.
         policy: ``"cache"`` (the score above), ``"round_robin"`` or ``"least_loaded"``
@@ -52,6 +57,7 @@ class RoutingPolicy:
     block_size: int = 16
     adapter_load_tokens: int = 256
     load_weight: float = 0.125
+    tier_weight: float = 0.5
     imbalance_tokens: int = 4096
     imbalance_ratio: float = 2.0
     policy: str = "cache"
@@ -99,8 +105,9 @@ class Router:
 
         def score(v: ReplicaView) -> float:
             resident = adapter is not None and adapter in v.adapters
+            pool, tier = v.leading_tier_hits(block_hashes)
             return (
-                p.block_size * v.leading_hits(block_hashes)
+                p.block_size * (pool + p.tier_weight * tier)
                 + p.adapter_load_tokens * resident
                 - p.load_weight * v.outstanding_tokens
             )

@@ -31,6 +31,7 @@ from loraplex.adapters.registry import AdapterRegistry
 from loraplex.engine.attention import check_backend_runs, get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core.breadcrumb import STEP, Breadcrumb
+from loraplex.engine.core.kv_tiers import build_kv_tier_connector
 from loraplex.engine.core.validation import RequestLimits, validate_request
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.kv_cache.events import KVEvent, KVEventLog
@@ -70,6 +71,13 @@ MAX_FAILING_STEPS = 3
 
 GRAMMAR_WAIT_S = 0.02
 """How long an idle step waits for a grammar being compiled before it returns."""
+
+
+KV_LOAD_STEP_SHARE = 0.06
+"""While requests run, KV tier loads between two steps take at most this share of a step."""
+
+KV_LOAD_MIN_BUDGET_S = 0.001
+"""...and at least this many seconds, so a load progresses whatever the step time."""
 
 
 RECENT_STEPS = 1024
@@ -327,6 +335,8 @@ class EngineCore:
             block_size=config.block_size,
             max_image_span=batched if self.atomic_images else None,
         )
+        # KV tiers below the pool (host memory, disk, a shared store), or None.
+        self.kv_tiers = build_kv_tier_connector(config, self.model, self.kv, self.runner.kv_caches)
         self._failing_steps = 0  # steps in a row whose every sequence failed
         # Step and model forward + logits seconds: totals and the latest steps (bounded).
         self.step_stats = StepStats()
@@ -345,7 +355,11 @@ class EngineCore:
                 for a spec already known to be refused.
         """
         rid = request.request_id
-        if rid in self.scheduler.requests or rid in self._awaiting_grammar:
+        if (
+            rid in self.scheduler.requests
+            or rid in self._awaiting_grammar
+            or (self.kv_tiers is not None and rid in self.kv_tiers)
+        ):
             raise ValueError(f"request id {rid!r} is already in flight")
         validate_request(request, self.request_limits)
         digest = request.lora_digest
@@ -376,6 +390,8 @@ class EngineCore:
         if template is not None:
             with self.breadcrumb.on(STEP, request.request_id):
                 seq.grammar = template.deep_copy()
+        if self.kv_tiers is not None and self.kv_tiers.start_load(seq):
+            return  # waits for its blocks from a KV tier; queued by a later step's poll
         self.scheduler.add(seq)
 
     def _admit_ready_grammars(self) -> None:
@@ -413,6 +429,8 @@ class EngineCore:
         """
         if self._awaiting_grammar.pop(request_id, None) is not None:
             return True
+        if self.kv_tiers is not None and self.kv_tiers.abort(request_id):
+            return True
         return bool(self.scheduler.finish_request(request_id, "abort"))
 
     def finish_request(
@@ -427,7 +445,12 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is in flight (waiting for its grammar included)."""
-        return bool(self.scheduler.requests or self._awaiting_grammar or self._rejected)
+        return bool(
+            self.scheduler.requests
+            or self._awaiting_grammar
+            or self._rejected
+            or (self.kv_tiers is not None and self.kv_tiers.busy)
+        )
 
     # ------------------------------------------------------------------------ adapters
     @property
@@ -475,6 +498,9 @@ class EngineCore:
         t0 = time.perf_counter()
         if self._awaiting_grammar:
             self._admit_ready_grammars()
+        tiers = self.kv_tiers
+        if tiers is not None:  # loaded requests join; offloaded blocks are unpinned
+            tiers.poll(self.scheduler.add, self._kv_load_budget())
         sched = self.scheduler.schedule()
         if sched.is_empty():
             if sched.finished_seq_ids or sched.dropped_seq_ids:  # aborted while nothing ran
@@ -482,7 +508,12 @@ class EngineCore:
             if self._awaiting_grammar:  # nothing else to do: wait a little, do not spin
                 futures = [g for _, g in self._awaiting_grammar.values()]
                 wait_futures(futures, timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
+            elif tiers is not None and tiers.busy:
+                tiers.wait(GRAMMAR_WAIT_S)
             return []
+        if tiers is not None:  # the step's sequences, finished ones too, for the offload
+            seqs = self.scheduler.seqs
+            step_seqs = {i.seq_id: seqs[i.seq_id] for i in sched.scheduled if i.seq_id in seqs}
         result = self.runner.execute(sched)
         if sched.scheduled and len(result.failed) >= len(sched.scheduled):
             self._failing_steps += 1
@@ -496,8 +527,23 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         if sched.kv_trims:
             self.runner.apply_kv_trims(sched.kv_trims)
+        if tiers is not None:
+            tiers.offload_step(sched, step_seqs)
         self.step_stats.record(time.perf_counter() - t0, result.forward_seconds)
         return outputs
+
+    def _kv_load_budget(self) -> float | None:
+        """Seconds of KV tier loading before this step: None (all) when nothing else runs.
+
+        Otherwise ``KV_LOAD_STEP_SHARE`` of the last step's time (at least 1 ms), so the
+        running requests' steps take at most about that much longer while a load goes on.
+        """
+        sched = self.scheduler
+        if not sched.running and not sched.waiting:
+            return None
+        recent = self.step_stats.recent
+        last = recent[-1][0] if recent else 0.0
+        return max(KV_LOAD_MIN_BUDGET_S, KV_LOAD_STEP_SHARE * last)
 
     def drain_kv_events(self) -> list[KVEvent]:
         """The KV events since the last call, oldest first (none unless ``enable_kv_events``)."""
@@ -520,8 +566,11 @@ class EngineCore:
             "requests_waiting_for_grammar": len(self._awaiting_grammar),
             **self.structured.stats(),
             **self.scheduler.spec_stats.as_dict(),
+            **(self.kv_tiers.snapshot() if self.kv_tiers is not None else {}),
         }
 
     def shutdown(self) -> None:
         """Stop the helpers the core started (the grammar sandbox's workers and thread)."""
         self.structured.shutdown()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()

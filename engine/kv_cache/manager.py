@@ -115,6 +115,7 @@ class KVCacheManager:
         self.pool.events = events
         self.stats = PrefixCacheStats()
         self._requests: dict[str, _RequestBlocks] = {}
+        self.num_pinned = 0  # references held outside any request (KV tier transfers)
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -366,6 +367,67 @@ class KVCacheManager:
         self.pool.uncache(tail)
         state.num_cached_blocks = min(state.num_cached_blocks, first_block)
         return [b.block_id for b in tail]
+
+    # ------------------------------------------------------------- KV tier transfers
+    def pin_cached(self, block_hashes: Sequence[bytes]) -> list[KVCacheBlock]:
+        """Take a reference on the cached block of each hash, outside any request.
+
+        For a KV transfer that reads blocks off the step (an offload to the KV tiers): a
+        pinned block is neither evicted nor reused until :meth:`unpin`. Hashes not cached
+        are skipped.
+
+        Returns:
+            The pinned blocks, in the order of ``block_hashes`` (missing ones left out).
+        """
+        cached = self.pool.cached
+        blocks = [b for b in map(cached.get, block_hashes) if b is not None]
+        self.pool.touch(blocks)
+        self.num_pinned += len(blocks)
+        return blocks
+
+    def pin_new(self, n: int) -> list[KVCacheBlock] | None:
+        """Take ``n`` fresh blocks outside any request (a KV tier load writes into them).
+
+        Returns:
+            The blocks (ref count 1, no hash), or None when fewer than ``n`` are free.
+        """
+        if n > self.pool.num_free:
+            return None
+        blocks = self.pool.get_new_blocks(n)
+        self.num_pinned += n
+        return blocks
+
+    def register_loaded(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes]) -> int:
+        """Register pinned fresh blocks, whose KV a tier load wrote, under their hashes.
+
+        A hash already cached (another request computed it meanwhile) keeps its block; the
+        loaded copy stays unhashed and returns to the front of the free queue on unpin.
+
+        Returns:
+            How many blocks were registered.
+        """
+        if not self.enable_caching:
+            return 0
+        cached = self.pool.cached
+        stored: list[bytes] = []
+        for block, h in zip(blocks, block_hashes, strict=True):
+            if block.block_hash is None and h not in cached:
+                block.block_hash = h
+                cached[h] = block
+                stored.append(h)
+        if stored and self.events is not None:
+            self.events.stored(stored)
+        return len(stored)
+
+    def unpin(self, ordered: Sequence[KVCacheBlock]) -> None:
+        """Drop the references :meth:`pin_cached` or :meth:`pin_new` took.
+
+        Args:
+            ordered: The blocks in eviction priority order (a prefix tail first), as
+                :meth:`free`.
+        """
+        self.pool.free_blocks(ordered)
+        self.num_pinned -= len(ordered)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False, nothing changes) while blocks are in use."""

@@ -436,7 +436,8 @@ class Scheduler:
             )
             if alloc is not None:
                 return alloc
-            if self.running[-1] is seq and len(self.running) == 1:
+            # Blocks pinned by a KV tier transfer come back within a step or two: not a cap.
+            if self.running[-1] is seq and len(self.running) == 1 and not self.kv.num_pinned:
                 self._cap(seq, out)
                 return None
             victim = self.preemptor.room_victim(self.running)
@@ -755,14 +756,15 @@ class Scheduler:
     def _cap_if_alone(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Finish the waiting head with ``"length"`` if it cannot fit even in an idle pool.
 
-        With nothing running and nothing scheduled, every block is free or evictable: a head
-        that still does not fit never will, and leaving it at the head would stall every
-        request behind it while the engine spins on empty steps.
+        With nothing running, nothing scheduled and no block pinned by a KV tier transfer,
+        every block is free or evictable: a head that still does not fit never will, and
+        leaving it at the head would stall every request behind it while the engine spins on
+        empty steps.
 
         Returns:
             True when the sequence was finished (and taken off the waiting queue).
         """
-        if self.running or out.scheduled:
+        if self.running or out.scheduled or self.kv.num_pinned:
             return False
         self._cap(seq, out)
         return True

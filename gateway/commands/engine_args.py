@@ -40,6 +40,17 @@ def _show_size(n: int) -> str:
     return str(n)
 
 
+def _gib_or_size(text: str) -> int:
+    """A size (``8GiB``), or a bare number of GiB as vLLM's ``--kv-offloading-size``; 0: none."""
+    try:
+        gib = float(text)
+    except ValueError:
+        return _size(text)
+    if gib < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {text!r}")
+    return int(gib * 1024**3)
+
+
 def _batch_sizes(text: str) -> tuple[int, ...]:
     """The argparse type of ``--cuda-graph-sizes``: comma-separated positive integers."""
     try:
@@ -78,6 +89,17 @@ FLAG_SPECS: dict[str, FlagSpec] = {
     "kv_cache_memory_bytes": FlagSpec(flag="--kv-cache-memory", metavar="SIZE", parse=_size),
     "swap_space_bytes": FlagSpec(
         flag="--swap-space", metavar="SIZE", parse=_size, show_default=_show_size
+    ),
+    "kv_offloading_bytes": FlagSpec(
+        flag="--kv-offloading-size", metavar="SIZE", parse=_gib_or_size, show_default=_show_size
+    ),
+    "kv_disk_dir": FlagSpec(metavar="DIR"),
+    "kv_disk_bytes": FlagSpec(
+        flag="--kv-disk-size", metavar="SIZE", parse=_size_or_zero, show_default=_show_size
+    ),
+    "kv_remote_url": FlagSpec(metavar="URL"),
+    "kv_remote_bytes": FlagSpec(
+        flag="--kv-remote-size", metavar="SIZE", parse=_size_or_zero, show_default=_show_size
     ),
     "cuda_graph_sizes": FlagSpec(metavar="N,N,...", parse=_batch_sizes),
     "num_speculative_tokens": FlagSpec(metavar="K"),

@@ -518,6 +518,8 @@ def _serve(args: argparse.Namespace, sockets: list, port: int, metrics_port: int
     if not args.model and not (tiny / "config.json").exists():
         progress(f"writing the built-in tiny model to {tiny} (first start)")
     engine_config = serve_engine_config(args, resolve_model(args.model, directory))
+    if engine_config.kv_disk_bytes and engine_config.kv_disk_dir is None:
+        engine_config = engine_config.replace(kv_disk_dir=str(directory / "kv_tiers"))
     if engine_config.attention_backend != "triton":
         keep_triton_out()  # transformers' configs import torch._dynamo, which imports triton
     from loraplex.engine.models.source import resolve_model_source

@@ -62,6 +62,7 @@ class _EngineCollector(Collector):
             value=hit / queried if queried else 0.0,
         )
         yield from _spec_decode_counters(s)
+        yield from _kv_tier_series(s)
         yield from _replica_series(s)
         yield from _hardening_series(s)
 
@@ -83,6 +84,65 @@ def _hardening_series(s: dict[str, Any]) -> Iterator[Any]:
     )
     for key, doc in counters:
         yield CounterMetricFamily(f"loraplex_{key}", doc, value=float(s.get(key, 0)))
+
+
+_KV_TIER_COUNTERS = (
+    ("hits", "Blocks a KV tier returned"),
+    ("misses", "KV tier reads that found no block (absent, corrupt, or the store failing)"),
+    ("stores", "Blocks written to a KV tier"),
+    ("evictions", "Blocks a KV tier evicted to stay within its size"),
+    ("corrupt", "KV tier records found corrupt or truncated (dropped, recomputed)"),
+    ("errors", "KV tier calls that failed (I/O errors, a shared store down or slow)"),
+    ("bytes_read", "Payload bytes read from a KV tier"),
+    ("bytes_written", "Bytes written to a KV tier"),
+    ("loaded_blocks", "Blocks loaded from a KV tier into the pool"),
+    ("load_seconds", "Seconds spent reading blocks from a KV tier for loads"),
+)
+
+
+def _kv_tier_series(s: dict[str, Any]) -> Iterator[Any]:
+    """The KV tiers below the pool (docs/kv_tiers.md): per tier, and the connector's totals."""
+    tiers = sorted(
+        {
+            k[len("kv_tier_") : -len("_capacity_bytes")]
+            for k in s
+            if k.startswith("kv_tier_") and k.endswith("_capacity_bytes")
+        }
+    )
+    if not tiers:
+        return
+    for key, doc in _KV_TIER_COUNTERS:
+        family = CounterMetricFamily(f"loraplex_kv_tier_{key}", doc, labels=["tier"])
+        for tier in tiers:
+            family.add_metric([tier], float(s.get(f"kv_tier_{tier}_{key}", 0)))
+        yield family
+    for key, doc in (
+        ("used_bytes", "Bytes a KV tier holds"),
+        ("capacity_bytes", "A KV tier's size"),
+    ):
+        family = GaugeMetricFamily(f"loraplex_kv_tier_{key}", doc, labels=["tier"])
+        for tier in tiers:
+            family.add_metric([tier], float(s.get(f"kv_tier_{tier}_{key}", 0)))
+        yield family
+    for key, doc in (
+        ("loads", "Requests that waited for blocks from a KV tier"),
+        ("loads_fallen_back", "KV tier loads given up (the request recomputed)"),
+        ("offloaded_blocks", "Blocks copied out of the pool into the KV tiers"),
+        ("store_dropped", "KV tier writes dropped because the write queue was full"),
+    ):
+        yield CounterMetricFamily(
+            f"loraplex_kv_tier_{key}", doc, value=float(s.get(f"kv_tier_{key}", 0))
+        )
+    yield CounterMetricFamily(
+        "loraplex_kv_tier_load_wait_seconds",
+        "Seconds requests waited for their KV tier loads (sum)",
+        value=float(s.get("kv_tier_load_seconds", 0)),
+    )
+    yield GaugeMetricFamily(
+        "loraplex_requests_waiting_for_kv",
+        "Requests waiting for blocks from a KV tier",
+        value=float(s.get("requests_waiting_for_kv", 0)),
+    )
 
 
 def _replica_series(s: dict[str, Any]) -> Iterator[Any]:

@@ -106,3 +106,42 @@ def test_baselines():
         RoutingPolicy(policy="random")
     with pytest.raises(ValueError):
         Router(["a", "a"])
+
+
+def test_tier_resident_prefixes_count_at_the_tier_weight():
+    from loraplex.engine.client.replicas import tier_capacity_blocks
+
+    r = router(tier_weight=0.5)
+    for name in "abc":
+        r.views[name].tier_capacity_blocks = 3
+    # b computed 4 blocks, then its pool evicted them: its own tiers keep the last 3 stored.
+    r.views["b"].apply([stored(*H[:4]), KVEvent("removed", H[:4])])
+    assert r.views["b"].leading_tier_hits(H[:4]) == (0, 0)  # H[0] fell out of the bound
+    assert r.views["b"].leading_tier_hits(H[1:4]) == (0, 3)
+    r.views["b"].apply([stored(H[0])])  # recomputed: in the pool and its tiers again
+    assert r.views["b"].leading_tier_hits(H[:4]) == (1, 0)  # H[1] fell out now
+    r.views["b"].tier_hashes.clear()
+    r.views["b"].apply([stored(*H[:3]), KVEvent("removed", H[:3])])
+    assert r.views["b"].leading_tier_hits(H[:4]) == (0, 3)
+    # c holds 2 in its pool: 2 pool blocks (32 tokens) beat 3 tier blocks at 0.5 (24).
+    r.views["c"].apply([stored(*H[:2])])
+    assert r.choose(H[:4]) == "c"
+    # At weight 1, b's 3 tier blocks beat c's 2 pool blocks.
+    r2 = router(tier_weight=1.0)
+    for name in "bc":
+        r2.views[name].tier_capacity_blocks = 3
+    r2.views["b"].apply([stored(*H[:3]), KVEvent("removed", H[:3])])
+    r2.views["c"].apply([stored(*H[:2])])
+    assert r2.choose(H[:4]) == "b"
+    # A replica without tiers forgets what its pool evicted.
+    r3 = router()
+    r3.views["a"].tier_capacity_blocks = 0
+    r3.views["a"].apply([stored(*H[:3]), KVEvent("removed", H[:3])])
+    assert r3.views["a"].leading_tier_hits(H[:3]) == (0, 0)
+    assert (
+        tier_capacity_blocks(
+            {"kv_blocks_total": 10, "kv_cache_bytes": 1000, "kv_tier_host_capacity_bytes": 500}
+        )
+        == 5
+    )
+    assert tier_capacity_blocks({"kv_blocks_total": 10, "kv_cache_bytes": 1000}) == 0
