@@ -21,7 +21,7 @@ from loraplex.engine.kv_cache.tiers.layout import FORMAT_VERSION, KVLayout
 MAGIC = b"LPKV"
 _HEADER = struct.Struct("<4sHH32sHHQQ")
 HEADER_NBYTES = _HEADER.size
-MAX_KEY_NBYTES = 1024
+MAX_KEY_NBYTES = 64  # block hashes are 16 or 32 bytes; 128 hex digits fit a file name
 
 
 class CorruptBlock(Exception):

@@ -171,7 +171,6 @@ class DiskTier(KVTier):
                 if f.readinto(buf) != expected:
                     raise codec.CorruptBlock("short read")
             payload = codec.decode(buf, key, self.layout)
-            os.utime(path)
         except codec.CorruptBlock as exc:
             log.warning("dropping corrupt KV record %s: %s", path, exc)
             self._drop(key, path, corrupt=True)
@@ -183,6 +182,10 @@ class DiskTier(KVTier):
             log.warning("KV disk tier read of %s failed: %s", path, exc)
             self._count(errors=1, misses=1)
             return None
+        try:
+            os.utime(path)  # the file's mtime is its last access: the LRU order after a restart
+        except OSError:
+            pass  # evicted meanwhile: the payload read is still whole and verified
         self._count(hits=1, bytes_read=payload.numel(), read_seconds=time.perf_counter() - start)
         return payload
 

@@ -100,6 +100,7 @@ class RedisTier(KVTier):
             health_check_interval=0,
         )
         self._down_until = 0.0
+        self._failing = False
         self._state_lock = threading.Lock()
         self._key_nbytes = 32
         self._last_count = 0
@@ -121,20 +122,26 @@ class RedisTier(KVTier):
             self._count(errors=1)
             return _FAILED
         try:
-            return fn()
+            result = fn()
         except Exception as exc:  # redis.RedisError, OSError, a protocol error: all a miss
             with self._state_lock:
-                first = self._down_until == 0.0 or now >= self._down_until + self.retry_after_s
+                first = not self._failing
+                self._failing = True
                 self._down_until = time.monotonic() + self.retry_after_s
             if first:
                 log.warning(
-                    "KV remote tier %s unavailable (%s); retrying in %.1f s",
+                    "KV remote tier %s unavailable (%s); retrying every %.1f s",
                     self.url,
                     exc,
                     self.retry_after_s,
                 )
             self._count(errors=1)
             return _FAILED
+        if self._failing:
+            with self._state_lock:
+                self._failing = False
+            log.warning("KV remote tier %s answers again", self.url)
+        return result
 
     # -- the tier ---------------------------------------------------------------------------
 

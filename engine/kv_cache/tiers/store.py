@@ -307,7 +307,8 @@ class TieredStore:
             ``{"tiers": {name: {hits, misses, ..., used_bytes, capacity_bytes, blocks,
             loaded_blocks, loaded_bytes, load_seconds}}, "store": {offered, dropped, written,
             write_errors, lookups, lookup_hit_blocks, loads, loaded_blocks, load_errors,
-            promotions, pending_bytes, max_pending_bytes}}``.
+            promotions, pending_bytes, max_pending_bytes}}``; ``written`` counts puts summed
+            over the tiers, ``dropped`` the offers refused or discarded at ``close``.
         """
         tiers = {}
         for tier in self.tiers:

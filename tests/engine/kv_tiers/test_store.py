@@ -158,3 +158,40 @@ def test_tenants_and_adapters_never_load_each_others_blocks(store, tiers, layout
 def test_tier_names_must_be_unique(layout):
     with pytest.raises(ValueError):
         TieredStore([HostTier(1), HostTier(1)], max_pending_bytes=0)
+
+
+def test_concurrent_offers_loads_and_evictions_stay_consistent(tmp_path, layout):
+    host = HostTier(6 * layout.block_nbytes)
+    disk = DiskTier(tmp_path, 10 * record(layout), layout)
+    store = TieredStore([host, disk], max_pending_bytes=8 * layout.block_nbytes)
+    ks = keys(24)
+    payloads = [block(layout, i) for i in range(24)]
+    wrong = []
+
+    def offer(start):
+        for i in range(start, 24, 2):
+            store.offer(ks[i], payloads[i])
+
+    def load():
+        for n in range(40):
+            got = store.load_prefix(ks[n % 8 :]).result(5)
+            for j, p in enumerate(got):
+                if not torch.equal(p, payloads[n % 8 + j]):
+                    wrong.append(n % 8 + j)
+
+    threads = [threading.Thread(target=offer, args=(s,)) for s in (0, 1)]
+    threads += [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert store.flush(10)
+    assert wrong == []
+    assert host.used_bytes <= host.capacity_bytes and disk.used_bytes <= disk.capacity_bytes
+    on_disk = {p.name for p in (tmp_path / layout.fingerprint()).glob("*/*.kv")}
+    assert on_disk == {k.hex() + ".kv" for k in ks if disk.contains(k)}
+    assert (
+        len(on_disk) == len(disk)
+        and sum(p.numel() for p in [host.get(k) for k in ks if host.contains(k)]) == host.used_bytes
+    )
+    store.close()
