@@ -36,7 +36,14 @@ import torch
 import xxhash
 
 from bench.ratelimit import start_redis
-from loraplex.engine.kv_cache.tiers import KVLayout, RedisTier, codec
+from loraplex.engine.kv_cache.tiers import (
+    DiskTier,
+    HostTier,
+    KVLayout,
+    RedisTier,
+    TieredStore,
+    codec,
+)
 
 SMOLLM2 = KVLayout("HuggingFaceTB/SmolLM2-135M", "float32", 16, 30, 3, 64, "sha256")
 BATCH = 16
@@ -374,6 +381,55 @@ def memcpy_rate() -> float:
     return round(SMOLLM2.block_nbytes / best / 1e9, 2)
 
 
+def store_loads(url: str, directory: str, blocks: int, rounds: int) -> dict:
+    """``TieredStore.load_prefix`` of ``blocks`` float32 blocks from each tier alone.
+
+    Host, disk (files in the page cache, as right after they were written) and Redis, each
+    behind its own store (no promotion); the median of ``rounds`` loads, every payload checked.
+
+    Returns:
+        Per tier: milliseconds for the prefix, microseconds and GB/s per block, mismatches.
+    """
+    layout = SMOLLM2
+    ks = [key_of(-2, i) for i in range(blocks)]
+    gen = torch.Generator().manual_seed(1)
+    payloads = [
+        torch.randint(0, 256, (layout.block_nbytes,), dtype=torch.uint8, generator=gen)
+        for _ in range(blocks)
+    ]
+    cap = 2 * blocks * codec.frame_nbytes(32, layout)
+    tiers = {
+        "host": HostTier(cap),
+        "disk": DiskTier(os.path.join(directory, "disk"), cap, layout),
+        "remote": RedisTier(url, layout, cap, namespace="bench-store"),
+    }
+    out = {}
+    for name, tier in tiers.items():
+        store = TieredStore([tier], max_pending_bytes=cap)
+        for k, p in zip(ks, payloads, strict=True):
+            store.offer(k, p)
+        assert store.flush(120)
+        times, bad = [], 0
+        for _ in range(rounds + 1):
+            t0 = time.perf_counter()
+            got = store.load_prefix(ks).result(120)
+            times.append(time.perf_counter() - t0)
+            bad += len(got) != blocks or any(
+                not torch.equal(g, p) for g, p in zip(got, payloads, strict=False)
+            )
+        seconds = statistics.median(times[1:])
+        out[name] = {
+            "prefix_ms": round(seconds * 1e3, 1),
+            "us_per_block": round(seconds / blocks * 1e6, 1),
+            "GBps": round(blocks * layout.block_nbytes / seconds / 1e9, 2),
+            "mismatches": bad,
+        }
+        if name == "remote":
+            tier.clear()
+        store.close()
+    return out
+
+
 def main() -> None:
     """Parse the flags, start Redis (and Ray) unless told otherwise, run, print, JSON last."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -425,6 +481,7 @@ def main() -> None:
                         cand.close()
             for cand in cands:
                 cand.close()
+            loads = store_loads(url, directory, blocks, rounds)
         finally:
             if not args.no_ray:
                 import ray
@@ -453,6 +510,7 @@ def main() -> None:
         "batch": BATCH,
         "block_nbytes": {d: lay.block_nbytes for d, lay in layouts.items()},
         "results": results,
+        "store_load_float32": loads,
         "ray_init_s": ray_init_s,
         "checksum_GBps": sums,
         "memcpy_block_GBps": memcpy_rate(),
@@ -464,13 +522,15 @@ def main() -> None:
             for n in results
             if n.endswith("/float32") and not n.startswith("redis/")
         },
-        "mismatches": sum(r["mismatches"] for r in results.values()),
+        "mismatches": sum(r["mismatches"] for r in [*results.values(), *loads.values()]),
         "choice": "redis",
     }
     cols = ["put_us", "get_us", "get_batch_us", "contains_us", "get_batch_GBps"]
     print(f"{'candidate':<26}" + "".join(f"{c:>15}" for c in cols))
     for name, row in results.items():
         print(f"{name:<26}" + "".join(f"{row[c]:>15}" for c in cols))
+    for name, row in loads.items():
+        print(f"TieredStore.load_prefix of {blocks} float32 blocks from {name}: {row}")
     print("checksums GB/s:", sums, "| memcpy of a block GB/s:", result["memcpy_block_GBps"])
     print(json.dumps(result))
 

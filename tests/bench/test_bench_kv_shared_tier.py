@@ -24,5 +24,8 @@ def test_kv_shared_tier_quick():
         assert row["mismatches"] == 0
         for figure in ("put_us", "get_us", "get_batch_us", "contains_us"):
             assert row[figure] > 0
+    loads = result["store_load_float32"]  # TieredStore.load_prefix from each tier alone
+    assert set(loads) == {"host", "disk", "remote"}
+    assert all(row["mismatches"] == 0 and row["us_per_block"] > 0 for row in loads.values())
     assert set(result["checksum_GBps"]) >= {"xxh3_64/block", "crc32/block", "sha256/large"}
     assert result["choice"] == "redis" and result["ray_init_s"] is None

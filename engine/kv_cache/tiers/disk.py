@@ -167,10 +167,10 @@ class DiskTier(KVTier):
                 size = os.fstat(f.fileno()).st_size
                 if size != expected:
                     raise codec.CorruptBlock(f"file of {size} bytes, expected {expected}")
-                buf = bytearray(expected)
-                if f.readinto(buf) != expected:
+                buf = torch.empty(expected, dtype=torch.uint8)  # not zero-filled, unlike bytearray
+                if f.readinto(codec.payload_view(buf)) != expected:
                     raise codec.CorruptBlock("short read")
-            payload = codec.decode(buf, key, self.layout)
+            payload = codec.decode(codec.payload_view(buf), key, self.layout)
         except codec.CorruptBlock as exc:
             log.warning("dropping corrupt KV record %s: %s", path, exc)
             self._drop(key, path, corrupt=True)

@@ -13,6 +13,7 @@ import torch
 
 from loraplex.engine.kv_cache.tiers.base import KVTier
 from loraplex.engine.kv_cache.tiers.codec import check_payload
+from loraplex.engine.kv_cache.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,8 @@ class TieredStore:
     LMCache's storage backends: blocks keyed by the prefix hashes of the pool.
 
     Args:
-        tiers: The tiers, fastest first (names unique). A tier whose class sets ``local = False``
+        tiers: The tiers, fastest first (names unique); hits of the others are promoted into the
+            first ``HostTier``. A tier whose class sets ``local = False``
             is asked in one round trip per call (``contains_many`` / ``get_many``).
         max_pending_bytes: Bound on the payload bytes offered and not yet written (>= 0).
 
@@ -47,7 +49,7 @@ class TieredStore:
             raise ValueError(f"max_pending_bytes must be >= 0, got {max_pending_bytes}")
         self.tiers = list(tiers)
         self.max_pending_bytes = int(max_pending_bytes)
-        self._host = self.tiers[0] if self.tiers and self.tiers[0].name == "host" else None
+        self._host = next((t for t in self.tiers if isinstance(t, HostTier)), None)
         self._cond = threading.Condition()
         self._queue: deque[tuple[bytes, torch.Tensor]] = deque()
         self._queued: set[bytes] = set()

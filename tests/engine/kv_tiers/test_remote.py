@@ -156,3 +156,32 @@ def test_a_redis_that_does_not_answer_times_out(layout):
         assert time.monotonic() - start < 1
         assert tier.stats.errors >= 3
         tier.close()
+
+
+@pytest.mark.service
+def test_a_stalled_redis_costs_one_timeout_then_the_tier_comes_back(redis_url, layout, request):
+    import redis
+
+    tier = RedisTier(
+        redis_url,
+        layout,
+        1 << 20,
+        namespace=f"test:{request.node.name}",
+        timeout_s=0.1,
+        retry_after_s=0.2,
+    )
+    k = keys(1)[0]
+    assert tier.put(k, block(layout, 0))
+    raw = redis.from_url(redis_url)
+    raw.client_pause(400, all=True)  # the server stops answering every client for 0.4 s
+    start = time.monotonic()
+    assert tier.get(k) is None  # one timeout (0.1 s) ...
+    assert tier.get(k) is None and tier.put(keys(2)[1], block(layout, 1)) is False  # ... then none
+    assert time.monotonic() - start < 0.35
+    assert tier.stats.errors == 3 and tier.stats.hits == 0
+    time.sleep(0.6)
+    assert torch.equal(tier.get(k), block(layout, 0))
+    assert tier.stats.hits == 1
+    tier.clear()
+    tier.close()
+    raw.close()
