@@ -228,3 +228,27 @@ def test_a_load_while_others_decode_is_paced_between_steps_and_exact(host_llm, r
     assert outs["b"].num_cached_tokens == 12 * BS
     assert ask(host_llm, "c", tokens).outputs[0].token_ids == expected
     assert core.kv.num_pinned == 0
+
+
+@pytest.mark.service
+def test_two_replicas_sharing_a_redis_tier_give_the_tokens_of_recompute(
+    tiny_text_dir, tmp_path, reference
+):
+    from tests.redis_server import redis_server
+
+    tokens = prompt(100, seed=11)
+    expected = ask(reference, "r", tokens).outputs[0].token_ids
+    with redis_server(tmp_path) as url:
+        remote = dict(kv_remote_url=url, kv_remote_bytes=64 << 20)
+        a, b = LLM(config(tiny_text_dir, **remote)), LLM(config(tiny_text_dir, **remote))
+        try:
+            ask(a, "a", tokens, salt="t1")
+            settle(a)
+            other_tenant = ask(b, "x", tokens, salt="t2")  # same tokens, another tenant's salt
+            assert other_tenant.num_cached_tokens == 0
+            out = ask(b, "b", tokens, salt="t1")  # b's pool never saw it: loaded from Redis
+            assert out.num_cached_tokens == 6 * BS and out.outputs[0].token_ids == expected
+            assert b.engine.core.stats()["kv_tier_remote_hits"] == 6
+        finally:
+            a.shutdown()
+            b.shutdown()
