@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +35,12 @@ return over
 """
 
 _FAILED = object()
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its user and password, for logs."""
+    parts = urllib.parse.urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 class RedisTier(KVTier):
@@ -87,6 +94,7 @@ class RedisTier(KVTier):
         super().__init__(name, capacity_bytes)
         self.layout = layout
         self.url = url
+        self._where = _redacted(url)
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self.batch_bytes = batch_bytes
@@ -131,7 +139,7 @@ class RedisTier(KVTier):
             if first:
                 log.warning(
                     "KV remote tier %s unavailable (%s); retrying every %.1f s",
-                    self.url,
+                    self._where,
                     exc,
                     self.retry_after_s,
                 )
@@ -140,7 +148,7 @@ class RedisTier(KVTier):
         if self._failing:
             with self._state_lock:
                 self._failing = False
-            log.warning("KV remote tier %s answers again", self.url)
+            log.warning("KV remote tier %s answers again", self._where)
         return result
 
     # -- the tier ---------------------------------------------------------------------------

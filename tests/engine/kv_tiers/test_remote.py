@@ -121,8 +121,9 @@ def closed_port() -> int:
         return s.getsockname()[1]  # nothing listens once the socket is closed
 
 
-def test_a_redis_that_is_down_never_raises(layout):
-    tier = RedisTier(f"redis://127.0.0.1:{closed_port()}/0", layout, 1 << 20, retry_after_s=0.2)
+def test_a_redis_that_is_down_never_raises(layout, caplog):
+    url = f"redis://:hunter2@127.0.0.1:{closed_port()}/0"
+    tier = RedisTier(url, layout, 1 << 20, retry_after_s=0.2)
     ks = keys(3)
     start = time.monotonic()
     assert tier.put(ks[0], block(layout, 0)) is False
@@ -132,6 +133,8 @@ def test_a_redis_that_is_down_never_raises(layout):
     assert tier.used_bytes == 0 and len(tier) == 0
     assert time.monotonic() - start < 2
     assert tier.stats.errors >= 6 and tier.stats.misses == 4 and tier.stats.hits == 0
+    warnings = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "hunter2" not in warnings[0]  # logged once, no password
     host = HostTier(1 << 20)
     host.put(ks[0], block(layout, 0))
     store = TieredStore([host, tier], max_pending_bytes=1 << 20)
