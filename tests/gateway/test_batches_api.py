@@ -9,7 +9,7 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from loraplex.gateway.db.models import UsageEvent
+from loraplex.gateway.db.models import Batch, UsageEvent
 from tests.gateway.conftest import with_db
 from tests.gateway.live import LiveGateway
 
@@ -246,3 +246,33 @@ def test_a_batch_survives_a_gateway_restart(engine_client, tmp_path):
         rows = usage_rows(gw, batch.id)
     assert sum(r.status == "ok" for r in rows) == 8  # nothing answered before was redone
     assert {r.status for r in rows} <= {"ok", "aborted"}
+
+
+@pytest.mark.slow
+def test_running_batch_slots_are_shared_across_tenants(engine_client, tmp_path):
+    """One slot, tenant a queues three batches, then b one: b's runs second, not fourth."""
+    with LiveGateway(
+        engine_client, tmp_path / "data", batch_max_running=1, batch_concurrency=1
+    ) as gw:
+        a = gw.openai(gw.create_tenant("a")["api_key"])
+        b = gw.openai(gw.create_tenant("b")["api_key"])
+        long = [chat_line(f"l{i}", max_tokens=32, ignore_eos=True) for i in range(6)]
+        short = [chat_line("s")]
+        args = {"endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        first = a.batches.create(input_file_id=upload(a, long).id, **args)
+        wait(a, first.id, ("in_progress", *TERMINAL))
+        a_ids = [first.id] + [
+            a.batches.create(input_file_id=upload(a, short).id, **args).id for _ in range(2)
+        ]
+        b_id = b.batches.create(input_file_id=upload(b, short).id, **args).id
+        assert a.batches.retrieve(first.id).status == "in_progress"  # b queued while a1 runs
+        done = [wait(a, i) for i in a_ids] + [wait(b, b_id)]
+
+        async def started(sessions):  # the API's times are whole seconds; the rows' are not
+            async with sessions() as session:
+                rows = await session.scalars(select(Batch).order_by(Batch.in_progress_at))
+                return [r.id for r in rows]
+
+        order = with_db(gw.state.config.db_url, started)
+    assert {x.status for x in done} == {"completed"}
+    assert order == [a_ids[0], b_id, a_ids[1], a_ids[2]]  # FIFO would be a1, a2, a3, b1

@@ -12,7 +12,9 @@ Each line runs through :func:`gateway.domains.chat.controller.run_line`: the end
 parser, model resolution, prompt processing, engine run (at ``PRIORITY_BATCH``: the engine
 admits it only while no interactive request waits, and preempts it first), response body and
 usage row (with the batch's id in ``batch_id``). At most ``batch_concurrency`` lines of a batch
-are in flight, and ``batch_max_running`` batches run at once. Each answer is appended to the
+are in flight, and ``batch_max_running`` batches run at once, their slots shared across tenants
+(``gateway.domains.batches.slots``: a tenant with a batch running does not start another while
+another tenant's batch waits). Each answer is appended to the
 batch's progress file (``gateway.domains.batches.progress``) as it arrives, so after a restart
 only the lines not answered run. A cancel aborts the lines in flight (their usage rows say
 ``aborted``) and finalizes with what was answered. A server shutdown aborts the lines in flight
@@ -48,6 +50,7 @@ from loraplex.gateway.db.models import Batch, StoredFile
 from loraplex.gateway.db.types import utcnow
 from loraplex.gateway.domains.batches.lines import Line, iter_raw, parse_line, read_lines, validate
 from loraplex.gateway.domains.batches.progress import ProgressLog, progress_path, read_progress
+from loraplex.gateway.domains.batches.slots import TenantSlots
 from loraplex.gateway.domains.chat.controller import run_line
 from loraplex.gateway.domains.chat.service import ChatDeps
 from loraplex.gateway.domains.files.store import file_path, files_root, new_file_id
@@ -97,7 +100,7 @@ class BatchRunner:
         self.deps = deps
         self.tasks: dict[str, asyncio.Task] = {}
         self._running: dict[str, _Running] = {}
-        self._slots: asyncio.Semaphore | None = None
+        self._slots = TenantSlots(config.batch_max_running)
 
     # ------------------------------------------------------------------ control
     async def resume(self) -> list[str]:
@@ -143,23 +146,16 @@ class BatchRunner:
 
     # ------------------------------------------------------------------ one batch
     async def _run(self, batch_id: str) -> None:
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.config.batch_max_running)
         try:
-            async with self._slots:
-                row = await self._load(batch_id)
-                if row is not None and row.status == "validating":
-                    row = await self._validate(row)
-                if row is not None and row.status == "in_progress":
-                    ending = await self._execute(row)
-                    row = await self._load(batch_id)
-                    if row is not None and row.status == "in_progress":
-                        await self._finalize(row, ending)
-                        return
-                if row is not None and row.status in ("finalizing", "cancelling"):
-                    await self._finalize(
-                        row, "cancelled" if row.status == "cancelling" else "completed"
-                    )
+            row = await self._load(batch_id)
+            if row is None or row.status not in ACTIVE:
+                return
+            tenant = row.tenant_id
+            await self._slots.acquire(tenant)  # fair across tenants (batches.slots)
+            try:
+                await self._step(batch_id)
+            finally:
+                self._slots.release(tenant)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -171,6 +167,20 @@ class BatchRunner:
                     failed_at=utcnow(),
                     errors=[{"code": "internal_error", "message": "the batch runner failed"}],
                 )
+
+    async def _step(self, batch_id: str) -> None:
+        """Take the batch from its current status to a final one (holding a running slot)."""
+        row = await self._load(batch_id)
+        if row is not None and row.status == "validating":
+            row = await self._validate(row)
+        if row is not None and row.status == "in_progress":
+            ending = await self._execute(row)
+            row = await self._load(batch_id)
+            if row is not None and row.status == "in_progress":
+                await self._finalize(row, ending)
+                return
+        if row is not None and row.status in ("finalizing", "cancelling"):
+            await self._finalize(row, "cancelled" if row.status == "cancelling" else "completed")
 
     async def _load(self, batch_id: str) -> Batch | None:
         async with self.sessions() as session:
