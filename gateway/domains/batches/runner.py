@@ -1,7 +1,10 @@
 """The batch runner: runs each batch's lines through the endpoints' own path, in the gateway.
 
 Life of a batch (OpenAI's statuses; its row in ``batches`` is the state, so a restarted
-gateway picks every unfinished batch up again with :meth:`BatchRunner.resume`)::
+gateway picks every unfinished batch up again with :meth:`BatchRunner.resume`). A runner runs
+a batch only while it holds the batch's lease (``gateway.domains.batches.lease``), so several
+gateways on one database never run the same batch, and a crashed one's batches are taken over
+when their leases expire::
 
     validating  --lines checked (gateway.domains.batches.lines)--> failed (errors) | in_progress
     in_progress --every line answered-----------------------------> finalizing -> completed
@@ -42,12 +45,20 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from loraplex.gateway.auth.principals import TenantPrincipal
 from loraplex.gateway.db.models import Batch, StoredFile
 from loraplex.gateway.db.types import utcnow
+from loraplex.gateway.domains.batches.lease import (
+    ACTIVE,
+    claim,
+    claimable,
+    new_owner_id,
+    release,
+    renew,
+)
 from loraplex.gateway.domains.batches.lines import Line, iter_raw, parse_line, read_lines, validate
 from loraplex.gateway.domains.batches.progress import ProgressLog, progress_path, read_progress
 from loraplex.gateway.domains.batches.slots import TenantSlots
@@ -59,8 +70,6 @@ from loraplex.gateway.services.tenants import TenantLimits
 
 logger = logging.getLogger(__name__)
 
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-"""Statuses of a batch that still needs the runner."""
 COMPLETION_WINDOW = timedelta(hours=24)
 READ_CHUNK = 256
 """Lines read from the input file per worker-thread call."""
@@ -101,21 +110,34 @@ class BatchRunner:
         self.tasks: dict[str, asyncio.Task] = {}
         self._running: dict[str, _Running] = {}
         self._slots = TenantSlots(config.batch_max_running)
+        self.owner = new_owner_id()
+        self.lease_s = config.batch_lease_seconds
+        self._sweeper: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ control
     async def resume(self) -> list[str]:
-        """Launch every batch left unfinished (a restart); returns their ids."""
-        async with self.sessions() as session:
-            ids = list(
-                (
-                    await session.scalars(
-                        select(Batch.id).where(Batch.status.in_(ACTIVE)).order_by(Batch.created_at)
-                    )
-                ).all()
-            )
+        """Launch every unfinished batch no live lease holds (a restart, a crashed peer).
+
+        Returns:
+            Their ids (those this runner already runs included; they are not launched twice).
+        """
+        ids = await claimable(self.sessions)
         for batch_id in ids:
             self.launch(batch_id)
         return ids
+
+    async def start(self) -> None:
+        """Resume what is left unfinished, then sweep for claimable batches every half lease."""
+        await self.resume()
+        self._sweeper = asyncio.create_task(self._sweep(), name="loraplex-batch-sweep")
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 2)
+            try:
+                await self.resume()
+            except Exception:  # the database is down: the next sweep tries again
+                logger.warning("batch sweep failed", exc_info=True)
 
     def launch(self, batch_id: str) -> None:
         """Run the batch in a task of its own (nothing if it already runs here)."""
@@ -139,6 +161,9 @@ class BatchRunner:
         Lines in flight are aborted; rows are left as they are.
         """
         tasks = list(self.tasks.values())
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            tasks.append(self._sweeper)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -153,7 +178,8 @@ class BatchRunner:
             tenant = row.tenant_id
             await self._slots.acquire(tenant)  # fair across tenants (batches.slots)
             try:
-                await self._step(batch_id)
+                if await claim(self.sessions, batch_id, self.owner, self.lease_s):
+                    await self._held(batch_id)  # else another gateway holds its lease
             finally:
                 self._slots.release(tenant)
         except asyncio.CancelledError:
@@ -167,6 +193,47 @@ class BatchRunner:
                     failed_at=utcnow(),
                     errors=[{"code": "internal_error", "message": "the batch runner failed"}],
                 )
+
+    async def _held(self, batch_id: str) -> None:
+        """Run the batch while renewing its lease; stop if the lease is lost; then release it."""
+        step = asyncio.create_task(self._step(batch_id), name=f"loraplex-{batch_id}-step")
+        lost = asyncio.Event()
+        keeper = asyncio.create_task(self._keep(batch_id, step, lost))
+        try:
+            await step
+        except asyncio.CancelledError:
+            if not lost.is_set():
+                raise  # the gateway stopping
+            logger.warning("batch %s: lease lost, stopped here", batch_id)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(release(self.sessions, batch_id, self.owner))
+
+    async def _keep(self, batch_id: str, step: asyncio.Task, lost: asyncio.Event) -> None:
+        """Renew the lease every third of it; cancel ``step`` when it is no longer ours.
+
+        A cancel made on another gateway (status ``cancelling``) is seen here too.
+        """
+        last_ok = time.monotonic()
+        while not step.done():
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                status = await asyncio.wait_for(
+                    renew(self.sessions, batch_id, self.owner, self.lease_s), self.lease_s / 3
+                )
+            except Exception:
+                logger.warning("batch %s: lease renewal failed", batch_id, exc_info=True)
+                if time.monotonic() - last_ok < self.lease_s * 2 / 3:
+                    continue
+                status = None  # stop before the lease can have run out
+            if status is None:
+                lost.set()
+                step.cancel()
+                return
+            last_ok = time.monotonic()
+            if status == "cancelling":
+                self.cancel(batch_id)
 
     async def _step(self, batch_id: str) -> None:
         """Take the batch from its current status to a final one (holding a running slot)."""
