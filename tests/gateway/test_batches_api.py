@@ -351,3 +351,53 @@ def test_a_crashed_gateways_batch_is_taken_over_when_its_lease_expires(engine_cl
         ]
         rows = usage_rows(gw, batch.id)
     assert sum(r.status == "ok" for r in rows) == 8  # nothing answered before was redone
+
+
+@pytest.mark.slow
+def test_a_batch_past_its_completion_window_expires_as_openai_says(engine_client, tmp_path):
+    """Answered lines stay in the output file; the rest go to the error file, batch_expired."""
+    data = tmp_path / "data"
+    lines = [chat_line(f"q{i}", max_tokens=4) for i in range(2)] + [
+        chat_line(f"r{i}", f"line {i}", max_tokens=400, ignore_eos=True) for i in range(6)
+    ]
+    with LiveGateway(engine_client, data, batch_concurrency=1) as gw:
+        key = gw.create_tenant("t")["api_key"]
+        client = gw.openai(key)
+        batch = client.batches.create(
+            input_file_id=upload(client, lines).id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        progress = gw.state.config.files_dir / f"{batch.id}.progress"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the two short lines answered
+            if progress.exists() and 2 <= len(progress.read_bytes().splitlines()):
+                break
+            time.sleep(0.01)
+
+    async def window_ends_soon(sessions):  # as if it was created 24 h minus 1 s ago
+        async with sessions() as session:
+            row = await session.get(Batch, batch.id)
+            row.expires_at = utcnow() + timedelta(seconds=1)
+            await session.commit()
+
+    with_db(db_url(data), window_ends_soon)
+    with LiveGateway(engine_client, data, batch_concurrency=2) as gw:
+        client = gw.openai(key)
+        batch = wait(client, batch.id)
+        out = records(client, batch.output_file_id)
+        errors = records(client, batch.error_file_id)
+        rows = usage_rows(gw, batch.id)
+    assert batch.status == "expired" and batch.expired_at and batch.completed_at is None
+    answered = [r["custom_id"] for r in out]
+    assert answered[:2] == ["q0", "q1"] and all(r["response"]["status_code"] == 200 for r in out)
+    assert len(answered) < 8  # the long lines could not all finish in a second
+    ids = [line["custom_id"] for line in lines]
+    assert [r["custom_id"] for r in errors] == [i for i in ids if i not in answered]
+    for r in errors:
+        assert r["response"] is None and r["error"]["code"] == "batch_expired"
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (8, len(out), len(errors))
+    assert sum(r.status == "ok" for r in rows) == len(out)
+    # the two lines in flight when the window ended were aborted (the first stop aborts <= 1)
+    assert sum(r.status == "aborted" for r in rows) >= 2

@@ -9,7 +9,7 @@ when their leases expire::
     validating  --lines checked (gateway.domains.batches.lines)--> failed (errors) | in_progress
     in_progress --every line answered-----------------------------> finalizing -> completed
                 --cancel (POST /v1/batches/{id}/cancel)-----------> cancelling -> cancelled
-                --past expires_at (24 h)--------------------------> finalizing -> expired
+                --expires_at (24 h) passed: lines in flight aborted---> finalizing -> expired
 
 Each line runs through :func:`gateway.domains.chat.controller.run_line`: the endpoint's own
 parser, model resolution, prompt processing, engine run (at ``PRIORITY_BATCH``: the engine
@@ -301,7 +301,19 @@ class BatchRunner:
         lines = read_lines(
             file_path(self.config.files_dir, row.input_file_id), row.endpoint, set(done)
         )
-        ending = "completed"
+        expired = asyncio.Event()
+
+        def expire() -> None:  # the completion window ended: unfinished lines are cancelled
+            expired.set()
+            for task in list(running.lines):
+                task.cancel()  # aborted in the engine; its usage row says so
+
+        left_s = (row.expires_at - utcnow()).total_seconds() if row.expires_at else None
+        timer = (
+            None
+            if left_s is None
+            else asyncio.get_running_loop().call_later(max(0.0, left_s), expire)
+        )
 
         async def one(line: Line) -> None:
             for attempt in range(UNAVAILABLE_RETRIES + 1):
@@ -333,15 +345,15 @@ class BatchRunner:
                     if running.cancelled.is_set():
                         slots.release()
                         break
-                    if row.expires_at is not None and utcnow() > row.expires_at:
+                    if expired.is_set() or (row.expires_at and utcnow() >= row.expires_at):
                         slots.release()
-                        ending = "expired"
+                        expired.set()
                         break
                     task = asyncio.create_task(one(line))
                     running.lines.add(task)
                     task.add_done_callback(running.lines.discard)
                     task.add_done_callback(lambda _: slots.release())  # even if never started
-                if running.cancelled.is_set() or ending == "expired":
+                if running.cancelled.is_set() or expired.is_set():
                     break
             if running.lines:
                 await asyncio.wait(set(running.lines))
@@ -352,12 +364,16 @@ class BatchRunner:
                 await asyncio.wait(set(running.lines), timeout=10)
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             self._running.pop(row.id, None)
             lines.close()
             log.close()
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._set(row.id, **counts))
-        return "cancelled" if running.cancelled.is_set() else ending
+        if running.cancelled.is_set():
+            return "cancelled"
+        return "expired" if expired.is_set() else "completed"
 
     async def _finalize(self, row: Batch, ending: str) -> None:
         """Write the output and error files and the final status, in one transaction."""
@@ -431,7 +447,8 @@ def _write_results(
                             "response": None,
                             "error": {
                                 "code": "batch_expired",
-                                "message": "the batch expired before this request ran",
+                                "message": "The request could not be executed before the "
+                                "completion window ended.",
                             },
                         },
                     )
