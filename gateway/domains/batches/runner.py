@@ -297,6 +297,7 @@ class BatchRunner:
         principal = TenantPrincipal(row.tenant_id, "", row.key_id or "", TenantLimits())
         slots = asyncio.Semaphore(max(1, self.config.batch_concurrency))
         log = await asyncio.to_thread(ProgressLog, ppath)
+        appends: set[asyncio.Future] = set()
         last_save = [time.monotonic()]
         lines = read_lines(
             file_path(self.config.files_dir, row.input_file_id), row.endpoint, set(done)
@@ -329,7 +330,13 @@ class BatchRunner:
                 "response": {"status_code": status, "request_id": request_id, "body": body},
                 "error": None,
             }
-            log.append(line.index, status == 200, record)
+            # fsynced in a worker thread; a cancel now must not lose an answered (billed) line
+            write = asyncio.ensure_future(
+                asyncio.to_thread(log.append, line.index, status == 200, record)
+            )
+            appends.add(write)
+            write.add_done_callback(appends.discard)
+            await asyncio.shield(write)
             counts["completed" if status == 200 else "failed"] += 1
             if time.monotonic() - last_save[0] >= COUNTS_EVERY_S:
                 last_save[0] = time.monotonic()
@@ -368,6 +375,8 @@ class BatchRunner:
                 timer.cancel()
             self._running.pop(row.id, None)
             lines.close()
+            if appends:  # answers being written when the lines were cancelled
+                await asyncio.shield(asyncio.wait(set(appends)))
             log.close()
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._set(row.id, **counts))
