@@ -125,6 +125,7 @@ class StreamMeta:
             choice's own prompt's).
         want_logprobs: Send each delta's logprobs.
         token_bytes: Token ids to their bytes (for logprobs).
+        service_tier: The tier that serves the request (every chunk says it, as OpenAI's do).
     """
 
     response_id: str
@@ -139,6 +140,7 @@ class StreamMeta:
     text_completion: bool = False
     echo: str | list[str] = ""
     echo_logprobs: list[dict[str, Any]] | None = None
+    service_tier: str = "default"
 
 
 def sse(obj: Any) -> bytes:
@@ -156,6 +158,7 @@ def chunk_body(meta: StreamMeta, choices: list[dict[str, Any]]) -> dict[str, Any
         "object": "text_completion" if meta.text_completion else "chat.completion.chunk",
         "created": meta.created,
         "model": meta.model,
+        "service_tier": meta.service_tier,
         "choices": choices,
     }
     if meta.include_usage or meta.continuous_usage:
