@@ -233,6 +233,8 @@ class Batch(Base):
     each step's time is kept. ``key_id`` is the key that created it: its lines' usage rows
     carry it. The per-line progress lives in the data directory
     (``gateway.domains.batches.progress``), so a restarted gateway resumes where it stopped.
+    ``owner`` / ``lease_expires_at``: the gateway running it and until when its claim holds
+    (``gateway.domains.batches.lease``; migration 0005).
     """
 
     __tablename__ = "batches"
@@ -264,3 +266,5 @@ class Batch(Base):
     expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    owner: Mapped[str | None] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())

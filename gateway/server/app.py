@@ -59,7 +59,7 @@ def create_app(state: GatewayState) -> Litestar:
     async def on_startup() -> None:
         state.usage.start()
         state.background.append(asyncio.create_task(watch_engine(state), name="engine-watch"))
-        await state.batches.resume()  # batches a previous run left unfinished
+        await state.batches.start()  # resume unfinished batches; sweep for expired leases
 
     async def on_shutdown() -> None:
         await shutdown(state)

@@ -152,6 +152,7 @@ class GatewayConfig:
     batch_max_requests: int = 50_000
     batch_concurrency: int = 16
     batch_max_running: int = 4
+    batch_lease_seconds: float = 30.0
     batch_max_files_per_tenant: int = 100
     batch_max_active_per_tenant: int = 4
 

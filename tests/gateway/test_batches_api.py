@@ -4,12 +4,15 @@ validation, per-line errors, cancel, tenants, usage rows with the batch id, rest
 import io
 import json
 import time
+from datetime import timedelta
 
 import openai
 import pytest
 from sqlalchemy import select
 
-from loraplex.gateway.db.models import UsageEvent
+from loraplex.gateway.db.models import Batch, UsageEvent
+from loraplex.gateway.db.session import db_url
+from loraplex.gateway.db.types import utcnow
 from tests.gateway.conftest import with_db
 from tests.gateway.live import LiveGateway
 
@@ -246,3 +249,155 @@ def test_a_batch_survives_a_gateway_restart(engine_client, tmp_path):
         rows = usage_rows(gw, batch.id)
     assert sum(r.status == "ok" for r in rows) == 8  # nothing answered before was redone
     assert {r.status for r in rows} <= {"ok", "aborted"}
+
+
+@pytest.mark.slow
+def test_running_batch_slots_are_shared_across_tenants(engine_client, tmp_path):
+    """One slot, tenant a queues three batches, then b one: b's runs second, not fourth."""
+    with LiveGateway(
+        engine_client, tmp_path / "data", batch_max_running=1, batch_concurrency=1
+    ) as gw:
+        a = gw.openai(gw.create_tenant("a")["api_key"])
+        b = gw.openai(gw.create_tenant("b")["api_key"])
+        long = [chat_line(f"l{i}", max_tokens=32, ignore_eos=True) for i in range(6)]
+        short = [chat_line("s")]
+        args = {"endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        first = a.batches.create(input_file_id=upload(a, long).id, **args)
+        wait(a, first.id, ("in_progress", *TERMINAL))
+        a_ids = [first.id] + [
+            a.batches.create(input_file_id=upload(a, short).id, **args).id for _ in range(2)
+        ]
+        b_id = b.batches.create(input_file_id=upload(b, short).id, **args).id
+        assert a.batches.retrieve(first.id).status == "in_progress"  # b queued while a1 runs
+        done = [wait(a, i) for i in a_ids] + [wait(b, b_id)]
+
+        async def started(sessions):  # the API's times are whole seconds; the rows' are not
+            async with sessions() as session:
+                rows = await session.scalars(select(Batch).order_by(Batch.in_progress_at))
+                return [r.id for r in rows]
+
+        order = with_db(gw.state.config.db_url, started)
+    assert {x.status for x in done} == {"completed"}
+    assert order == [a_ids[0], b_id, a_ids[1], a_ids[2]]  # FIFO would be a1, a2, a3, b1
+
+
+def _rows_ok(rows):
+    return sum(r.status == "ok" for r in rows), {r.status for r in rows}
+
+
+@pytest.mark.slow
+def test_two_gateways_on_one_database_never_both_run_a_batch(engine_client, tmp_path):
+    """Both gateways sweep for unowned batches; each batch's lines still run exactly once."""
+    data = tmp_path / "data"
+    lines = [chat_line(f"r{i}", f"line {i}", max_tokens=8) for i in range(6)]
+    opts = {"batch_concurrency": 1, "batch_lease_seconds": 0.6}
+    with (
+        LiveGateway(engine_client, data, **opts) as gw1,
+        LiveGateway(engine_client, data, **opts) as gw2,
+    ):
+        key = gw1.create_tenant("t")["api_key"]
+        c1, c2 = gw1.openai(key), gw2.openai(key)
+        ids = [
+            c1.batches.create(
+                input_file_id=upload(c1, lines).id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+            ).id
+            for _ in range(3)
+        ]
+        done = [wait(c2, i) for i in ids]  # read through the other gateway
+        rows = [usage_rows(gw1, i) for i in ids]
+    assert [b.status for b in done] == ["completed"] * 3
+    assert [_rows_ok(r) for r in rows] == [(6, {"ok"})] * 3  # never run twice, never aborted
+
+
+@pytest.mark.slow
+def test_a_crashed_gateways_batch_is_taken_over_when_its_lease_expires(engine_client, tmp_path):
+    data = tmp_path / "data"
+    lines = [chat_line(f"r{i}", f"line {i}", max_tokens=24, ignore_eos=True) for i in range(8)]
+    with LiveGateway(engine_client, data, batch_concurrency=1) as gw:
+        key = gw.create_tenant("t")["api_key"]
+        client = gw.openai(key)
+        batch = client.batches.create(
+            input_file_id=upload(client, lines).id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        progress = gw.state.config.files_dir / f"{batch.id}.progress"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # stop once some, not all, lines are answered
+            if progress.exists() and 2 <= len(progress.read_bytes().splitlines()):
+                break
+            time.sleep(0.01)
+    before = len(progress.read_bytes().splitlines())
+    lease_end = time.monotonic() + 1.5
+
+    async def crashed(sessions):  # as if the gateway had died holding the lease
+        async with sessions() as session:
+            row = await session.get(Batch, batch.id)
+            row.owner, row.lease_expires_at = "crashed-gw", utcnow() + timedelta(seconds=1.5)
+            await session.commit()
+
+    with_db(db_url(data), crashed)
+    with LiveGateway(engine_client, data, batch_concurrency=1, batch_lease_seconds=0.6) as gw:
+        client = gw.openai(key)
+        time.sleep(max(0.0, lease_end - time.monotonic() - 0.3))
+        assert len(progress.read_bytes().splitlines()) == before  # not while the lease holds
+        assert client.batches.retrieve(batch.id).status == "in_progress"
+        batch = wait(client, batch.id)
+        assert batch.status == "completed"
+        assert [r["custom_id"] for r in records(client, batch.output_file_id)] == [
+            f"r{i}" for i in range(8)
+        ]
+        rows = usage_rows(gw, batch.id)
+    assert sum(r.status == "ok" for r in rows) == 8  # nothing answered before was redone
+
+
+@pytest.mark.slow
+def test_a_batch_past_its_completion_window_expires_as_openai_says(engine_client, tmp_path):
+    """Answered lines stay in the output file; the rest go to the error file, batch_expired."""
+    data = tmp_path / "data"
+    lines = [chat_line(f"q{i}", max_tokens=4) for i in range(2)] + [
+        chat_line(f"r{i}", f"line {i}", max_tokens=400, ignore_eos=True) for i in range(6)
+    ]
+    with LiveGateway(engine_client, data, batch_concurrency=1) as gw:
+        key = gw.create_tenant("t")["api_key"]
+        client = gw.openai(key)
+        batch = client.batches.create(
+            input_file_id=upload(client, lines).id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        progress = gw.state.config.files_dir / f"{batch.id}.progress"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the two short lines answered
+            if progress.exists() and 2 <= len(progress.read_bytes().splitlines()):
+                break
+            time.sleep(0.01)
+
+    async def window_ends_soon(sessions):  # as if it was created 24 h minus 1 s ago
+        async with sessions() as session:
+            row = await session.get(Batch, batch.id)
+            row.expires_at = utcnow() + timedelta(seconds=1)
+            await session.commit()
+
+    with_db(db_url(data), window_ends_soon)
+    with LiveGateway(engine_client, data, batch_concurrency=2) as gw:
+        client = gw.openai(key)
+        batch = wait(client, batch.id)
+        out = records(client, batch.output_file_id)
+        errors = records(client, batch.error_file_id)
+        rows = usage_rows(gw, batch.id)
+    assert batch.status == "expired" and batch.expired_at and batch.completed_at is None
+    answered = [r["custom_id"] for r in out]
+    assert answered[:2] == ["q0", "q1"] and all(r["response"]["status_code"] == 200 for r in out)
+    assert len(answered) < 8  # the long lines could not all finish in a second
+    ids = [line["custom_id"] for line in lines]
+    assert [r["custom_id"] for r in errors] == [i for i in ids if i not in answered]
+    for r in errors:
+        assert r["response"] is None and r["error"]["code"] == "batch_expired"
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (8, len(out), len(errors))
+    assert sum(r.status == "ok" for r in rows) == len(out)
+    # the two lines in flight when the window ended were aborted (the first stop aborts <= 1)
+    assert sum(r.status == "aborted" for r in rows) >= 2

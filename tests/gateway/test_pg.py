@@ -10,6 +10,7 @@ import pytest
 
 from loraplex.gateway.db.session import db_url
 from tests.gateway.conftest import wipe_pg
+from tests.gateway.test_batch_lease import *  # noqa: F403
 from tests.gateway.test_migrations import *  # noqa: F403
 from tests.gateway.test_services import *  # noqa: F403
 from tests.gateway.test_usage_writer import *  # noqa: F403

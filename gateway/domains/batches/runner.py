@@ -1,18 +1,23 @@
 """The batch runner: runs each batch's lines through the endpoints' own path, in the gateway.
 
 Life of a batch (OpenAI's statuses; its row in ``batches`` is the state, so a restarted
-gateway picks every unfinished batch up again with :meth:`BatchRunner.resume`)::
+gateway picks every unfinished batch up again with :meth:`BatchRunner.resume`). A runner runs
+a batch only while it holds the batch's lease (``gateway.domains.batches.lease``), so several
+gateways on one database never run the same batch, and a crashed one's batches are taken over
+when their leases expire::
 
     validating  --lines checked (gateway.domains.batches.lines)--> failed (errors) | in_progress
     in_progress --every line answered-----------------------------> finalizing -> completed
                 --cancel (POST /v1/batches/{id}/cancel)-----------> cancelling -> cancelled
-                --past expires_at (24 h)--------------------------> finalizing -> expired
+                --expires_at (24 h) passed: lines in flight aborted---> finalizing -> expired
 
 Each line runs through :func:`gateway.domains.chat.controller.run_line`: the endpoint's own
 parser, model resolution, prompt processing, engine run (at ``PRIORITY_BATCH``: the engine
 admits it only while no interactive request waits, and preempts it first), response body and
 usage row (with the batch's id in ``batch_id``). At most ``batch_concurrency`` lines of a batch
-are in flight, and ``batch_max_running`` batches run at once. Each answer is appended to the
+are in flight, and ``batch_max_running`` batches run at once, their slots shared across tenants
+(``gateway.domains.batches.slots``: a tenant with a batch running does not start another while
+another tenant's batch waits). Each answer is appended to the
 batch's progress file (``gateway.domains.batches.progress``) as it arrives, so after a restart
 only the lines not answered run. A cancel aborts the lines in flight (their usage rows say
 ``aborted``) and finalizes with what was answered. A server shutdown aborts the lines in flight
@@ -40,14 +45,23 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import update
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from loraplex.gateway.auth.principals import TenantPrincipal
 from loraplex.gateway.db.models import Batch, StoredFile
 from loraplex.gateway.db.types import utcnow
+from loraplex.gateway.domains.batches.lease import (
+    ACTIVE,
+    claim,
+    claimable,
+    new_owner_id,
+    release,
+    renew,
+)
 from loraplex.gateway.domains.batches.lines import Line, iter_raw, parse_line, read_lines, validate
 from loraplex.gateway.domains.batches.progress import ProgressLog, progress_path, read_progress
+from loraplex.gateway.domains.batches.slots import TenantSlots
 from loraplex.gateway.domains.chat.controller import run_line
 from loraplex.gateway.domains.chat.service import ChatDeps
 from loraplex.gateway.domains.files.store import file_path, files_root, new_file_id
@@ -56,8 +70,6 @@ from loraplex.gateway.services.tenants import TenantLimits
 
 logger = logging.getLogger(__name__)
 
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-"""Statuses of a batch that still needs the runner."""
 COMPLETION_WINDOW = timedelta(hours=24)
 READ_CHUNK = 256
 """Lines read from the input file per worker-thread call."""
@@ -97,22 +109,35 @@ class BatchRunner:
         self.deps = deps
         self.tasks: dict[str, asyncio.Task] = {}
         self._running: dict[str, _Running] = {}
-        self._slots: asyncio.Semaphore | None = None
+        self._slots = TenantSlots(config.batch_max_running)
+        self.owner = new_owner_id()
+        self.lease_s = config.batch_lease_seconds
+        self._sweeper: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ control
     async def resume(self) -> list[str]:
-        """Launch every batch left unfinished (a restart); returns their ids."""
-        async with self.sessions() as session:
-            ids = list(
-                (
-                    await session.scalars(
-                        select(Batch.id).where(Batch.status.in_(ACTIVE)).order_by(Batch.created_at)
-                    )
-                ).all()
-            )
+        """Launch every unfinished batch no live lease holds (a restart, a crashed peer).
+
+        Returns:
+            Their ids (those this runner already runs included; they are not launched twice).
+        """
+        ids = await claimable(self.sessions)
         for batch_id in ids:
             self.launch(batch_id)
         return ids
+
+    async def start(self) -> None:
+        """Resume what is left unfinished, then sweep for claimable batches every half lease."""
+        await self.resume()
+        self._sweeper = asyncio.create_task(self._sweep(), name="loraplex-batch-sweep")
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 2)
+            try:
+                await self.resume()
+            except Exception:  # the database is down: the next sweep tries again
+                logger.warning("batch sweep failed", exc_info=True)
 
     def launch(self, batch_id: str) -> None:
         """Run the batch in a task of its own (nothing if it already runs here)."""
@@ -136,6 +161,9 @@ class BatchRunner:
         Lines in flight are aborted; rows are left as they are.
         """
         tasks = list(self.tasks.values())
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            tasks.append(self._sweeper)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -143,23 +171,17 @@ class BatchRunner:
 
     # ------------------------------------------------------------------ one batch
     async def _run(self, batch_id: str) -> None:
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.config.batch_max_running)
         try:
-            async with self._slots:
-                row = await self._load(batch_id)
-                if row is not None and row.status == "validating":
-                    row = await self._validate(row)
-                if row is not None and row.status == "in_progress":
-                    ending = await self._execute(row)
-                    row = await self._load(batch_id)
-                    if row is not None and row.status == "in_progress":
-                        await self._finalize(row, ending)
-                        return
-                if row is not None and row.status in ("finalizing", "cancelling"):
-                    await self._finalize(
-                        row, "cancelled" if row.status == "cancelling" else "completed"
-                    )
+            row = await self._load(batch_id)
+            if row is None or row.status not in ACTIVE:
+                return
+            tenant = row.tenant_id
+            await self._slots.acquire(tenant)  # fair across tenants (batches.slots)
+            try:
+                if await claim(self.sessions, batch_id, self.owner, self.lease_s):
+                    await self._held(batch_id)  # else another gateway holds its lease
+            finally:
+                self._slots.release(tenant)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -171,6 +193,61 @@ class BatchRunner:
                     failed_at=utcnow(),
                     errors=[{"code": "internal_error", "message": "the batch runner failed"}],
                 )
+
+    async def _held(self, batch_id: str) -> None:
+        """Run the batch while renewing its lease; stop if the lease is lost; then release it."""
+        step = asyncio.create_task(self._step(batch_id), name=f"loraplex-{batch_id}-step")
+        lost = asyncio.Event()
+        keeper = asyncio.create_task(self._keep(batch_id, step, lost))
+        try:
+            await step
+        except asyncio.CancelledError:
+            if not lost.is_set():
+                raise  # the gateway stopping
+            logger.warning("batch %s: lease lost, stopped here", batch_id)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(release(self.sessions, batch_id, self.owner))
+
+    async def _keep(self, batch_id: str, step: asyncio.Task, lost: asyncio.Event) -> None:
+        """Renew the lease every third of it; cancel ``step`` when it is no longer ours.
+
+        A cancel made on another gateway (status ``cancelling``) is seen here too.
+        """
+        last_ok = time.monotonic()
+        while not step.done():
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                status = await asyncio.wait_for(
+                    renew(self.sessions, batch_id, self.owner, self.lease_s), self.lease_s / 3
+                )
+            except Exception:
+                logger.warning("batch %s: lease renewal failed", batch_id, exc_info=True)
+                if time.monotonic() - last_ok < self.lease_s * 2 / 3:
+                    continue
+                status = None  # stop before the lease can have run out
+            if status is None:
+                lost.set()
+                step.cancel()
+                return
+            last_ok = time.monotonic()
+            if status == "cancelling":
+                self.cancel(batch_id)
+
+    async def _step(self, batch_id: str) -> None:
+        """Take the batch from its current status to a final one (holding a running slot)."""
+        row = await self._load(batch_id)
+        if row is not None and row.status == "validating":
+            row = await self._validate(row)
+        if row is not None and row.status == "in_progress":
+            ending = await self._execute(row)
+            row = await self._load(batch_id)
+            if row is not None and row.status == "in_progress":
+                await self._finalize(row, ending)
+                return
+        if row is not None and row.status in ("finalizing", "cancelling"):
+            await self._finalize(row, "cancelled" if row.status == "cancelling" else "completed")
 
     async def _load(self, batch_id: str) -> Batch | None:
         async with self.sessions() as session:
@@ -220,11 +297,24 @@ class BatchRunner:
         principal = TenantPrincipal(row.tenant_id, "", row.key_id or "", TenantLimits())
         slots = asyncio.Semaphore(max(1, self.config.batch_concurrency))
         log = await asyncio.to_thread(ProgressLog, ppath)
+        appends: set[asyncio.Future] = set()
         last_save = [time.monotonic()]
         lines = read_lines(
             file_path(self.config.files_dir, row.input_file_id), row.endpoint, set(done)
         )
-        ending = "completed"
+        expired = asyncio.Event()
+
+        def expire() -> None:  # the completion window ended: unfinished lines are cancelled
+            expired.set()
+            for task in list(running.lines):
+                task.cancel()  # aborted in the engine; its usage row says so
+
+        left_s = (row.expires_at - utcnow()).total_seconds() if row.expires_at else None
+        timer = (
+            None
+            if left_s is None
+            else asyncio.get_running_loop().call_later(max(0.0, left_s), expire)
+        )
 
         async def one(line: Line) -> None:
             for attempt in range(UNAVAILABLE_RETRIES + 1):
@@ -240,7 +330,13 @@ class BatchRunner:
                 "response": {"status_code": status, "request_id": request_id, "body": body},
                 "error": None,
             }
-            log.append(line.index, status == 200, record)
+            # fsynced in a worker thread; a cancel now must not lose an answered (billed) line
+            write = asyncio.ensure_future(
+                asyncio.to_thread(log.append, line.index, status == 200, record)
+            )
+            appends.add(write)
+            write.add_done_callback(appends.discard)
+            await asyncio.shield(write)
             counts["completed" if status == 200 else "failed"] += 1
             if time.monotonic() - last_save[0] >= COUNTS_EVERY_S:
                 last_save[0] = time.monotonic()
@@ -256,15 +352,15 @@ class BatchRunner:
                     if running.cancelled.is_set():
                         slots.release()
                         break
-                    if row.expires_at is not None and utcnow() > row.expires_at:
+                    if expired.is_set() or (row.expires_at and utcnow() >= row.expires_at):
                         slots.release()
-                        ending = "expired"
+                        expired.set()
                         break
                     task = asyncio.create_task(one(line))
                     running.lines.add(task)
                     task.add_done_callback(running.lines.discard)
                     task.add_done_callback(lambda _: slots.release())  # even if never started
-                if running.cancelled.is_set() or ending == "expired":
+                if running.cancelled.is_set() or expired.is_set():
                     break
             if running.lines:
                 await asyncio.wait(set(running.lines))
@@ -275,12 +371,18 @@ class BatchRunner:
                 await asyncio.wait(set(running.lines), timeout=10)
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             self._running.pop(row.id, None)
             lines.close()
+            if appends:  # answers being written when the lines were cancelled
+                await asyncio.shield(asyncio.wait(set(appends)))
             log.close()
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._set(row.id, **counts))
-        return "cancelled" if running.cancelled.is_set() else ending
+        if running.cancelled.is_set():
+            return "cancelled"
+        return "expired" if expired.is_set() else "completed"
 
     async def _finalize(self, row: Batch, ending: str) -> None:
         """Write the output and error files and the final status, in one transaction."""
@@ -354,7 +456,8 @@ def _write_results(
                             "response": None,
                             "error": {
                                 "code": "batch_expired",
-                                "message": "the batch expired before this request ran",
+                                "message": "The request could not be executed before the "
+                                "completion window ended.",
                             },
                         },
                     )

@@ -4,7 +4,7 @@ Each field of OpenAI's Chat Completions request falls in one of three groups, an
 none of them (a typo, another server's extension) is refused with a 400 naming it:
 
 - **honoured**: it changes the output exactly as OpenAI (or, for the extensions, vLLM) defines;
-- **ignored**: it cannot change the output (``user``, ``metadata``, ``store``, ``service_tier``,
+- **ignored**: it cannot change the output (``user``, ``metadata``, ``store``,
   ``prompt_cache_key``, ``prompt_cache_options``, ``prompt_cache_retention`` (caching here is
   automatic and per tenant), ``safety_identifier``): accepted, type-checked and documented as
   ignored (``docs/api.md``);
@@ -38,7 +38,6 @@ IGNORED_FIELDS = (
     "user",
     "metadata",
     "store",
-    "service_tier",
     "prompt_cache_key",
     "prompt_cache_options",
     "prompt_cache_retention",
@@ -111,13 +110,13 @@ class GenerationFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
+    service_tier: str | None = None  # auto/default/flex (gateway.domains.chat.service_tier)
     # OpenAI, ignored: they cannot change the output
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
-    service_tier: str | None = None
     store: bool | None = None
     user: str | None = None
     # vLLM's extensions, honoured

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import re
@@ -77,6 +78,7 @@ from loraplex.gateway.domains.chat.service import (
     admit_rate,
     resolve_model,
 )
+from loraplex.gateway.domains.chat.service_tier import priority_of
 from loraplex.gateway.domains.chat.streaming import HEADERS, EventStream, StreamMeta, chunk_stream
 from loraplex.gateway.errors import (
     ERROR_TYPES,
@@ -204,7 +206,9 @@ async def _generate(
         if inspect.isawaitable(chat):
             chat = await chat
         ledger.model = chat.model
-        run = await _start(deps, principal, chat, ledger, response_id, exchange)
+        run = await _start(
+            deps, principal, chat, ledger, response_id, exchange, priority_of(chat.service_tier)
+        )
         if exchange is not None:
             run.watch_client(request.receive, _cut_reason(exchange))
             exchange.on_written(_ended(run, exchange))
@@ -281,6 +285,7 @@ async def run_line(
         if chat.stream:
             raise bad_request("'stream' cannot be used in a batch request", param="stream")
         ledger.model = chat.model
+        chat = dataclasses.replace(chat, service_tier="flex")  # the batch class serves it
         run = await _start(deps, principal, chat, ledger, response_id, priority=PRIORITY_BATCH)
         out = await run.final()
         await run.durable()
@@ -498,6 +503,14 @@ async def _answer(
     deps: ChatDeps, chat: ChatRequest, run: ChatRun, out: RequestOutput, response_id: str
 ) -> dict[str, Any]:
     """The ``text_completion`` or ``chat.completion`` body of a finished request."""
+    body = await _answer_body(deps, chat, run, out, response_id)
+    body["service_tier"] = chat.service_tier  # the tier that served it
+    return body
+
+
+async def _answer_body(
+    deps: ChatDeps, chat: ChatRequest, run: ChatRun, out: RequestOutput, response_id: str
+) -> dict[str, Any]:
     if chat.prompt is not None:
         return text_completion_body(
             out,
@@ -560,6 +573,7 @@ async def _stream(
         text_completion=chat.prompt is not None,
         echo=echo,
         echo_logprobs=echo_logprobs,
+        service_tier=chat.service_tier,
     )
     return EventStream(chunk_stream(run, first, meta, writable), headers=HEADERS)
 

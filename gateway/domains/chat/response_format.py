@@ -5,9 +5,12 @@ OpenAI's shapes (Chat Completions):
 - ``{"type": "text"}``: free text (the default);
 - ``{"type": "json_object"}``: any JSON object;
 - ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...,
-  "description": ...}}``: JSON valid against the schema. The schema is always enforced (as if
-  ``strict`` were true): a keyword the grammar library cannot enforce is refused with a 400 at
-  admission, never ignored.
+  "description": ...}}``: JSON valid against the schema. The schema is always enforced: a
+  keyword the grammar library cannot enforce is refused with a 400 at admission, never
+  ignored. With ``strict: true`` it is also taken as OpenAI's strict mode does
+  (``gateway.domains.chat.strict_schema``): every object closed (``additionalProperties:
+  false``), and a schema strict mode cannot take (an open object, an optional property,
+  ``allOf``, ``not`` ...) a 400.
 
 vLLM's extra fields, for clients written against it: ``guided_json`` (a schema, object or JSON
 text), ``guided_regex`` (the whole output matches it), ``guided_choice`` (the output is one of
@@ -28,6 +31,7 @@ import re
 from typing import Any
 
 from loraplex.engine.structured_output.grammar import MAX_SPEC_CHARS, StructuredOutputSpec
+from loraplex.gateway.domains.chat.strict_schema import strict_schema
 from loraplex.gateway.errors import bad_request
 
 FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
@@ -67,9 +71,18 @@ def parse_structured_output(data: dict[str, Any]) -> tuple[StructuredOutputSpec 
             spec = StructuredOutputSpec("regex", value)
         else:
             spec = _choice(value)
-        return spec.check_bounds(), name  # its shape (engine.structured_output.bounds), linear
+        spec = spec.check_bounds()  # its shape (engine.structured_output.bounds), linear
+        if name == "response_format" and _strict(value):  # after the bounds: a bounded walk
+            where = "response_format.json_schema.schema"
+            spec = StructuredOutputSpec.json_schema(strict_schema(json.loads(spec.value), where))
+        return spec, name
     except ValueError as exc:  # the spec's own checks (length, shape)
         raise bad_request(str(exc), param=name) from None
+
+
+def _strict(value: dict[str, Any]) -> bool:
+    """Whether a (checked) ``response_format`` asks for OpenAI's strict mode."""
+    return value.get("type") == "json_schema" and value["json_schema"].get("strict") is True
 
 
 def _type(value: Any) -> str | None:

@@ -65,6 +65,7 @@ from loraplex.gateway.domains.chat.body import (
     convert_body,
 )
 from loraplex.gateway.domains.chat.response_format import parse_structured_output
+from loraplex.gateway.domains.chat.service_tier import service_tier_of
 from loraplex.gateway.domains.chat.tools import ToolRequest, check_tool_messages, parse_tools
 from loraplex.gateway.errors import APIError, bad_request
 from loraplex.gateway.transport.json_body import decode_object
@@ -109,6 +110,9 @@ class ChatRequest:
         prompt_logprobs: vLLM's ``prompt_logprobs`` as asked (alternatives per position), for
             the response's ``prompt_logprobs``; None when not asked. (What the engine computes,
             with Completions' ``echo`` and ``logprobs`` too, is ``sampling["prompt_logprobs"]``.)
+        service_tier: The tier that serves it, ``default`` or ``flex``
+            (``gateway.domains.chat.service_tier``): the engine priority class and the
+            response's ``service_tier``.
     """
 
     model: str
@@ -132,6 +136,7 @@ class ChatRequest:
     add_special_tokens: bool = True
     prompt_param: str = "messages"
     prompt_logprobs: int | None = None
+    service_tier: str = "default"
 
     def engine_cache_salt(self, tenant_id: str) -> str:
         """The engine request's cache salt: the tenant's id, then the client's ``cache_salt``.
@@ -393,6 +398,7 @@ def generation_fields(
         "structured_param": structured_param,
         "cache_salt": req.cache_salt,
         "prompt_logprobs": prompt_logprobs,
+        "service_tier": service_tier_of(req.service_tier),
     }
 
 

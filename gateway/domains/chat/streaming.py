@@ -125,6 +125,7 @@ class StreamMeta:
             choice's own prompt's).
         want_logprobs: Send each delta's logprobs.
         token_bytes: Token ids to their bytes (for logprobs).
+        service_tier: The tier that serves the request (every chunk says it, as OpenAI's do).
     """
 
     response_id: str
@@ -139,6 +140,7 @@ class StreamMeta:
     text_completion: bool = False
     echo: str | list[str] = ""
     echo_logprobs: list[dict[str, Any]] | None = None
+    service_tier: str = "default"
 
 
 def sse(obj: Any) -> bytes:
@@ -156,6 +158,7 @@ def chunk_body(meta: StreamMeta, choices: list[dict[str, Any]]) -> dict[str, Any
         "object": "text_completion" if meta.text_completion else "chat.completion.chunk",
         "created": meta.created,
         "model": meta.model,
+        "service_tier": meta.service_tier,
         "choices": choices,
     }
     if meta.include_usage or meta.continuous_usage:
@@ -201,6 +204,53 @@ class ChunkEncoder:
         return self._content0[0] + msgspec.json.encode(text) + self._content0[1]
 
 
+async def drain(
+    run: ChatRun,
+    first: RequestOutput,
+    pending: list[bytes],
+    handle: Callable[[RequestOutput], None],
+    writable: Callable[[], Awaitable[bool]] | None = None,
+) -> AsyncIterator[bytes]:
+    """Feed a run's outputs to ``handle``, writing what it encoded whenever the engine pauses.
+
+    The stream loop of every streamed endpoint (Chat Completions, Completions, the Responses
+    API's events): ``handle(out)`` appends the encoded events of each output to ``pending``;
+    events the engine has already produced when one is handled (a client slower than the
+    engine, a burst of outputs) go out in one write instead of one each. After the last
+    output, with ``writable`` given, the run is recorded delivered once the connection takes
+    writes (``ChatRun.deliver``), or client-gone (``aborted``) when it does not. What is still
+    in ``pending`` then (the last output's events) is the caller's to write, with its ending.
+
+    Args:
+        run: The chat run.
+        first: Its first output.
+        pending: Encoded events not yet written (the caller's list, appended to by ``handle``;
+            cleared here after each write).
+        handle: Encodes one output into ``pending`` (it may raise ``APIError``: the caller's
+            ``try`` ends the stream with it).
+        writable: ``Exchange.writable``, or None.
+
+    Yields:
+        Joined bytes of ``pending``, each time the engine has nothing more ready.
+    """
+    out = first
+    while True:
+        handle(out)
+        if out.finished:
+            break
+        ready = run.next_nowait()
+        if ready is None:  # nothing more yet: write what we have, then wait
+            yield b"".join(pending)
+            pending.clear()
+            ready = await run.next()
+        out = ready
+    if writable is not None:  # the run's "ok" row waits for this (ChatRun.deliver)
+        if await writable():
+            run.delivered()
+        else:
+            run.client_gone()  # cut before the last write: aborted, not delivered
+
+
 async def chunk_stream(
     run: ChatRun,
     first: RequestOutput,
@@ -209,9 +259,8 @@ async def chunk_stream(
 ) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request whose first output is ``first``.
 
-    Events the engine has already produced when one is encoded (a client slower than the
-    engine, or a burst of outputs) go out in one write instead of one each; the client sees
-    the same events.
+    Outputs are read by :func:`drain` (bursts go out in one write; the client sees the same
+    events).
 
     The last write, with the finish chunks and ``data: [DONE]``, waits for ``run.durable()``.
 
@@ -252,10 +301,11 @@ async def chunk_stream(
                 continue
             delta = {"role": "assistant", "content": ""}
             pending.append(encode([_choice(meta, i, delta, None, None)]))
-        out = first
         plain = meta.n == 1 and not meta.want_logprobs and not meta.continuous_usage
         plain = plain and not parsers.active
-        while True:
+
+        def handle(out: RequestOutput) -> None:
+            nonlocal completion_tokens
             completion_tokens += sum(len(c.token_ids) for c in out.outputs)
             only = out.outputs[0] if len(out.outputs) == 1 else None
             if plain and only is not None and only.index == 0 and only.finish_reason is None:
@@ -265,19 +315,9 @@ async def chunk_stream(
                 choices = _choices(out, meta, finished, parsers)
                 if choices:
                     pending.append(encode(choices))
-            if out.finished:
-                break
-            ready = run.next_nowait()
-            if ready is None:  # nothing more yet: write what we have, then wait
-                yield b"".join(pending)
-                pending.clear()
-                ready = await run.next()
-            out = ready
-        if writable is not None:  # the run's "ok" row waits for this (ChatRun.deliver)
-            if await writable():
-                run.delivered()
-            else:
-                run.client_gone()  # cut before the last write: aborted, not delivered
+
+        async for written in drain(run, first, pending, handle, writable):
+            yield written
         if meta.include_usage:
             body = chunk_body(meta, [])  # the ledger closed before the last output came
             body["usage"] = usage_body(

@@ -7,8 +7,9 @@ chat body is (``gateway.domains.chat.body``); a field in no group is a 400 namin
   ``top_p``, ``tools`` (function tools), ``tool_choice``, ``parallel_tool_calls``, ``text``
   (``format``), ``stream``, ``store``, ``previous_response_id``, ``metadata`` (kept on the
   stored response and echoed), ``truncation: "disabled"``, ``background: false``,
-  ``include: []``, ``reasoning`` with neither ``effort`` nor ``summary``;
-- **ignored** (cannot change the output): ``user``, ``service_tier``, ``prompt_cache_key``,
+  ``include: []``, ``reasoning`` with neither ``effort`` nor ``summary``, ``service_tier``
+  (``auto``/``default``/``flex``; ``gateway.domains.chat.service_tier``);
+- **ignored** (cannot change the output): ``user``, ``prompt_cache_key``,
   ``prompt_cache_retention``, ``safety_identifier``, ``stream_options`` (OpenAI's
   ``include_obfuscation`` only);
 - **refused** (would change the output, or ask for what this server does not keep): see
@@ -66,9 +67,9 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
+    service_tier: str | None = None
     # ignored
     user: str | None = None
-    service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None

@@ -30,7 +30,7 @@ from typing import Any
 
 from loraplex.engine.request import RequestOutput
 from loraplex.gateway.domains.chat.service import ChatRun
-from loraplex.gateway.domains.chat.streaming import FinalChunk
+from loraplex.gateway.domains.chat.streaming import FinalChunk, drain
 from loraplex.gateway.domains.chat.tool_calls import ToolCallStreamer
 from loraplex.gateway.domains.responses.output import OutputBuilder, response_object, usage_body
 from loraplex.gateway.domains.responses.translate import Translation
@@ -77,26 +77,17 @@ async def event_stream(
     failed: APIError | None = None
     finish: str | None = None
     ledger = run.ledger
+
+    def handle(out: RequestOutput) -> None:
+        nonlocal finish
+        choice = out.outputs[0] if out.outputs else None
+        if choice is not None:
+            finish = choice.finish_reason
+            pending.extend(builder.feed(choice.text, finish))
+
     try:
-        out = first
-        while True:
-            choice = out.outputs[0] if out.outputs else None
-            if choice is not None:
-                finish = choice.finish_reason
-                pending.extend(builder.feed(choice.text, finish))
-            if out.finished:
-                break
-            ready = run.next_nowait()
-            if ready is None:
-                yield b"".join(pending)
-                pending.clear()
-                ready = await run.next()
-            out = ready
-        if writable is not None:  # the run's "ok" row waits for this (ChatRun.deliver)
-            if await writable():
-                run.delivered()
-            else:
-                run.client_gone()
+        async for written in drain(run, first, pending, handle, writable):  # chat's stream loop
+            yield written
     except APIError as exc:
         failed = exc
     except Exception:  # a bug encoding this stream: it ends failed, alone

@@ -101,7 +101,7 @@ def response_object(
         "parallel_tool_calls": b.parallel_tool_calls is not False,
         "previous_response_id": b.previous_response_id,
         "reasoning": {"effort": None, "summary": None},
-        "service_tier": "default",
+        "service_tier": tr.service_tier,
         "store": tr.store,
         "temperature": 1.0 if b.temperature is None else b.temperature,
         "text": {"format": fmt},

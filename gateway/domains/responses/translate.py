@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.gateway.domains.chat.body import convert_body
+from loraplex.gateway.domains.chat.service_tier import service_tier_of
 from loraplex.gateway.domains.responses.body import REFUSED, ResponsesBody
 from loraplex.gateway.domains.responses.items import input_messages
 from loraplex.gateway.errors import bad_request
@@ -51,12 +52,15 @@ class Translation:
         chat: The Chat Completions body (a dict, for ``parse_chat_request``).
         origins: Per chat message, the Responses field it came from (error messages).
         store: Keep the response (``store``, default true as OpenAI's).
+        service_tier: The tier that serves it (``default`` or ``flex``), echoed in the
+            Response object (``gateway.domains.chat.service_tier``).
     """
 
     body: ResponsesBody
     chat: dict[str, Any]
     origins: list[str]
     store: bool
+    service_tier: str = "default"
 
 
 def check_body(data: dict[str, Any], max_items: int) -> ResponsesBody:
@@ -146,6 +150,7 @@ def translate(
         ("top_p", body.top_p),
         ("parallel_tool_calls", body.parallel_tool_calls),
         ("stream", body.stream),
+        ("service_tier", body.service_tier),
     ):
         if value is not None:
             chat[name] = value
@@ -161,6 +166,7 @@ def translate(
         chat=chat,
         origins=origins,
         store=body.store is not False,
+        service_tier=service_tier_of(body.service_tier),  # 400 naming service_tier
     )
 
 
