@@ -28,6 +28,16 @@ from loraplex.gateway.server.config import GatewayConfig
 from loraplex.gateway.server.engine_client import EngineClient
 
 
+def human_bytes(size: int | None) -> str:
+    """``size`` bytes for people: ``"12.3 KiB"``, ``"4.0 MiB"``, ``"?"`` for None."""
+    if size is None:
+        return "?"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
 def _row(adapter: Adapter, tenant_name: str, store: Any) -> dict[str, Any]:
     size = store.size(adapter.digest) if hasattr(store, "size") else None
     return {
@@ -38,7 +48,7 @@ def _row(adapter: Adapter, tenant_name: str, store: Any) -> dict[str, Any]:
         "rank": adapter.rank,
         "lora_alpha": adapter.lora_alpha,
         "targets": ", ".join(adapter.target_modules or []),
-        "size": size,
+        "size": human_bytes(size),
         "created_at": adapter.created_at,
     }
 

@@ -358,3 +358,60 @@ def test_sessions_expire_and_are_bounded():
     assert len(store) == 2 and store.get(a.id) is None  # the least recently used went
     assert store.end_key("k") == 2 and len(store) == 0
     assert store.get(None) is None and store.get("") is None
+
+
+def tiny_adapter(rank=4):
+    """A PEFT LoRA adapter for InstantEngine's targets: (adapter_config.json, safetensors)."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    tensors = {}
+    for layer in (0, 1):
+        for proj in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = np.full((rank, 64), 0.01, np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = np.full((64, rank), 0.01, np.float32)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "v_proj"],
+    }
+    return json.dumps(config).encode(), save(tensors)
+
+
+def test_adapter_upload_list_and_delete_are_the_tenants_own(gw):
+    alpha = Browser(gw.c, gw.alpha["api_key"])
+    config, weights = tiny_adapter()
+    files = [
+        ("files", ("adapter_config.json", config, "application/json")),
+        ("files", ("adapter_model.safetensors", weights, "application/octet-stream")),
+    ]
+    assert (
+        alpha.post("/console/adapters/", csrf=False, data={"name": "x"}, files=files).status_code
+        == 403
+    )
+    r = alpha.post("/console/adapters/", data={"name": "support-bot"}, files=files)
+    assert r.status_code == 200, r.text
+    row = re.search(r'<tr data-adapter="support-bot">(.*?)</tr>', r.text, re.S).group(1)
+    cells = re.findall(r"<td>(.*?)</td>", row, re.S)
+    assert cells[1] == "support-bot" and cells[3] == "4" and cells[5] == "q_proj, v_proj"
+    size = len(config) + len(weights)  # the store keeps the two files as sent
+    assert cells[2] == f"{size / 1024:.1f} KiB"
+    # the API sees the same adapter; beta's console sees none of it
+    api = gw.c.get("/v1/adapters/support-bot", headers=bearer(gw.alpha["api_key"])).json()
+    assert api["digest"][:16] in row and api["rank"] == 4
+    beta = Browser(gw.c, gw.beta["api_key"])
+    assert "support-bot" not in beta.get("/console/adapters/").text
+    assert beta.post("/console/adapters/support-bot/delete").status_code == 404
+    assert (
+        beta.post(f"/console/adapters/support-bot/delete?tenant={gw.alpha['id']}").status_code
+        == 403
+    )
+    r = alpha.post("/console/adapters/", data={"name": "bad"}, files=files[:1])
+    assert r.status_code == 400 and "adapter_model.safetensors" in html.unescape(r.text)
+    r = alpha.post("/console/adapters/support-bot/delete")
+    assert r.status_code == 200 and "support-bot" not in r.text
+    assert (
+        gw.c.get("/v1/adapters/support-bot", headers=bearer(gw.alpha["api_key"])).status_code == 404
+    )
