@@ -1,18 +1,16 @@
-"""The console's usage queries: counters and latency percentiles per hour or day, from the ledger.
+"""The console's usage queries: counters and latency percentiles per hour or day, per tenant.
 
-One ``GROUP BY`` over ``usage_events`` per view, read through the index
-``ix_usage_events_console`` (``tenant_id, created_at`` and the summed columns: migration 0005),
-so a tenant's month is read from the index alone. The time bucket is computed in SQL: on SQLite
-the first 13 (hour) or 10 (day) characters of the stored ISO time (``gateway.db.types``: UTC,
-fixed width), on PostgreSQL ``to_char`` of the UTC time.
+They read the hourly rollups that the database keeps from ``usage_events`` (migration 0005:
+``usage_hourly`` and ``usage_hourly_latency``, filled by an ``AFTER INSERT`` trigger in the
+row's own transaction), so a month of one tenant is at most 720 rows per model and about 30
+latency bins per hour, however many requests it made. Ranges are whole UTC hours: ``since`` is
+rounded down and ``until`` up to the hour (the plots are per hour or day anyway).
 
-Latency percentiles (p50, p95, p99 of ``latency_ms``) come from a log-scale histogram counted
-in the same statement: bin ``floor(8 * ln(1 + latency_ms))``, so each bin spans a factor of
-``e^(1/8)`` (about 1.13) and a percentile read at its bin's geometric middle is within about
-6.5 % of the exact one (the idea of HdrHistogram and Prometheus' native histograms: bounded
-relative error, bounded rows). Rows without a latency count in the counters, not in the
-percentiles. Both databases need ``ln`` (SQLite 3.35+ built with its math functions, as
-CPython's and Debian's are).
+Latency percentiles (p50, p95, p99 of ``latency_ms``) come from a log-scale histogram: bin
+``floor(8 * ln(1 + latency_ms))``, so each bin spans a factor of ``e^(1/8)`` (about 1.13) and a
+percentile read at its bin's geometric middle is within about 6.5 % of the exact one (the idea
+of HdrHistogram and Prometheus' native histograms: bounded relative error, bounded rows). Rows
+without a latency count in the counters, not in the percentiles.
 """
 
 from __future__ import annotations
@@ -23,10 +21,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Integer, String, and_, case, cast, func, select
+from sqlalchemy import String, and_, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from loraplex.gateway.db.models import Tenant, UsageEvent
+from loraplex.gateway.db.models import Tenant, UsageHourly, UsageHourlyLatency
 from loraplex.gateway.db.types import as_utc
 
 BUCKETS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
@@ -96,11 +94,19 @@ def check_range(bucket: str, since: datetime, until: datetime) -> None:
         raise ValueError(f"at most {MAX_RANGE[bucket].days} days per {bucket}")
 
 
-def _bucket_column(dialect: str, bucket: str) -> Any:
-    if dialect == "postgresql":
-        utc = func.timezone("UTC", UsageEvent.created_at)
-        return func.to_char(utc, _PG_FORMATS[bucket], type_=String)
-    return func.substr(cast(UsageEvent.created_at, String), 1, _SQLITE_CHARS[bucket], type_=String)
+def hour_bounds(since: datetime, until: datetime) -> tuple[str, str]:
+    """``[since, until)`` as rollup hours: ``since`` rounded down, ``until`` up (UTC text)."""
+    start = as_utc(since).replace(minute=0, second=0, microsecond=0)
+    end = as_utc(until)
+    if end != end.replace(minute=0, second=0, microsecond=0):
+        end = end.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    return start.strftime(_PY_FORMATS["hour"]), end.strftime(_PY_FORMATS["hour"])
+
+
+def _when(table: Any, bucket: str) -> Any:
+    if bucket == "hour":
+        return table.hour.label("bucket")
+    return func.substr(table.hour, 1, 10, type_=String).label("bucket")
 
 
 async def usage_buckets(
@@ -113,13 +119,13 @@ async def usage_buckets(
     model: str | None = None,
     split: bool = False,
 ) -> list[UsageBucket]:
-    """Usage in ``[since, until)`` per ``bucket``, sorted by time (then tenant and model).
+    """Usage in ``[since, until)`` (whole hours) per ``bucket``, sorted by time, tenant, model.
 
     Args:
         session: The session.
         tenant_id: Whose rows (None: every tenant's; the console gives None to the admin only).
-        since: Inclusive start (aware, or naive UTC).
-        until: Exclusive end.
+        since: Start, rounded down to the hour (aware, or naive UTC).
+        until: End, rounded up to the hour.
         bucket: ``"hour"`` or ``"day"``.
         model: Only this model or adapter name (None: all).
         split: One bucket per (time, tenant, model) instead of all added up per time.
@@ -132,46 +138,49 @@ async def usage_buckets(
     """
     since, until = as_utc(since), as_utc(until)
     check_range(bucket, since, until)
-    dialect = session.get_bind().dialect.name
-    when = _bucket_column(dialect, bucket).label("bucket")
-    scaled = func.ln(UsageEvent.latency_ms + 1.0) * BINS_PER_E  # >= 0: latencies are >= 0
-    # SQLite's CAST truncates (the floor of a non-negative number); PostgreSQL's rounds. Not
-    # SQLite's floor(): SQLAlchemy replaces it with a Python function called per row.
-    latency_bin = cast(scaled if dialect == "sqlite" else func.floor(scaled), Integer).label("bin")
-    where = [UsageEvent.created_at >= since, UsageEvent.created_at < until]
-    if tenant_id is not None:
-        where.insert(0, UsageEvent.tenant_id == tenant_id)
-    if model is not None:
-        where.append(UsageEvent.model == model)
-    keys = [when, latency_bin] + ([UsageEvent.tenant_id, UsageEvent.model] if split else [])
-    status = UsageEvent.status
-    query = (
-        select(
-            *keys,
-            func.count().label("requests"),
-            func.sum(UsageEvent.prompt_tokens).label("prompt_tokens"),
-            func.sum(UsageEvent.completion_tokens).label("completion_tokens"),
-            func.sum(UsageEvent.cached_tokens).label("cached_tokens"),
-            func.sum(UsageEvent.images).label("images"),
-            func.sum(case((status == "error", 1), else_=0)).label("errors"),
-            func.sum(case((status == "aborted", 1), else_=0)).label("aborted"),
-        )
-        .where(and_(*where))
-        .group_by(*keys)
-    )
+    first, last = hour_bounds(since, until)
     out: dict[tuple, UsageBucket] = {}
-    for row in (await session.execute(query)).mappings():
-        start = datetime.strptime(row["bucket"], _PY_FORMATS[bucket]).replace(tzinfo=UTC)
-        tenant = row["tenant_id"] if split else None
-        name = row["model"] if split else None
-        item = out.get((start, tenant, name))
-        if item is None:
-            item = out[(start, tenant, name)] = UsageBucket(start, tenant, name)
-        for counter in item.counts:
-            item.counts[counter] += int(row[counter] or 0)
-        if row["bin"] is not None:
-            item.latency_bins[row["bin"]] = item.latency_bins.get(row["bin"], 0) + row["requests"]
+    starts: dict[str, datetime] = {}  # each bucket's text parsed once
+
+    def item(when_text: str, tenant: str | None, name: str | None) -> UsageBucket:
+        start = starts.get(when_text)
+        if start is None:
+            start = datetime.strptime(when_text, _PY_FORMATS[bucket]).replace(tzinfo=UTC)
+            starts[when_text] = start
+        found = out.get((start, tenant, name))
+        if found is None:
+            found = out[(start, tenant, name)] = UsageBucket(start, tenant, name)
+        return found
+
+    for table in (UsageHourly, UsageHourlyLatency):
+        where = [table.hour >= first, table.hour < last]
+        if tenant_id is not None:
+            where.insert(0, table.tenant_id == tenant_id)
+        if table is UsageHourlyLatency:  # model "" holds every model of the hour
+            where.append(table.model == (model or "") if model or not split else table.model != "")
+        elif model:
+            where.append(table.model == model)
+        keys = [_when(table, bucket)] + ([table.tenant_id, table.model] if split else [])
+        if table is UsageHourly:
+            sums = [func.sum(getattr(table, c)) for c in _ROLLUP_COUNTS]
+            query = select(*keys, *sums).where(and_(*where)).group_by(*keys)
+            for row in (await session.execute(query)).all():
+                keyed = item(row[0], *(row[1:3] if split else (None, None)))
+                for name, value in zip(_ROLLUP_COUNTS, row[len(keys) :], strict=True):
+                    keyed.counts[name] += int(value or 0)
+        else:
+            query = (
+                select(*keys, table.bin, func.sum(table.requests))
+                .where(and_(*where))
+                .group_by(*keys, table.bin)
+            )
+            for row in (await session.execute(query)).all():
+                keyed = item(row[0], *(row[1:3] if split else (None, None)))
+                keyed.latency_bins[row[-2]] = keyed.latency_bins.get(row[-2], 0) + int(row[-1])
     return [out[k] for k in sorted(out, key=lambda k: (k[0], k[1] or "", k[2] or ""))]
+
+
+_ROLLUP_COUNTS = (*COUNTS, "aborted")
 
 
 def fill(buckets: list[UsageBucket], since: datetime, until: datetime, bucket: str) -> list:
@@ -191,39 +200,33 @@ def fill(buckets: list[UsageBucket], since: datetime, until: datetime, bucket: s
 async def usage_breakdown(
     session: AsyncSession, *, tenant_id: str | None, since: datetime, until: datetime
 ) -> list[dict[str, Any]]:
-    """Totals per (tenant, model) in ``[since, until)``, heaviest first by tokens.
+    """Totals per (tenant, model) in ``[since, until)`` (whole hours), heaviest first by tokens.
 
     Returns:
         ``{"tenant_id", "tenant", "model", "requests", "prompt_tokens", "completion_tokens",
         "cached_tokens", "images", "errors"}`` per pair (``tenant`` is the tenant's name).
     """
-    where = [UsageEvent.created_at >= as_utc(since), UsageEvent.created_at < as_utc(until)]
+    first, last = hour_bounds(since, until)
+    t = UsageHourly
+    where = [t.hour >= first, t.hour < last]
     if tenant_id is not None:
-        where.insert(0, UsageEvent.tenant_id == tenant_id)
-    tokens = func.sum(UsageEvent.prompt_tokens + UsageEvent.completion_tokens)
+        where.insert(0, t.tenant_id == tenant_id)
+    names = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "images", "errors")
+    tokens = func.sum(t.prompt_tokens + t.completion_tokens)
     query = (
-        select(
-            UsageEvent.tenant_id,
-            UsageEvent.model,
-            func.count().label("requests"),
-            func.sum(UsageEvent.prompt_tokens).label("prompt_tokens"),
-            func.sum(UsageEvent.completion_tokens).label("completion_tokens"),
-            func.sum(UsageEvent.cached_tokens).label("cached_tokens"),
-            func.sum(UsageEvent.images).label("images"),
-            func.sum(case((UsageEvent.status == "error", 1), else_=0)).label("errors"),
-        )
+        select(t.tenant_id, t.model, *(func.sum(getattr(t, n)).label(n) for n in names))
         .where(and_(*where))
-        .group_by(UsageEvent.tenant_id, UsageEvent.model)
-        .order_by(tokens.desc(), UsageEvent.tenant_id, UsageEvent.model)
+        .group_by(t.tenant_id, t.model)
+        .order_by(tokens.desc(), t.tenant_id, t.model)
     )
     rows = [dict(r) for r in (await session.execute(query)).mappings()]
     ids = {r["tenant_id"] for r in rows}
-    names: dict[str, str] = defaultdict(str)
+    tenant_names: dict[str, str] = defaultdict(str)
     if ids:
         found = await session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(ids)))
-        names.update({tid: name for tid, name in found})
+        tenant_names.update({tid: name for tid, name in found})
     for r in rows:
-        r["tenant"] = names[r["tenant_id"]]
-        for name in ("prompt_tokens", "completion_tokens", "cached_tokens", "images", "errors"):
+        r["tenant"] = tenant_names[r["tenant_id"]]
+        for name in names:
             r[name] = int(r[name] or 0)
     return rows

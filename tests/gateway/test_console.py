@@ -415,3 +415,37 @@ def test_adapter_upload_list_and_delete_are_the_tenants_own(gw):
     assert (
         gw.c.get("/v1/adapters/support-bot", headers=bearer(gw.alpha["api_key"])).status_code == 404
     )
+
+
+def test_the_rollups_count_each_request_once_in_its_own_hour(gw):
+    """The trigger: a duplicate write adds nothing, a late row lands in its hour, bins follow."""
+    late = T0 + timedelta(days=5, hours=5, minutes=30)  # outside RANGE: the other tests' figures
+
+    async def write(sessions):
+        again = UsageRecord(request_id="a3", tenant_id=gw.alpha["id"], model="instant")
+        late_row = UsageRecord(
+            request_id="late-1",
+            tenant_id=gw.alpha["id"],
+            model="instant",
+            prompt_tokens=7,
+            latency_ms=5000.0,
+            created_at=late,
+        )
+        async with sessions() as s, s.begin():
+            await record_usage_batch(s, [again, late_row])
+
+    with_db(gw.url, write)
+    admin = Browser(gw.c, ADMIN_KEY)
+    page = admin.get("/console/usage", params={**RANGE, "tenant": gw.alpha["id"]}).text
+    plot = json.loads(re.search(r'id="usage-data">(.*?)</script>', page).group(1))
+    assert sum(plot["requests"]) == 48  # the duplicate of a3 added nothing
+    params = {"since": "2026-11-06T00:00", "until": "2026-11-06T12:00", "tenant": gw.alpha["id"]}
+    plot = json.loads(
+        re.search(
+            r'id="usage-data">(.*?)</script>', admin.get("/console/usage", params=params).text
+        ).group(1)
+    )
+    hour = plot["t"].index(int(late.replace(minute=0).timestamp()))
+    assert plot["requests"][hour] == 1 == sum(plot["requests"])
+    assert plot["prompt_tokens"][hour] == 7
+    assert abs(plot["p99"][hour] - 5000) / 5000 < 0.065

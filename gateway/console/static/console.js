@@ -10,6 +10,7 @@ function plot(id, data, series, title) {
     height: 220,
     series: [{}].concat(series.map(([label, color]) => ({label: label, stroke: color, width: 2}))),
     axes: [{}, {size: 70}],
+    tzDate: (ts) => uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"),  // the console speaks UTC
   };
   el.replaceChildren();
   new uPlot(opts, data, el);
