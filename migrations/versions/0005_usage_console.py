@@ -100,14 +100,14 @@ def _backfill(hour: str, latency_bin: str) -> None:
         f"INSERT INTO usage_hourly ({_COLUMNS}) SELECT tenant_id, {hour}, model, COUNT(*), {sums}, "
         "SUM(CASE WHEN status = 'error' THEN 1 ELSE 0 END), "
         "SUM(CASE WHEN status = 'aborted' THEN 1 ELSE 0 END) "
-        f"FROM usage_events GROUP BY tenant_id, {hour}, model"
+        "FROM usage_events GROUP BY 1, 2, 3"
     )
     for model in ("model", "''"):
         op.execute(
             "INSERT INTO usage_hourly_latency (tenant_id, hour, model, bin, requests) "
             f"SELECT tenant_id, {hour}, {model}, {latency_bin}, COUNT(*) FROM usage_events "
             "WHERE latency_ms IS NOT NULL AND latency_ms >= 0 "
-            f"GROUP BY tenant_id, {hour}, {model}, {latency_bin}"
+            "GROUP BY 1, 2, 3, 4"  # by position: PostgreSQL refuses a constant ('') by value
         )
 
 

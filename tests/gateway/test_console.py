@@ -449,3 +449,112 @@ def test_the_rollups_count_each_request_once_in_its_own_hour(gw):
     assert plot["requests"][hour] == 1 == sum(plot["requests"])
     assert plot["prompt_tokens"][hour] == 7
     assert abs(plot["p99"][hour] - 5000) / 5000 < 0.065
+
+
+def test_migration_0005_backfills_the_rollups_from_existing_rows(tmp_path):
+    from sqlalchemy import text
+
+    from loraplex.gateway.db.migrate import upgrade
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'old.db'}"
+    upgrade(url, "0004")
+    rows = [("r1", 10, 100.0, "ok"), ("r2", 20, None, "error"), ("r3", 30, 100.0, "aborted")]
+
+    async def old_rows(sessions):
+        async with sessions() as s, s.begin():
+            await s.execute(
+                text("INSERT INTO tenants (id, name, created_at) VALUES ('t', 't', '2026-01-01')")
+            )
+            for rid, prompt, latency, status in rows:
+                await s.execute(
+                    text(
+                        "INSERT INTO usage_events (request_id, tenant_id, model, prompt_tokens, "
+                        "completion_tokens, cached_tokens, images, status, created_at, latency_ms) "
+                        "VALUES (:r, 't', 'm', :p, 0, 0, 0, :s, '2026-01-01 10:20:00.000000', :l)"
+                    ),
+                    {"r": rid, "p": prompt, "s": status, "l": latency},
+                )
+
+    with_db(url, old_rows)
+    upgrade(url)
+
+    async def read(sessions):
+        async with sessions() as s:
+            hourly = (await s.execute(text("SELECT * FROM usage_hourly"))).mappings().all()
+            bins = await s.execute(
+                text("SELECT model, bin, requests FROM usage_hourly_latency ORDER BY model")
+            )
+            return [dict(h) for h in hourly], [tuple(b) for b in bins]
+
+    hourly, bins = with_db(url, read)
+    assert hourly == [
+        {
+            "tenant_id": "t",
+            "hour": "2026-01-01 10",
+            "model": "m",
+            "requests": 3,
+            "prompt_tokens": 60,
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "images": 0,
+            "errors": 1,
+            "aborted": 1,
+        }
+    ]
+    assert bins == [("", 36, 2), ("m", 36, 2)]  # floor(8 ln 101) = 36; the NULL latency: none
+
+
+def check_usage_queries(url):
+    """The console's queries on the database at ``url`` (migrated; SQLite or PostgreSQL)."""
+    from loraplex.gateway.console.usage_queries import usage_breakdown, usage_buckets
+
+    async def body(sessions):
+        from loraplex.gateway.db.models import Tenant
+
+        async with sessions() as s, s.begin():
+            s.add_all([Tenant(id="t1", name="one"), Tenant(id="t2", name="two")])
+        records = [
+            UsageRecord(
+                request_id=f"q{i}",
+                tenant_id="t1" if i < 30 else "t2",
+                model=("base", "ad")[i % 2],
+                prompt_tokens=i,
+                status="error" if i % 10 == 0 else "ok",
+                latency_ms=float(10 * (i + 1)),
+                created_at=T0 + timedelta(hours=i % 30, minutes=59),
+            )
+            for i in range(40)
+        ]
+        async with sessions() as s, s.begin():
+            await record_usage_batch(s, records)
+            await record_usage_batch(s, records[:5])  # duplicates: nothing
+        end = T0 + timedelta(days=2)
+        async with sessions() as s:
+            hours = await usage_buckets(s, tenant_id="t1", since=T0, until=end)
+            days = await usage_buckets(s, tenant_id=None, since=T0, until=end, bucket="day")
+            split = await usage_buckets(s, tenant_id="t1", since=T0, until=end, split=True)
+            only = await usage_buckets(s, tenant_id="t1", since=T0, until=end, model="ad")
+            table = await usage_breakdown(s, tenant_id=None, since=T0, until=end)
+        return hours, days, split, only, table
+
+    hours, days, split, only, table = with_db(url, body)
+    assert [b.counts["requests"] for b in hours] == [1] * 30
+    assert [b.start for b in hours] == [T0 + timedelta(hours=h) for h in range(30)]
+    assert sum(b.counts["prompt_tokens"] for b in hours) == sum(range(30))
+    assert sum(b.counts["errors"] for b in hours) == 3
+    for h, b in enumerate(hours):
+        assert abs(b.percentile(50) - 10 * (h + 1)) / (10 * (h + 1)) < 0.065
+    assert [(b.start.day, b.counts["requests"]) for b in days] == [(1, 34), (2, 6)]
+    assert {(b.model, b.tenant_id) for b in split} == {("base", "t1"), ("ad", "t1")}
+    assert sum(b.counts["requests"] for b in only) == 15
+    assert all(b.percentile(99) is not None for b in only)
+    assert [(r["tenant"], r["model"], r["requests"]) for r in table] == [
+        ("one", "ad", 15),  # heaviest first: prompt tokens 225, 210, 175, 170
+        ("one", "base", 15),
+        ("two", "ad", 5),
+        ("two", "base", 5),
+    ]
+
+
+def test_usage_queries_on_sqlite(database_url):
+    check_usage_queries(database_url)
