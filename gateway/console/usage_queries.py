@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import String, and_, func, select
+from sqlalchemy import String, and_, case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.gateway.db.models import Tenant, UsageHourly, UsageHourlyLatency
@@ -47,27 +47,20 @@ class UsageBucket:
         model: The model or adapter name (None when models are added up).
         counts: ``requests``, ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
             ``images``, ``errors`` (status ``error``) and ``aborted``, integers.
-        latency_bins: Requests by histogram bin of ``latency_ms`` (see the module docstring).
+        percentile_bins: For each of :data:`PERCENTILES`, the histogram bin it falls in (the
+            first bin whose cumulative count reaches ``q`` % of the bucket's requests).
     """
 
     start: datetime
     tenant_id: str | None = None
     model: str | None = None
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys((*COUNTS, "aborted"), 0))
-    latency_bins: dict[int, int] = field(default_factory=dict)
+    percentile_bins: dict[int, int] = field(default_factory=dict)
 
     def percentile(self, q: float) -> float | None:
         """The ``q``-th percentile of latency in ms (bin middle, ~6.5 %); None without latencies."""
-        total = sum(self.latency_bins.values())
-        if not total:
-            return None
-        rank = q / 100 * total
-        seen = 0
-        for b in sorted(self.latency_bins):
-            seen += self.latency_bins[b]
-            if seen >= rank:
-                return math.exp((b + 0.5) / BINS_PER_E) - 1
-        return None  # unreachable: seen ends at total >= rank
+        b = self.percentile_bins.get(q)
+        return None if b is None else math.exp((b + 0.5) / BINS_PER_E) - 1
 
     def row(self) -> dict[str, Any]:
         """A flat dict: start (ISO), tenant, model, the counts and ``latency_p50_ms``..."""
@@ -169,18 +162,45 @@ async def usage_buckets(
                 for name, value in zip(_ROLLUP_COUNTS, row[len(keys) :], strict=True):
                     keyed.counts[name] += int(value or 0)
         else:
-            query = (
-                select(*keys, table.bin, func.sum(table.requests))
-                .where(and_(*where))
-                .group_by(*keys, table.bin)
-            )
-            for row in (await session.execute(query)).all():
+            for row in (await session.execute(_percentile_query(keys, where))).all():
                 keyed = item(row[0], *(row[1:3] if split else (None, None)))
-                keyed.latency_bins[row[-2]] = keyed.latency_bins.get(row[-2], 0) + int(row[-1])
+                for q, b in zip(PERCENTILES, row[len(keys) :], strict=True):
+                    if b is not None:
+                        keyed.percentile_bins[q] = int(b)
     return [out[k] for k in sorted(out, key=lambda k: (k[0], k[1] or "", k[2] or ""))]
 
 
 _ROLLUP_COUNTS = (*COUNTS, "aborted")
+
+
+def _percentile_query(keys: list, where: list) -> Any:
+    """Each bucket's p50/p95/p99 bins, computed in SQL: one row per bucket, not per bin.
+
+    The bins' counts are summed per bucket, then a running sum over the bins in order
+    (a window function, SQLite 3.25+ and PostgreSQL) and the bucket's total pick, for each
+    percentile, the first bin whose running sum reaches it.
+    """
+    t = UsageHourlyLatency
+    names = [k.name for k in keys]
+    per_bin = (
+        select(*keys, t.bin.label("bin"), func.sum(t.requests).label("n"))
+        .where(and_(*where))
+        .group_by(*keys, t.bin)
+        .subquery()
+    )
+    part = [per_bin.c[n] for n in names]
+    running = select(
+        *part,
+        per_bin.c.bin,
+        func.sum(per_bin.c.n).over(partition_by=part, order_by=per_bin.c.bin).label("cum"),
+        func.sum(per_bin.c.n).over(partition_by=part).label("total"),
+    ).subquery()
+    cols = [running.c[n] for n in names]
+    picks = [
+        func.min(case((running.c.cum * 100 >= running.c.total * q, running.c.bin)))
+        for q in PERCENTILES
+    ]
+    return select(*cols, *picks).group_by(*cols)
 
 
 def fill(buckets: list[UsageBucket], since: datetime, until: datetime, bucket: str) -> list:
