@@ -32,6 +32,7 @@ from loraplex.gateway.usage.writer import UsageWriter
 
 DEFAULT_SPAN = {"hour": timedelta(days=2), "day": timedelta(days=30)}
 MAX_MODEL_CHARS = 256  # usage_events.model's length
+MAX_CSV_ROWS = 100_000  # lines of one CSV export (time x tenant x model), memory bound
 
 
 def _range(bucket: str, since: str | None, until: str | None) -> tuple[datetime, datetime]:
@@ -58,7 +59,7 @@ def _range(bucket: str, since: str | None, until: str | None) -> tuple[datetime,
 
 
 async def _query(
-    console: Injected[ConsoleSession],
+    console: ConsoleSession,
     sessions: async_sessionmaker,
     usage: UsageWriter,
     tenant: str | None,
@@ -72,18 +73,25 @@ async def _query(
     tenant_id = scope_tenant(console, tenant)
     if model is not None and len(model) > MAX_MODEL_CHARS:
         raise ConsoleError(400, f"'model' is over {MAX_MODEL_CHARS} characters")
+    for name, value in (("tenant", tenant), ("model", model)):
+        if value is not None and "\x00" in value:  # PostgreSQL refuses NUL in text
+            raise ConsoleError(400, f"'{name}' holds a NUL character")
     start, end = _range(bucket, since, until)
     await usage.flush(timeout=2.0)  # what the writer holds is shown too (best effort)
     async with sessions() as db:
-        buckets = await usage_buckets(
-            db,
-            tenant_id=tenant_id,
-            since=start,
-            until=end,
-            bucket=bucket,
-            model=model or None,
-            split=split,
-        )
+        try:
+            buckets = await usage_buckets(
+                db,
+                tenant_id=tenant_id,
+                since=start,
+                until=end,
+                bucket=bucket,
+                model=model or None,
+                split=split,
+                max_rows=MAX_CSV_ROWS if split else None,
+            )
+        except ValueError as exc:
+            raise ConsoleError(400, f"'since'/'until': {exc}") from None
         breakdown = (
             [] if split else await usage_breakdown(db, tenant_id=tenant_id, since=start, until=end)
         )

@@ -111,6 +111,7 @@ async def usage_buckets(
     bucket: str = "hour",
     model: str | None = None,
     split: bool = False,
+    max_rows: int | None = None,
 ) -> list[UsageBucket]:
     """Usage in ``[since, until)`` (whole hours) per ``bucket``, sorted by time, tenant, model.
 
@@ -122,12 +123,13 @@ async def usage_buckets(
         bucket: ``"hour"`` or ``"day"``.
         model: Only this model or adapter name (None: all).
         split: One bucket per (time, tenant, model) instead of all added up per time.
+        max_rows: Refuse (``ValueError``) a result of more buckets than this.
 
     Returns:
         The buckets that have rows (empty ones are left out; :func:`fill` adds them).
 
     Raises:
-        ValueError: see :func:`check_range`.
+        ValueError: see :func:`check_range`; more than ``max_rows`` buckets.
     """
     since, until = as_utc(since), as_utc(until)
     check_range(bucket, since, until)
@@ -157,7 +159,12 @@ async def usage_buckets(
         if table is UsageHourly:
             sums = [func.sum(getattr(table, c)) for c in _ROLLUP_COUNTS]
             query = select(*keys, *sums).where(and_(*where)).group_by(*keys)
-            for row in (await session.execute(query)).all():
+            if max_rows is not None:
+                query = query.limit(max_rows + 1)
+            rows = (await session.execute(query)).all()
+            if max_rows is not None and len(rows) > max_rows:
+                raise ValueError(f"over {max_rows} rows; narrow the range, tenant or model")
+            for row in rows:
                 keyed = item(row[0], *(row[1:3] if split else (None, None)))
                 for name, value in zip(_ROLLUP_COUNTS, row[len(keys) :], strict=True):
                     keyed.counts[name] += int(value or 0)

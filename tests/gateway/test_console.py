@@ -299,12 +299,24 @@ def test_usage_figures_and_csv(gw):
         ({"since": "2026-01-01", "until": "2026-06-01"}, "since"),  # > 62 days per hour
         ({"since": "2026-06-01", "until": "2026-01-01"}, "since"),
         ({"model": "m" * 300}, "model"),
+        ({"model": "a\x00b"}, "model"),
+        ({"tenant": "t\x00"}, "tenant"),
     ],
 )
 def test_bad_usage_queries_are_400_naming_the_field(gw, params, field):
     admin = Browser(gw.c, ADMIN_KEY)
     r = admin.get("/console/usage", params=params)
     assert r.status_code == 400 and f"'{field}" in html.unescape(r.text)
+
+
+def test_the_csv_export_is_bounded(gw, monkeypatch):
+    monkeypatch.setattr("loraplex.gateway.console.usage_page.MAX_CSV_ROWS", 47)
+    admin = Browser(gw.c, ADMIN_KEY)
+    r = admin.get("/console/usage.csv", params={**RANGE, "tenant": gw.alpha["id"]})
+    assert r.status_code == 400 and "over 47 rows" in r.text  # alpha has 48 (hour, model)s
+    monkeypatch.setattr("loraplex.gateway.console.usage_page.MAX_CSV_ROWS", 48)
+    r = admin.get("/console/usage.csv", params={**RANGE, "tenant": gw.alpha["id"]})
+    assert r.status_code == 200 and len(r.text.splitlines()) == 49
 
 
 def test_admin_creates_a_tenant_and_a_revoked_key_ends_its_sessions(gw):
