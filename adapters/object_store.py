@@ -204,6 +204,13 @@ class ObjectAdapterStore(DigestStore):
         self.fs.invalidate_cache(directory)
         return bool(self.fs.exists(f"{directory}/{CONFIG_NAME}"))
 
+    def size(self, digest: str) -> int | None:
+        """Bytes of a stored adapter's files, asked of the store; None if it is not stored."""
+        directory = self._path(digest)
+        if directory is None or not self.has(digest):
+            return None
+        return int(self.fs.du(directory, total=True))
+
     def digests(self) -> list[str]:
         """Every stored digest (its config is there), sorted; one listing of the store."""
         self.fs.invalidate_cache(self.root)

@@ -248,6 +248,16 @@ class AdapterStore(DigestStore):
         directory = self._path(digest)
         return directory is not None and directory.is_dir()
 
+    def size(self, digest: str) -> int | None:
+        """Bytes of a stored adapter's files (config and weights); None if it is not stored."""
+        directory = self._path(digest)
+        if directory is None:
+            return None
+        try:
+            return sum(f.stat().st_size for f in directory.iterdir())
+        except FileNotFoundError:
+            return None
+
     def stash(self, digest: str) -> Path | None:
         """Rename an adapter out of sight (readers no longer find it); None if there was none.
 

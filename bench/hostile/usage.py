@@ -254,7 +254,8 @@ def _wipe(url: str) -> None:
             async with engine.begin() as conn:
                 await conn.execute(
                     text(
-                        "DROP TABLE IF EXISTS usage_events, adapters, api_keys, tenants, "
+                        "DROP TABLE IF EXISTS usage_hourly, usage_hourly_latency, usage_events, "
+                        "adapters, api_keys, tenants, "
                         "alembic_version CASCADE"
                     )
                 )

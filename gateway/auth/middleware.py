@@ -132,35 +132,47 @@ class KeyAuthMiddleware(AbstractAuthenticationMiddleware):
     ) -> AuthenticationResult:
         token = bearer_token(connection)
         admin_route = connection.route_handler.opt.get(KEY_AREA) == "admin"
-        if verify_admin_key(token, auth.admin_key):
+        principal = await resolve_key(auth, token)
+        if principal is None:
+            raise APIError(401, "invalid API key (unknown or revoked)")
+        if isinstance(principal, AdminPrincipal):
             if not admin_route:
                 raise APIError(
                     403,
                     "the admin key serves /admin/* and /metrics only; use a tenant key",
                     code="tenant_only",
                 )
-            return AuthenticationResult(user=AdminPrincipal(), auth=None)
-        key_hash = hash_key(token, auth.secret)
-
-        async def load() -> TenantPrincipal | None:
-            async with auth.sessions() as session:
-                found = await authenticate(session, token, auth.secret)
-            if found is None:
-                return None
-            return TenantPrincipal(
-                tenant_id=found.tenant.id,
-                tenant_name=found.tenant.name,
-                key_id=found.key.id,
-                limits=limits_of(found.tenant),
-            )
-
-        principal = await auth.key_cache.resolve(key_hash, load)
-        if principal is None:
-            raise APIError(401, "invalid API key (unknown or revoked)")
+            return AuthenticationResult(user=principal, auth=None)
         if admin_route:
             raise APIError(403, "this route needs the admin key", code="admin_only")
         claim_connection(connection, auth.metrics, principal)
         return AuthenticationResult(user=principal, auth=None)
+
+
+async def resolve_key(auth: KeyAuth, token: str) -> AdminPrincipal | TenantPrincipal | None:
+    """Who ``token`` is: the admin key, a live tenant key (through the key cache), or None.
+
+    The admin key is compared in constant time; a tenant key is looked up by its HMAC
+    (``services.keys.authenticate``) and cached for ``auth_cache_seconds``. The API's auth
+    middleware and the console's login (``gateway.console.access``) both call this.
+    """
+    if verify_admin_key(token, auth.admin_key):
+        return AdminPrincipal()
+    key_hash = hash_key(token, auth.secret)
+
+    async def load() -> TenantPrincipal | None:
+        async with auth.sessions() as session:
+            found = await authenticate(session, token, auth.secret)
+        if found is None:
+            return None
+        return TenantPrincipal(
+            tenant_id=found.tenant.id,
+            tenant_name=found.tenant.name,
+            key_id=found.key.id,
+            limits=limits_of(found.tenant),
+        )
+
+    return await auth.key_cache.resolve(key_hash, load)
 
 
 def claim_connection(

@@ -23,6 +23,7 @@ from litestar.middleware import DefineMiddleware
 
 from loraplex.gateway.auth.middleware import KeyAuthMiddleware
 from loraplex.gateway.auth.redact import RedactingFilter
+from loraplex.gateway.console import console_router, template_config
 from loraplex.gateway.domains import (
     adapters,
     admin,
@@ -80,6 +81,7 @@ def create_app(state: GatewayState) -> Litestar:
             batches.BatchesController,
             *usage.ROUTES,
             *admin.ROUTES,
+            console_router(state),  # /console (docs/console.md)
         ],
         dependencies=dependencies(state),
         middleware=[
@@ -94,6 +96,7 @@ def create_app(state: GatewayState) -> Litestar:
         request_max_body_size=state.config.chat_max_body_bytes,
         openapi_config=openapi_config,
         on_app_init=[_quiet_keys],
+        template_config=template_config(),
     )
 
 

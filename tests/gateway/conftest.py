@@ -14,7 +14,8 @@ from loraplex.gateway.db.session import make_engine, session_factory
 
 SECRET = b"s" * 32
 PG_TABLES = (
-    "batches, files, stored_responses, usage_events, adapters, api_keys, tenants, alembic_version"
+    "usage_hourly, usage_hourly_latency, batches, files, stored_responses, usage_events, adapters, "
+    "api_keys, tenants, alembic_version"
 )
 
 

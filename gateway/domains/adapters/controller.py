@@ -26,6 +26,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from loraplex.adapters.errors import AdapterError
+from loraplex.gateway.db.models import Adapter
 from loraplex.gateway.di import Injected
 from loraplex.gateway.domains.adapters.form import read_form
 from loraplex.gateway.domains.adapters.limits import UploadLimits
@@ -84,38 +85,7 @@ class AdapterController(Controller):
             APIError: 400 bad name, form, archive or adapter (the validator's message); 409
                 name taken; 413 body over the upload limit.
         """
-        principal = request.user
-        limits, spool = upload_limits(adapters.engine, config), spool_dir(config)
-        form = await read_form(request, limits, spool)
-        try:
-            name = check_name(form.name)
-            if name == adapters.engine.model_name:
-                raise APIError(
-                    409, f"{name!r} is the served base model's name", param="name", code="conflict"
-                )
-            if not replace:
-                await ensure_name_free(adapters, principal.tenant_id, name)
-            part = check_shape(form)
-            async with adapters.registry.uploads:  # waiting holds only the spool files
-                config_bytes, weights_bytes = await asyncio.to_thread(
-                    adapter_bytes, form, part, limits, spool
-                )
-                form.close()
-                try:
-                    row = await register(
-                        adapters,
-                        principal.tenant_id,
-                        name,
-                        config_bytes,
-                        weights_bytes,
-                        replace=replace,
-                    )
-                except AdapterError as exc:
-                    raise APIError(400, str(exc), param=part, code="invalid_adapter") from None
-                finally:
-                    del config_bytes, weights_bytes
-        finally:
-            form.close()
+        row = await upload_adapter(request, adapters, config, request.user.tenant_id, replace)
         return Response(adapter_view(row), status_code=HTTP_201_CREATED)
 
     @get("/")
@@ -143,6 +113,49 @@ class AdapterController(Controller):
         """Soft-delete: the name is free again and chat with it is a 404 from now on."""
         row = await unregister(adapters, request.user.tenant_id, name)
         return {"name": row.name, "digest": row.digest, "deleted": True}
+
+
+async def upload_adapter(
+    request: Request, adapters: Adapters, config: GatewayConfig, tenant_id: str, replace: bool
+) -> Adapter:
+    """Read ``request``'s upload form and register the adapter for ``tenant_id``.
+
+    The ``POST /v1/adapters`` route's work (see :class:`AdapterController`), shared with the
+    console's upload (``gateway.console.adapters``).
+
+    Returns:
+        The new adapter's row.
+
+    Raises:
+        APIError: 400 bad name, form, archive or adapter (the validator's message); 409 name
+            taken; 413 body over the upload limit.
+    """
+    limits, spool = upload_limits(adapters.engine, config), spool_dir(config)
+    form = await read_form(request, limits, spool)
+    try:
+        name = check_name(form.name)
+        if name == adapters.engine.model_name:
+            raise APIError(
+                409, f"{name!r} is the served base model's name", param="name", code="conflict"
+            )
+        if not replace:
+            await ensure_name_free(adapters, tenant_id, name)
+        part = check_shape(form)
+        async with adapters.registry.uploads:  # waiting holds only the spool files
+            config_bytes, weights_bytes = await asyncio.to_thread(
+                adapter_bytes, form, part, limits, spool
+            )
+            form.close()
+            try:
+                return await register(
+                    adapters, tenant_id, name, config_bytes, weights_bytes, replace=replace
+                )
+            except AdapterError as exc:
+                raise APIError(400, str(exc), param=part, code="invalid_adapter") from None
+            finally:
+                del config_bytes, weights_bytes
+    finally:
+        form.close()
 
 
 def adapter_controller(engine: EngineClient, config: GatewayConfig) -> type[AdapterController]:
