@@ -83,22 +83,6 @@ TEXT_PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
     },
-    # The shape of SmolLM2-135M (HuggingFaceTB/SmolLM2-135M's config.json): SmolLM-135M's
-    # layers with 8192 positions and rope theta 100000; random weights, for long-context
-    # benchmarks (bench.kv_tiers' 4k-token conversations).
-    "smollm2-135m": {
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 30,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "head_dim": 64,
-        "vocab_size": 49152,
-        "tie_word_embeddings": True,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
-    },
     # A Llama-3.2-1B-like shape with a 32k vocabulary (1.05B parameters), random weights, for
     # GPU benchmarks (use with text_only=True): 16 layers, hidden 2048, MLP 8192, GQA 32/8,
     # head_dim 64, tied embeddings (as Llama 3.2 1B; the random-weight model then repeats
@@ -115,6 +99,14 @@ TEXT_PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
     },
+}
+# SmolLM2-135M (HuggingFaceTB/SmolLM2-135M's config.json): SmolLM-135M's layers with 8192
+# positions and rope theta 100000; random weights, for long-context benchmarks (bench.kv_tiers'
+# 4k-token conversations).
+TEXT_PRESETS["smollm2-135m"] = {
+    **TEXT_PRESETS["smollm-135m"],
+    "max_position_embeddings": 8192,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
 }
 PRESET_TOKENIZER_VOCAB = {
     "smollm-135m": DEFAULT_VOCAB_SIZE,
