@@ -372,6 +372,19 @@ def test_sessions_expire_and_are_bounded():
     assert store.get(None) is None and store.get("") is None
 
 
+def test_one_tenant_logging_in_again_and_again_ends_only_its_own_sessions():
+    store = ConsoleSessions(max_sessions=100)
+    admin = store.start(admin=True)
+    other = store.start(admin=False, tenant_id="beta", key_id="kb")
+    flood = [store.start(admin=False, tenant_id="alpha", key_id="ka") for _ in range(300)]
+    assert store.get(admin.id) is admin and store.get(other.id) is other
+    live = [s for s in flood if store.get(s.id) is not None]
+    assert 0 < len(live) <= store.max_sessions_per_tenant and live[-1] is flood[-1]
+    assert store.end_key("ka") == len(live) and len(store) == 2
+    store.end(admin.id)
+    assert store.get(admin.id) is None and len(store) == 1
+
+
 def tiny_adapter(rank=4):
     """A PEFT LoRA adapter for InstantEngine's targets: (adapter_config.json, safetensors)."""
     import numpy as np
