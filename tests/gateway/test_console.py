@@ -301,6 +301,8 @@ def test_usage_figures_and_csv(gw):
         ({"model": "m" * 300}, "model"),
         ({"model": "a\x00b"}, "model"),
         ({"tenant": "t\x00"}, "tenant"),
+        ({"until": "0001-01-02"}, "until"),  # the default span would start before year 1
+        ({"since": "2026-01-01", "until": "9999-12-31T23:30"}, "until"),  # rounds past 9999
     ],
 )
 def test_bad_usage_queries_are_400_naming_the_field(gw, params, field):
