@@ -17,6 +17,7 @@ import pytest
 from litestar.testing import TestClient
 
 from bench.fake_engine import InstantEngine
+from loraplex.gateway.auth.keys import display_prefix
 from loraplex.gateway.console.sessions import ConsoleSessions
 from loraplex.gateway.db.session import db_url
 from loraplex.gateway.server.build import build_gateway
@@ -335,6 +336,23 @@ def test_admin_creates_a_tenant_and_a_revoked_key_ends_its_sessions(gw):
     assert gw.c.get("/v1/models", headers=bearer(key)).status_code == 401  # cache dropped too
     assert gamma.get("/console/keys", follow_redirects=False).status_code == 303
     assert admin.post("/console/tenants", data={"name": ""}).status_code == 400
+
+
+def test_a_tenant_mints_a_bounded_number_of_live_keys(gw, monkeypatch):
+    monkeypatch.setattr("loraplex.gateway.console.keys_page.MAX_TENANT_KEYS", 3, raising=False)
+    admin = Browser(gw.c, ADMIN_KEY)
+    r = admin.post("/console/tenants", data={"name": "delta"})
+    delta = Browser(gw.c, re.search(r'id="new-key">(lpx-[^<]+)<', r.text).group(1))
+    made = [delta.post("/console/keys") for _ in range(3)]
+    assert [m.status_code for m in made] == [200, 200, 409]  # its login key is the first
+    assert "at most 3 live keys" in html.unescape(made[-1].text)
+    minted = re.search(r'id="new-key">(lpx-[^<]+)<', made[0].text).group(1)
+    row = r'data-key-id="([0-9a-f]{32})"><td><code>[0-9a-f]{32}</code></td><td><code>'
+    key_id = re.search(row + re.escape(display_prefix(minted)), made[0].text).group(1)
+    assert delta.post(f"/console/keys/{key_id}/revoke").status_code == 200
+    assert delta.post("/console/keys").status_code == 200  # a revoked key frees its place
+    tenant_id = re.search(r"tenant=([0-9a-f]{32})", made[0].text).group(1)
+    assert admin.post(f"/console/keys?tenant={tenant_id}").status_code == 200  # admin: no bound
 
 
 def test_the_engine_page_shows_aggregates_only(gw):
