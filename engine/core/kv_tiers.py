@@ -259,10 +259,13 @@ class KVTierConnector:
         pinned = sum(len(x.fresh) for x in self._loads.values())
         if pinned + len(wanted) > self.max_load_blocks:
             return False
+        # The pool hit first: taking fresh blocks evicts free cached ones, the hit's included.
+        prefix = self.kv.pin_cached(hashes[:now])
         fresh = self.kv.pin_new(len(wanted))
         if fresh is None:
+            self.kv.unpin(prefix[::-1])
             return False
-        load.prefix = self.kv.pin_cached(hashes[:now])
+        load.prefix = prefix
         load.first_block, load.hashes, load.fresh = now, wanted, fresh
         return True
 
@@ -282,7 +285,12 @@ class KVTierConnector:
             else:
                 n = min(left, LOAD_CHUNK, int(self._credit_s / self._block_seconds))
                 if n < min(left, LOAD_MIN_CHUNK):
-                    return False  # save up for a whole chunk
+                    if self._credit_s < LOAD_CREDIT_CAP_S:
+                        return False  # save up for a whole chunk
+                    # The credit is full and still pays for less than a whole chunk (blocks
+                    # measured slow): read what it pays for, at least one block, or the load
+                    # would wait until the engine is idle and hold its pins meanwhile.
+                    n = max(1, n)
             t0 = time.perf_counter()
             end = load.done + n
             payloads = self.store.read_prefix(load.hashes[load.done : end])

@@ -3,7 +3,9 @@
 The changes go through the admin API's own operations (``gateway.services.tenants``,
 ``gateway.services.keys``) and, like ``DELETE /admin/keys/{id}``, a revoked key leaves the auth
 cache at once; its console sessions end too. A tenant session manages its own tenant's keys
-only: another tenant's key id is a 404, the same as an unknown one.
+only: another tenant's key id is a 404, the same as an unknown one, and holds at most
+``MAX_TENANT_KEYS`` live keys (each key holds its own share of the server's connections,
+``--max-connections-per-key``, so keys a tenant mints itself must be bounded).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.params import FromPath, FromQuery
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from loraplex.gateway.auth.key_cache import KeyCache
@@ -19,12 +22,14 @@ from loraplex.gateway.console.access import ConsoleError, scope_tenant
 from loraplex.gateway.console.login import CONSOLE
 from loraplex.gateway.console.sessions import ConsoleSession, ConsoleSessions
 from loraplex.gateway.console.views import page
+from loraplex.gateway.db.models import ApiKey
 from loraplex.gateway.di import Injected
 from loraplex.gateway.services.errors import NotFoundError
 from loraplex.gateway.services.keys import create_key, get_key, list_keys, revoke_key
 from loraplex.gateway.services.tenants import create_tenant_with_key, get_tenant, list_tenants
 
 MAX_FIELD = 256
+MAX_TENANT_KEYS = 16  # live keys a tenant session may hold (the admin's creations: no bound)
 
 
 async def _section(
@@ -81,11 +86,26 @@ async def new_key(
     secret: Injected[bytes],
     tenant: FromQuery[str | None] = None,
 ) -> Response:
-    """A new key for the tenant (``?tenant=`` for the admin; a tenant: its own), shown once."""
+    """A new key for the tenant (``?tenant=`` for the admin; a tenant: its own), shown once.
+
+    Raises:
+        ConsoleError: 400 without a tenant; 409 for a tenant session whose tenant already
+            holds ``MAX_TENANT_KEYS`` live keys.
+    """
     tenant_id = scope_tenant(console, tenant)
     if tenant_id is None:
         raise ConsoleError(400, "'tenant': choose a tenant first")
     async with sessions() as db, db.begin():
+        if not console.admin:
+            live = await db.scalar(
+                select(func.count())
+                .select_from(ApiKey)
+                .where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
+            )
+            if live >= MAX_TENANT_KEYS:
+                raise ConsoleError(
+                    409, f"a tenant holds at most {MAX_TENANT_KEYS} live keys; revoke one first"
+                )
         issued = await create_key(db, tenant_id, secret)
     section = await _section(console, sessions, tenant_id, new_key=issued.api_key)
     return page("_keys.html", console, **section)

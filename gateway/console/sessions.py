@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 IDLE_SECONDS = 30 * 60.0
 MAX_AGE_SECONDS = 12 * 3600.0
 MAX_SESSIONS = 10_000
+MAX_SESSIONS_PER_TENANT = 64  # per tenant (the admin counts as one): no login flood evicts others
 
 
 @dataclass
@@ -49,11 +50,16 @@ class ConsoleSession:
 class ConsoleSessions:
     """The live sessions, bounded: past ``max_sessions`` the least recently used one ends.
 
+    Past ``max_sessions_per_tenant`` sessions of one tenant (or of the admin key) that
+    tenant's oldest login ends first, so one tenant logging in again and again (any live key
+    can) ends only its own sessions, never the admin's or another tenant's.
+
     Args:
         idle_seconds: A session unused this long ends.
         max_age_seconds: A session this old ends, used or not.
         max_sessions: At most this many live sessions (memory bound against login floods).
         clock: Monotonic seconds (tests pass a fake one).
+        max_sessions_per_tenant: At most this many live sessions per tenant (the admin: one).
     """
 
     def __init__(
@@ -62,12 +68,30 @@ class ConsoleSessions:
         max_age_seconds: float = MAX_AGE_SECONDS,
         max_sessions: int = MAX_SESSIONS,
         clock: Callable[[], float] = time.monotonic,
+        max_sessions_per_tenant: int = MAX_SESSIONS_PER_TENANT,
     ) -> None:
         self.idle_seconds = idle_seconds
         self.max_age_seconds = max_age_seconds
         self.max_sessions = max_sessions
+        self.max_sessions_per_tenant = max_sessions_per_tenant
         self.clock = clock
         self._live: OrderedDict[str, ConsoleSession] = OrderedDict()
+        self._owned: dict[str | None, OrderedDict[str, None]] = {}  # tenant -> ids, oldest first
+
+    @staticmethod
+    def _owner(session: ConsoleSession) -> str | None:
+        return None if session.admin else session.tenant_id
+
+    def _remove(self, session_id: str) -> None:
+        session = self._live.pop(session_id, None)
+        if session is None:
+            return
+        owner = self._owner(session)
+        owned = self._owned.get(owner)
+        if owned is not None:
+            owned.pop(session_id, None)
+            if not owned:
+                del self._owned[owner]
 
     def __len__(self) -> int:
         return len(self._live)
@@ -93,8 +117,12 @@ class ConsoleSessions:
             seen=now,
         )
         self._live[session.id] = session
+        owned = self._owned.setdefault(self._owner(session), OrderedDict())
+        owned[session.id] = None
+        while len(owned) > self.max_sessions_per_tenant:
+            self._remove(next(iter(owned)))
         while len(self._live) > self.max_sessions:
-            self._live.popitem(last=False)
+            self._remove(next(iter(self._live)))
         return session
 
     def get(self, session_id: str | None) -> ConsoleSession | None:
@@ -106,7 +134,7 @@ class ConsoleSessions:
             return None
         now = self.clock()
         if now - session.seen > self.idle_seconds or now - session.created > self.max_age_seconds:
-            del self._live[session_id]
+            self._remove(session_id)
             return None
         session.seen = now
         self._live.move_to_end(session_id)
@@ -114,7 +142,7 @@ class ConsoleSessions:
 
     def end(self, session_id: str) -> None:
         """End one session (logout); nothing if it is not live."""
-        self._live.pop(session_id, None)
+        self._remove(session_id)
 
     def end_key(self, key_id: str) -> int:
         """End every session logged in with this tenant key (it was revoked).
@@ -124,5 +152,5 @@ class ConsoleSessions:
         """
         doomed = [s.id for s in self._live.values() if s.key_id == key_id]
         for session_id in doomed:
-            del self._live[session_id]
+            self._remove(session_id)
         return len(doomed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from litestar import Response, get
@@ -33,6 +33,10 @@ from loraplex.gateway.usage.writer import UsageWriter
 DEFAULT_SPAN = {"hour": timedelta(days=2), "day": timedelta(days=30)}
 MAX_MODEL_CHARS = 256  # usage_events.model's length
 MAX_CSV_ROWS = 100_000  # lines of one CSV export (time x tenant x model), memory bound
+# Instants a query may name: far enough from datetime's ends that the default span, the
+# rounding to whole hours and days and the buckets never overflow (an OverflowError, a 500).
+EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST = datetime(9000, 1, 1, tzinfo=UTC)
 
 
 def _range(bucket: str, since: str | None, until: str | None) -> tuple[datetime, datetime]:
@@ -47,6 +51,8 @@ def _range(bucket: str, since: str | None, until: str | None) -> tuple[datetime,
             bounds[name] = parse_time(value)
         except InvalidInputError as exc:
             raise ConsoleError(400, f"'{name}': {exc}") from None
+        if bounds[name] is not None and not EARLIEST <= bounds[name] < LATEST:
+            raise ConsoleError(400, f"'{name}': must lie in {EARLIEST.year}..{LATEST.year - 1}")
     if bucket not in DEFAULT_SPAN:
         raise ConsoleError(400, f"'bucket' must be 'hour' or 'day', not {bucket[:20]!r}")
     end = bounds["until"] or utcnow()

@@ -17,6 +17,7 @@ import pytest
 from litestar.testing import TestClient
 
 from bench.fake_engine import InstantEngine
+from loraplex.gateway.auth.keys import display_prefix
 from loraplex.gateway.console.sessions import ConsoleSessions
 from loraplex.gateway.db.session import db_url
 from loraplex.gateway.server.build import build_gateway
@@ -301,6 +302,8 @@ def test_usage_figures_and_csv(gw):
         ({"model": "m" * 300}, "model"),
         ({"model": "a\x00b"}, "model"),
         ({"tenant": "t\x00"}, "tenant"),
+        ({"until": "0001-01-02"}, "until"),  # the default span would start before year 1
+        ({"since": "2026-01-01", "until": "9999-12-31T23:30"}, "until"),  # rounds past 9999
     ],
 )
 def test_bad_usage_queries_are_400_naming_the_field(gw, params, field):
@@ -333,6 +336,23 @@ def test_admin_creates_a_tenant_and_a_revoked_key_ends_its_sessions(gw):
     assert gw.c.get("/v1/models", headers=bearer(key)).status_code == 401  # cache dropped too
     assert gamma.get("/console/keys", follow_redirects=False).status_code == 303
     assert admin.post("/console/tenants", data={"name": ""}).status_code == 400
+
+
+def test_a_tenant_mints_a_bounded_number_of_live_keys(gw, monkeypatch):
+    monkeypatch.setattr("loraplex.gateway.console.keys_page.MAX_TENANT_KEYS", 3, raising=False)
+    admin = Browser(gw.c, ADMIN_KEY)
+    r = admin.post("/console/tenants", data={"name": "delta"})
+    delta = Browser(gw.c, re.search(r'id="new-key">(lpx-[^<]+)<', r.text).group(1))
+    made = [delta.post("/console/keys") for _ in range(3)]
+    assert [m.status_code for m in made] == [200, 200, 409]  # its login key is the first
+    assert "at most 3 live keys" in html.unescape(made[-1].text)
+    minted = re.search(r'id="new-key">(lpx-[^<]+)<', made[0].text).group(1)
+    row = r'data-key-id="([0-9a-f]{32})"><td><code>[0-9a-f]{32}</code></td><td><code>'
+    key_id = re.search(row + re.escape(display_prefix(minted)), made[0].text).group(1)
+    assert delta.post(f"/console/keys/{key_id}/revoke").status_code == 200
+    assert delta.post("/console/keys").status_code == 200  # a revoked key frees its place
+    tenant_id = re.search(r"tenant=([0-9a-f]{32})", made[0].text).group(1)
+    assert admin.post(f"/console/keys?tenant={tenant_id}").status_code == 200  # admin: no bound
 
 
 def test_the_engine_page_shows_aggregates_only(gw):
@@ -370,6 +390,19 @@ def test_sessions_expire_and_are_bounded():
     assert len(store) == 2 and store.get(a.id) is None  # the least recently used went
     assert store.end_key("k") == 2 and len(store) == 0
     assert store.get(None) is None and store.get("") is None
+
+
+def test_one_tenant_logging_in_again_and_again_ends_only_its_own_sessions():
+    store = ConsoleSessions(max_sessions=100)
+    admin = store.start(admin=True)
+    other = store.start(admin=False, tenant_id="beta", key_id="kb")
+    flood = [store.start(admin=False, tenant_id="alpha", key_id="ka") for _ in range(300)]
+    assert store.get(admin.id) is admin and store.get(other.id) is other
+    live = [s for s in flood if store.get(s.id) is not None]
+    assert 0 < len(live) <= store.max_sessions_per_tenant and live[-1] is flood[-1]
+    assert store.end_key("ka") == len(live) and len(store) == 2
+    store.end(admin.id)
+    assert store.get(admin.id) is None and len(store) == 1
 
 
 def tiny_adapter(rank=4):

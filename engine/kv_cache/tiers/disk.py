@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import time
 import uuid
 from collections import OrderedDict
@@ -163,8 +165,17 @@ class DiskTier(KVTier):
         path = self.path(key)
         expected = codec.frame_nbytes(len(key), self.layout)
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+            try:  # never block on a FIFO, never follow a link planted in the directory
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise codec.CorruptBlock("a symbolic link, not a record") from None
+                raise
+            with open(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise codec.CorruptBlock("not a regular file")
+                size = st.st_size
                 if size != expected:
                     raise codec.CorruptBlock(f"file of {size} bytes, expected {expected}")
                 buf = torch.empty(expected, dtype=torch.uint8)  # not zero-filled, unlike bytearray

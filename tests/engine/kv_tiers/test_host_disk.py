@@ -4,6 +4,7 @@ records that are corrupt, truncated or of another layout never served."""
 import dataclasses
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -147,3 +148,27 @@ def test_the_wrong_payload_length_is_refused(tmp_path, layout):
     assert tier.put(keys(1)[0], block(layout, 0)) and tier.contains(keys(1)[0])
     small = DiskTier(tmp_path / "small", record_nbytes(layout) - 1, layout)
     assert not small.put(keys(1)[0], block(layout, 0)) and small.stats.rejected == 1
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink"])
+def test_a_fifo_or_link_in_place_of_a_record_is_dropped_without_blocking(tmp_path, layout, plant):
+    tier = DiskTier(tmp_path, 1 << 20, layout)
+    (k,) = keys(1)
+    assert tier.put(k, block(layout, 0))
+    path = tier.path(k)
+    os.unlink(path)
+    if plant == "fifo":
+        os.mkfifo(path)  # open(..., "rb") would wait for a writer forever: the engine thread
+    else:
+        other = tmp_path / "elsewhere.kv"
+        other.write_bytes(b"x" * codec.frame_nbytes(len(k), layout))
+        os.symlink(other, path)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(tier.get(k)), daemon=True)
+    reader.start()
+    reader.join(timeout=2)
+    if reader.is_alive():  # release the blocked reader before failing
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=2)
+        pytest.fail("get() blocked on a FIFO planted in the tier's directory")
+    assert got == [None] and not tier.contains(k) and not os.path.lexists(path)
