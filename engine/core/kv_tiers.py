@@ -203,9 +203,10 @@ class KVTierConnector:
         """Release finished offloads' pins; load tier blocks for about ``budget_s`` seconds.
 
         Loads run here, on the engine thread between steps, in chunks of blocks (read from
-        the tiers, verified, copied into pinned fresh blocks), oldest request first, within
-        the time credit the budgets add up to (:meth:`_copy_chunks`); a finished load
-        registers its blocks in the prefix cache and queues its request. On CPython a load on
+        the tiers, verified, copied into pinned fresh blocks), within the time credit the
+        budgets add up to (:meth:`_copy_chunks`), the loads taking turns chunk by chunk
+        (round robin); a finished load registers its blocks in the prefix cache and queues
+        its request. On CPython a load on
         a background thread would hold the interpreter lock in every block's read and
         checksum, and each of the step's hundreds of small torch calls would wait for it
         (measured: the other requests' decode rate fell to 0.45x during a disk load;
@@ -242,7 +243,10 @@ class KVTierConnector:
                 self._finish(rid, load, queue, fell_back=True)
                 continue
             if not self._copy_chunks(load, budget_s):
-                return  # out of credit: go on at a later step
+                # Out of credit: go on at a later step, the next load first (round robin,
+                # so one long load does not hold every other request's load behind it).
+                self._loads[rid] = self._loads.pop(rid)
+                return
             self._complete(rid, load, queue)
 
     def _begin(self, load: _Load) -> bool:

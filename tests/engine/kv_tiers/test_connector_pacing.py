@@ -4,6 +4,8 @@ A real ``KVCacheManager``, CPU pool tensors and a ``TieredStore`` with a host ti
 is a real ``Sequence``. No engine: ``poll`` is called as the engine calls it between steps.
 """
 
+import time
+
 import torch
 
 from loraplex.engine.core.kv_tiers import LOAD_CREDIT_CAP_S, LOAD_MIN_CHUNK, KVTierConnector
@@ -88,5 +90,38 @@ def test_a_load_never_evicts_its_own_pool_prefix():
         assert cached[:2] == [True, True], "the load evicted the pool prefix it continues"
         # Never a block cached behind a missing one (a load that no lookup can reach).
         assert cached == sorted(cached, reverse=True)
+    finally:
+        conn.close()
+
+
+def test_loads_take_turns_so_a_long_one_does_not_hold_a_short_one_back():
+    # Two requests' prefixes in the tier: a long one (24 blocks) first, a short one (2) after.
+    source = _caches(seed=3)
+    host = HostTier(1 << 22)
+    long_seq = _seq("long", list(range(24 * BS + 1)))
+    short_seq = _seq("short", list(range(5000, 5000 + 2 * BS + 1)))
+    for seq, blocks in ((long_seq, range(24)), (short_seq, range(24, 26))):
+        for h, payload in zip(seq.hasher.block_hashes, gather_blocks(source, blocks), strict=True):
+            assert host.put(h, payload)
+    store = TieredStore([host], max_pending_bytes=1 << 20)
+    kv = KVCacheManager(num_blocks=NUM_BLOCKS, block_size=BS)
+    conn = KVTierConnector(store, kv, _caches(seed=4))
+    try:
+        assert conn.start_load(long_seq) and conn.start_load(short_seq)
+        read = store.read_prefix
+
+        def slow_read(keys):  # a tier at 1 ms a block: a chunk of 8 costs 8 ms of credit
+            time.sleep(1e-3 * len(keys))
+            return read(keys)
+
+        store.read_prefix = slow_read
+        queued = []
+        for _ in range(400):  # other requests run: a 4 ms budget a poll
+            conn.poll(queued.append, budget_s=0.004)
+            if len(queued) == 2:
+                break
+        assert queued == [short_seq, long_seq]  # the short load did not wait for the long one
+        assert conn.stats.loaded_blocks == 26 and conn.stats.loads_fallen_back == 0
+        assert kv.num_pinned == 0
     finally:
         conn.close()
