@@ -169,6 +169,10 @@ class EngineConfig:
     kv_remote_bytes: int = 0
     """KV tiers: bound on the shared store's KV bytes for this model, all replicas together (give
     every replica the same), LRU-evicted past it, e.g. 64GiB; needed with ``kv_remote_url``."""
+    kv_load_step_share: float = 0.04
+    """KV tiers: while requests run, loading tier blocks back takes at most about this share of
+    each step's time (loads run between steps, on the engine thread; docs/kv_tiers.md). Higher:
+    a returning prefix loads sooner under traffic, the running requests decode slower."""
     vision_cache_entries: int = 256
     """Image encodings kept by image key (LRU), so a repeated image is encoded once."""
     max_images: int = DEFAULT_MAX_IMAGES
@@ -362,6 +366,10 @@ class EngineConfig:
                 (self.kv_remote_url is None) == (self.kv_remote_bytes == 0)
                 and self.kv_remote_bytes >= 0,
                 "kv_remote_url needs kv_remote_bytes (the shared tier's size), and only it",
+            ),
+            (
+                0.0 < self.kv_load_step_share <= 1.0,
+                f"kv_load_step_share must be in (0, 1], got {self.kv_load_step_share}",
             ),
             (
                 self.kv_remote_url is None

@@ -73,11 +73,9 @@ GRAMMAR_WAIT_S = 0.02
 """How long an idle step waits for a grammar being compiled before it returns."""
 
 
-KV_LOAD_STEP_SHARE = 0.06
-"""While requests run, KV tier loads between two steps take at most this share of a step."""
-
 KV_LOAD_MIN_BUDGET_S = 0.001
-"""...and at least this many seconds, so a load progresses whatever the step time."""
+"""While requests run, KV tier loads get at least this many seconds of credit a step (beside
+``kv_load_step_share`` of the step), so a load progresses whatever the step time."""
 
 
 RECENT_STEPS = 1024
@@ -535,7 +533,7 @@ class EngineCore:
     def _kv_load_budget(self) -> float | None:
         """Seconds of KV tier loading before this step: None (all) when nothing else runs.
 
-        Otherwise ``KV_LOAD_STEP_SHARE`` of the last step's time (at least 1 ms), so the
+        Otherwise ``kv_load_step_share`` of the last step's time (at least 1 ms), so the
         running requests' steps take at most about that much longer while a load goes on.
         """
         sched = self.scheduler
@@ -543,7 +541,7 @@ class EngineCore:
             return None
         recent = self.step_stats.recent
         last = recent[-1][0] if recent else 0.0
-        return max(KV_LOAD_MIN_BUDGET_S, KV_LOAD_STEP_SHARE * last)
+        return max(KV_LOAD_MIN_BUDGET_S, self.config.kv_load_step_share * last)
 
     def drain_kv_events(self) -> list[KVEvent]:
         """The KV events since the last call, oldest first (none unless ``enable_kv_events``)."""
