@@ -72,7 +72,13 @@ def session_cookie(request: Request, value: str, *, expire: bool = False) -> Coo
 
 
 def same_origin(request: Request) -> bool:
-    """Whether the request's ``Origin`` (if the browser sent one) is the console's own."""
+    """Whether the request comes from the console's own site.
+
+    False when the browser's ``Sec-Fetch-Site`` says ``cross-site`` (Fetch Metadata), or its
+    ``Origin`` (when sent) is another origin's.
+    """
+    if request.headers.get("sec-fetch-site", "").lower() == "cross-site":
+        return False  # the browser says so, whether or not it sent an Origin
     origin = request.headers.get("origin")
     if origin is None:
         return True

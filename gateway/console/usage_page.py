@@ -39,6 +39,17 @@ EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST = datetime(9000, 1, 1, tzinfo=UTC)
 
 
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+"""First characters a spreadsheet may read as a formula (OWASP's CSV injection list)."""
+
+
+def safe_cell(value: Any) -> Any:
+    """A client's string as a CSV cell no spreadsheet reads as a formula (a leading ``'``)."""
+    if isinstance(value, str) and value[:1] in FORMULA_STARTS:
+        return "'" + value
+    return value
+
+
 def _range(bucket: str, since: str | None, until: str | None) -> tuple[datetime, datetime]:
     """The query's ``[since, until)``; by default the last 2 days per hour, 30 per day.
 
@@ -192,8 +203,7 @@ async def usage_csv(
     writer.writeheader()
     for row in rows:
         # a model name is a client's string: never let a spreadsheet read it as a formula
-        if isinstance(row["model"], str) and row["model"][:1] in ("=", "+", "-", "@"):
-            row["model"] = "'" + row["model"]
+        row["model"] = safe_cell(row["model"])
         writer.writerow(row)
     return Response(
         out.getvalue(),

@@ -207,6 +207,21 @@ def test_login_refuses_empty_and_oversized_keys(gw):
         follow_redirects=False,
     )
     assert r.status_code == 403 and "set-cookie" not in r.headers
+    r = gw.c.post(  # no Origin, but the browser's Fetch Metadata says another site sent it
+        "/console/login",
+        data={"key": ADMIN_KEY},
+        headers={"Sec-Fetch-Site": "cross-site"},
+        follow_redirects=False,
+    )
+    assert r.status_code == 403 and "set-cookie" not in r.headers
+
+
+def test_a_csv_cell_never_starts_a_formula():
+    from loraplex.gateway.console.usage_page import safe_cell
+
+    for text in ("=1+1", "+1", "-1", "@SUM(A1)", "\t=1", "\r=1"):
+        assert safe_cell(text) == "'" + text
+    assert safe_cell("llama-3 ft") == "llama-3 ft" and safe_cell(None) is None
 
 
 def test_every_change_needs_the_csrf_token_and_the_own_origin(gw):
