@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import io
+import time
+import weakref
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -37,6 +39,23 @@ MAX_CSV_ROWS = 100_000  # lines of one CSV export (time x tenant x model), memor
 # rounding to whole hours and days and the buckets never overflow (an OverflowError, a 500).
 EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST = datetime(9000, 1, 1, tzinfo=UTC)
+
+
+FLUSH_INTERVAL_S = 5.0
+"""The usage page asks the usage writer to flush what it holds at most this often (per
+writer): a tenant reloading the page in a loop must not defeat the writer's batching for
+every other tenant (each flush is a database transaction)."""
+
+_last_flush: weakref.WeakKeyDictionary[UsageWriter, float] = weakref.WeakKeyDictionary()
+
+
+async def _flush_now_and_then(usage: UsageWriter) -> None:
+    """Flush the usage writer, unless this page did less than ``FLUSH_INTERVAL_S`` ago."""
+    now = time.monotonic()
+    if now - _last_flush.get(usage, float("-inf")) < FLUSH_INTERVAL_S:
+        return
+    _last_flush[usage] = now
+    await usage.flush(timeout=2.0)
 
 
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
@@ -94,7 +113,7 @@ async def _query(
         if value is not None and "\x00" in value:  # PostgreSQL refuses NUL in text
             raise ConsoleError(400, f"'{name}' holds a NUL character")
     start, end = _range(bucket, since, until)
-    await usage.flush(timeout=2.0)  # what the writer holds is shown too (best effort)
+    await _flush_now_and_then(usage)  # what the writer holds is shown too (best effort)
     async with sessions() as db:
         try:
             buckets = await usage_buckets(

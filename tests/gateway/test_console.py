@@ -618,3 +618,24 @@ def check_usage_queries(url):
 
 def test_usage_queries_on_sqlite(database_url):
     check_usage_queries(database_url)
+
+
+def test_reloading_the_usage_page_does_not_flush_the_usage_writer_each_time(gw, monkeypatch):
+    from loraplex.gateway.console import usage_page
+
+    flushes = []
+    real = gw.state.usage.flush
+
+    async def counted(timeout=None):
+        flushes.append(timeout)
+        await real(timeout=timeout)
+
+    monkeypatch.setattr(gw.state.usage, "flush", counted)
+    usage_page._last_flush.pop(gw.state.usage, None)
+    alpha = Browser(gw.c, gw.alpha["api_key"])
+    for _ in range(5):  # a tenant reloading in a loop
+        assert alpha.get("/console/usage", params=RANGE).status_code == 200
+    assert len(flushes) == 1
+    usage_page._last_flush[gw.state.usage] -= usage_page.FLUSH_INTERVAL_S  # time passes
+    assert alpha.get("/console/usage", params=RANGE).status_code == 200
+    assert len(flushes) == 2
