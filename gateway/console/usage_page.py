@@ -18,6 +18,7 @@ from loraplex.gateway.console.access import ConsoleError, scope_tenant
 from loraplex.gateway.console.login import CONSOLE
 from loraplex.gateway.console.sessions import ConsoleSession
 from loraplex.gateway.console.usage_queries import (
+    COUNTS,
     PERCENTILES,
     check_range,
     fill,
@@ -159,30 +160,10 @@ async def usage_page(
     series = fill(buckets, start, end, bucket)
     plot = {
         "t": [int(b.start.timestamp()) for b in series],
-        **{
-            name: [b.counts[name] for b in series]
-            for name in (
-                "requests",
-                "errors",
-                "prompt_tokens",
-                "completion_tokens",
-                "cached_tokens",
-                "images",
-            )
-        },
+        **{name: [b.counts[name] for b in series] for name in COUNTS},
         **{f"p{q}": [b.percentile(q) for b in series] for q in PERCENTILES},
     }
-    totals = {
-        name: sum(plot[name])
-        for name in (
-            "requests",
-            "errors",
-            "prompt_tokens",
-            "completion_tokens",
-            "cached_tokens",
-            "images",
-        )
-    }
+    totals = {name: sum(plot[name]) for name in COUNTS}
     return page(
         "usage.html",
         console,

@@ -238,10 +238,9 @@ async def usage_breakdown(
     where = [t.hour >= first, t.hour < last]
     if tenant_id is not None:
         where.insert(0, t.tenant_id == tenant_id)
-    names = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "images", "errors")
     tokens = func.sum(t.prompt_tokens + t.completion_tokens)
     query = (
-        select(t.tenant_id, t.model, *(func.sum(getattr(t, n)).label(n) for n in names))
+        select(t.tenant_id, t.model, *(func.sum(getattr(t, n)).label(n) for n in COUNTS))
         .where(and_(*where))
         .group_by(t.tenant_id, t.model)
         .order_by(tokens.desc(), t.tenant_id, t.model)
@@ -254,6 +253,6 @@ async def usage_breakdown(
         tenant_names.update({tid: name for tid, name in found})
     for r in rows:
         r["tenant"] = tenant_names[r["tenant_id"]]
-        for name in names:
+        for name in COUNTS:
             r[name] = int(r[name] or 0)
     return rows
