@@ -221,23 +221,33 @@ def test_list_pages_with_after_and_limit(client):
         wait(client, batch_id)
 
 
+def start_partly_answered(gw, lines):
+    """Create a tenant and a batch of ``lines``; return once 2 or more lines are answered.
+
+    Returns:
+        ``(api_key, batch, progress_path)``.
+    """
+    key = gw.create_tenant("t")["api_key"]
+    client = gw.openai(key)
+    batch = client.batches.create(
+        input_file_id=upload(client, lines).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    progress = gw.state.config.files_dir / f"{batch.id}.progress"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # stop once some, not all, lines are answered
+        if progress.exists() and 2 <= len(progress.read_bytes().splitlines()):
+            break
+        time.sleep(0.01)
+    return key, batch, progress
+
+
 def test_a_batch_survives_a_gateway_restart(engine_client, tmp_path):
     data = tmp_path / "data"
     lines = [chat_line(f"r{i}", f"line {i}", max_tokens=24, ignore_eos=True) for i in range(8)]
     with LiveGateway(engine_client, data, batch_concurrency=1) as gw:
-        key = gw.create_tenant("t")["api_key"]
-        client = gw.openai(key)
-        batch = client.batches.create(
-            input_file_id=upload(client, lines).id,
-            endpoint="/v1/chat/completions",
-            completion_window="24h",
-        )
-        progress = gw.state.config.files_dir / f"{batch.id}.progress"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # stop once some, not all, lines are answered
-            if progress.exists() and 2 <= len(progress.read_bytes().splitlines()):
-                break
-            time.sleep(0.01)
+        key, batch, progress = start_partly_answered(gw, lines)
         before = len(progress.read_bytes().splitlines())
     assert 2 <= before < 8
     with LiveGateway(engine_client, data, batch_concurrency=1) as gw:  # the same data dir
@@ -316,19 +326,7 @@ def test_a_crashed_gateways_batch_is_taken_over_when_its_lease_expires(engine_cl
     data = tmp_path / "data"
     lines = [chat_line(f"r{i}", f"line {i}", max_tokens=24, ignore_eos=True) for i in range(8)]
     with LiveGateway(engine_client, data, batch_concurrency=1) as gw:
-        key = gw.create_tenant("t")["api_key"]
-        client = gw.openai(key)
-        batch = client.batches.create(
-            input_file_id=upload(client, lines).id,
-            endpoint="/v1/chat/completions",
-            completion_window="24h",
-        )
-        progress = gw.state.config.files_dir / f"{batch.id}.progress"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # stop once some, not all, lines are answered
-            if progress.exists() and 2 <= len(progress.read_bytes().splitlines()):
-                break
-            time.sleep(0.01)
+        key, batch, progress = start_partly_answered(gw, lines)
     before = len(progress.read_bytes().splitlines())
     lease_end = time.monotonic() + 1.5
 
