@@ -5,14 +5,16 @@ A block's payload is the KV of every layer for its ``block_size`` positions, lai
 as a flat ``torch.uint8`` CPU tensor (``engine.kv_cache.tiers``). The pool keeps one
 ``(K, V)`` pair of ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer
 (``engine.runner.model_runner``): a gather is one ``index_select`` per layer and K/V, a
-scatter one ``index_copy_``. Both run on the KV tiers' background threads, on blocks pinned
-outside every request (``KVCacheManager.pin_cached`` / ``pin_new``), so no step reads or
-writes them meanwhile; on CUDA they run on their own stream and synchronise it before
-returning.
+scatter one ``index_copy_``. Gathers run on the connector's offload thread, scatters on the
+engine thread between steps (``engine.core.kv_tiers``), both on blocks pinned outside every
+request (``KVCacheManager.pin_cached`` / ``pin_new``), so no step reads or writes them
+meanwhile; on CUDA they run on a stream of their own and synchronise it before returning
+(not yet run on a GPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -24,15 +26,7 @@ def _stream(device: torch.device):
     """A side stream on CUDA (the copies overlap the step's kernels); a null context on CPU."""
     if device.type == "cuda":
         return torch.cuda.stream(torch.cuda.Stream(device))
-    return _Null()
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    return contextlib.nullcontext()
 
 
 def gather_blocks(kv_caches: KVCaches, block_ids: Sequence[int]) -> list[torch.Tensor]:
