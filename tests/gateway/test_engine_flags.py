@@ -273,3 +273,16 @@ def test_cpu_lists_must_match_the_replicas_and_bind_processes():
     for value in ("auto", "nobind"):
         args = parse(["serve", "--cpu-threads-bind", value, "--replicas", "3"])
         assert serve_engine_config(args, "m").cpu_threads_bind == value
+
+
+def test_kv_offloading_size_takes_vllms_bare_gib_or_a_size():
+    for words, expected in (
+        (["8"], 8 * 1024**3),
+        (["0.5"], 512 * 1024**2),
+        (["256MiB"], 256 << 20),
+    ):
+        args = build_parser().parse_args(["serve", "--kv-offloading-size", *words])
+        assert args.kv_offloading_bytes == expected
+    for bad in ("-1", "8GB"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--kv-offloading-size", bad])
